@@ -1,0 +1,226 @@
+"""CausalGym DataModule: counterfactual minimal pairs, tokenised, with per-region positions.
+
+Sizes follow the paper (§3.2 and App. B): train 200 pairs doubled to 400 by swapping base and
+source; dev and eval 50 pairs doubled to 100, with no sentence that also appears in train.
+Validation uses dev, test uses eval.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from lightning import LightningDataModule
+from torch.utils.data import DataLoader
+
+from datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
+from lit_interventions.lm import DEFAULT_LM, load_tokenizer
+
+CONTROL_TASKS = {"dog_give": [" dog", " give"]}  # Hewitt & Liang-style control: arbitrary labels
+
+
+@dataclass
+class Example:
+    base_ids: list[int]
+    source_ids: list[int]
+    base_positions: dict[str, int]  # region -> last token of the region
+    source_positions: dict[str, int]
+    base_label: int
+    source_label: int
+    base_text: str
+    source_text: str
+
+
+def _bos_prefix(tokenizer) -> str:
+    """Text to prepend so every sentence starts with BOS (pythia's tokenizer adds none itself)."""
+    bos = tokenizer.bos_token_id
+    if bos is None or tokenizer("a").input_ids[:1] == [bos]:
+        return ""
+    return tokenizer.bos_token
+
+
+def first_token(tokenizer, word: str) -> int:
+    """A label that splits into several tokens is scored by its first token."""
+    ids = tokenizer(word, add_special_tokens=False).input_ids
+    if not ids:
+        raise ValueError(f"Label word {word!r} tokenises to nothing")
+    return ids[0]
+
+
+def label_token_ids(task: TaskTemplate, tokenizer, control: str | None = None) -> dict[str, dict[str, int]]:
+    """type -> label word -> token id. Two types sharing a first token make the task ill-posed."""
+    words = task.label_words()
+    if control is not None:
+        if control not in CONTROL_TASKS:
+            raise ValueError(f"Unknown control task {control!r}; choose one of {sorted(CONTROL_TASKS)}")
+        if len(words) != 2:
+            raise ValueError(f"The {control} control needs exactly 2 label types; task {task.name!r} has {list(words)}")
+        words = {t: [w] for t, w in zip(words, CONTROL_TASKS[control])}
+    ids = {t: {w: first_token(tokenizer, w) for w in ws} for t, ws in words.items()}
+    owner: dict[int, tuple[str, str]] = {}
+    for label_type, mapping in ids.items():
+        for word, token in mapping.items():
+            if token in owner and owner[token][0] != label_type:
+                raise ValueError(
+                    f"Task {task.name!r}: label words {owner[token][1]!r} ({owner[token][0]}) and {word!r} "
+                    f"({label_type}) share their first token {tokenizer.convert_ids_to_tokens(token)!r}"
+                )
+            owner[token] = (label_type, word)
+    return ids
+
+
+def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, int]], control: str | None) -> list[Example]:
+    prefix = _bos_prefix(tokenizer)
+
+    def encode(sentence):
+        enc = tokenizer(prefix + sentence.text, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        positions = {}
+        for region, (start, end) in sentence.spans.items():
+            last_char = len(prefix) + end - 1
+            covering = [i for i, (a, b) in enumerate(offsets) if b > a and a <= last_char]
+            positions[region] = covering[-1]
+        return enc["input_ids"], positions
+
+    def label_id(label_type, word):
+        mapping = label_ids[label_type]
+        return next(iter(mapping.values())) if control is not None else mapping[word]
+
+    examples = []
+    for pair in pairs:
+        base_ids, base_positions = encode(pair.base)
+        source_ids, source_positions = encode(pair.source)
+        examples.append(
+            Example(
+                base_ids,
+                source_ids,
+                base_positions,
+                source_positions,
+                label_id(pair.base_type, pair.base.label),
+                label_id(pair.source_type, pair.source.label),
+                pair.base.text,
+                pair.source.text,
+            )
+        )
+    return examples
+
+
+def collate(examples: list[Example], region: str, pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
+    """Pad base and source separately; shift positions by the padding when it is on the left."""
+    batch: dict[str, torch.Tensor] = {}
+    for side in ("base", "source"):
+        seqs = [getattr(e, f"{side}_ids") for e in examples]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        shift = torch.zeros(len(seqs), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            offset = width - len(seq) if padding_side == "left" else 0
+            ids[i, offset : offset + len(seq)] = torch.tensor(seq)
+            mask[i, offset : offset + len(seq)] = 1
+            shift[i] = offset
+        positions = torch.tensor([getattr(e, f"{side}_positions")[region] for e in examples])
+        batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = ids, mask
+        batch[f"{side}_pos"] = positions + shift  # (batch,)
+        batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
+        batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])
+    return batch
+
+
+class CausalGymDataModule(LightningDataModule):
+    """Minimal pairs for one CausalGym task at one region.
+
+    Args:
+        task: task name in the template file.
+        templates: a template file in the published CausalGym schema (default: our own 29 tasks).
+        lm: the LM whose tokenizer is used (linked to `--model.lm` by train.py).
+        region: the region whose last token is the site (default: the label variable; linked to
+            `--model.region` by train.py).
+        control: `dog_give` to replace the labels by " dog" / " give" (the control task).
+        batch_size: training batch size (the paper: 4).
+        eval_batch_size: batch size for validation and test.
+        train_pairs, eval_pairs: pairs before swap-doubling (the paper: 200 and 50).
+        seed: seed for train and eval; dev_seed: seed for dev.
+        padding_side: `right` or `left`.
+    """
+
+    def __init__(
+        self,
+        task: str = "agr_sv_num_pp",
+        templates: str | None = None,
+        lm: str = DEFAULT_LM,
+        region: str | None = None,
+        control: str | None = None,
+        batch_size: int = 4,
+        eval_batch_size: int = 16,
+        train_pairs: int = 200,
+        eval_pairs: int = 50,
+        seed: int = 0,
+        dev_seed: int = 1,
+        padding_side: str = "right",
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.template = load_task(task, templates)  # validates the file and the task name
+        if region is None:
+            region = self.template.label_region
+        if region not in self.template.regions:
+            raise ValueError(f"Unknown region {region!r} for task {task!r}; regions: {', '.join(self.template.regions)}")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
+        if control is not None and control not in CONTROL_TASKS:
+            raise ValueError(f"Unknown control task {control!r}; choose one of {sorted(CONTROL_TASKS)}")
+        for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size),
+                            ("train_pairs", train_pairs), ("eval_pairs", eval_pairs)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        self.task, self.region, self.lm = task, region, lm
+        self.pairs = self.build_splits()  # cheap, and fails before any model is loaded
+        self.splits: dict[str, list[Example]] = {}
+
+    def build_splits(self) -> dict[str, list[Pair]]:
+        """train (seed), eval (seed, after train) and dev (dev_seed): no sentence of train in the others."""
+        hp = self.hparams
+        train = sample_pairs(self.template, hp.train_pairs, hp.seed)
+        seen = {p.base.text for p in train}
+        evaluation = sample_pairs(self.template, hp.eval_pairs, hp.seed + 7919, exclude=seen)
+        dev = sample_pairs(self.template, hp.eval_pairs, hp.dev_seed + 7919, exclude=seen)
+        return {"train": train, "eval": evaluation, "dev": dev}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        self.tokenizer = load_tokenizer(self.lm)
+        label_ids = label_token_ids(self.template, self.tokenizer, self.hparams.control)
+        for split, pairs in self.pairs.items():
+            examples = tokenize_pairs(pairs, self.tokenizer, label_ids, self.hparams.control)
+            kept = [e for e in examples if self.region in e.base_positions and self.region in e.source_positions]
+            if len(kept) < len(examples):
+                warnings.warn(
+                    f"{split}: skipped {len(examples) - len(kept)} of {len(examples)} pairs of {self.task!r} "
+                    f"where region {self.region!r} is empty",
+                    stacklevel=2,
+                )
+            if not kept:
+                raise ValueError(f"Region {self.region!r} of task {self.task!r} is empty in every {split} pair")
+            self.splits[split] = kept
+
+    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        pad_id = self.tokenizer.pad_token_id
+        return DataLoader(
+            self.splits[split],
+            batch_size=batch_size,
+            shuffle=shuffle,
+            collate_fn=partial(collate, region=self.region, pad_id=pad_id, padding_side=self.hparams.padding_side),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("dev", self.hparams.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("eval", self.hparams.eval_batch_size, shuffle=False)

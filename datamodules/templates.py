@@ -1,0 +1,238 @@
+"""CausalGym templates: read the published schema and sample span-aligned minimal pairs.
+
+Schema (CausalGym, Arora et al. 2024, §3.2), one entry per task:
+
+    {task: {"templates": ["{name} {completion} because"],
+            "label": "name",                       # or a list of names
+            "labels": {"he": ["he"], "she": ["she"]},
+            "variables": {"name": {"he": [...], "she": [...]}, "completion": ["walked", ...]},
+            "result_prepend_space": true}}
+
+A template is cut into *regions*: each `{variable}` (with the space before it) is a region named
+after the variable, and each stretch of literal text between variables is a region named by
+its text ("because"). Pairs are aligned at the last token of each region.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUILTIN_TEMPLATES = Path(__file__).parent / "data" / "causalgym.json"
+_PIECES = re.compile(r"( ?\{[^{}]+\})")  # a variable with its leading space, kept by re.split
+_VARIABLE = re.compile(r"^ ?\{([^{}]+)\}$")
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    variable: str | None  # None for literal text
+    text: str  # the literal text, or the template's "{var}" (with its leading space, if any)
+
+
+@dataclass
+class Sentence:
+    text: str
+    spans: dict[str, tuple[int, int]]  # region name -> [start, end) characters, whitespace excluded
+    label: str
+
+
+@dataclass
+class Pair:
+    base: Sentence
+    source: Sentence
+    base_type: str
+    source_type: str
+
+    def swapped(self) -> "Pair":
+        return Pair(self.source, self.base, self.source_type, self.base_type)
+
+
+def split_regions(template: str) -> list[Region]:
+    """Cut a template into regions, in order. Repeated literal names get a `#2`, `#3` suffix."""
+    regions, seen = [], {}
+    for piece in _PIECES.split(template):
+        if not piece:
+            continue
+        match = _VARIABLE.match(piece)
+        name = match.group(1) if match else (piece.strip() or piece)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            name = f"{name}#{seen[name]}"
+        regions.append(Region(name, match.group(1) if match else None, piece))
+    return regions
+
+
+@dataclass
+class TaskTemplate:
+    """One CausalGym task: its templates, label variable(s), label words per type and options."""
+
+    name: str
+    templates: list[str]
+    label_variables: list[str]
+    labels: dict[str, list[str]]
+    variables: dict[str, list[str] | dict[str, list[str]]]
+    result_prepend_space: bool = True
+    label_prepend_space: bool = False
+    regions: list[str] = field(init=False)
+
+    def __post_init__(self):
+        names: list[str] = []
+        for template in self.templates:
+            for region in split_regions(template):
+                if region.name not in names:
+                    names.append(region.name)
+        self.regions = names
+
+    @property
+    def types(self) -> list[str]:
+        return list(self.labels)
+
+    @property
+    def label_region(self) -> str:
+        return self.label_variables[0]
+
+    def label_words(self) -> dict[str, list[str]]:
+        """Label words per type, exactly as they are tokenised."""
+        prefix = " " if self.result_prepend_space else ""
+        return {t: [prefix + word for word in words] for t, words in self.labels.items()}
+
+    def sample_pair(self, rng: random.Random) -> Pair:
+        """§3.2: types t1 ≠ t2; label variables take options of t1 (base) / t2 (source); every
+        other variable takes one option shared by both sentences."""
+        base_type, source_type = rng.sample(self.types, 2)
+        template = rng.choice(self.templates)
+        base_parts, source_parts = [], []
+        for region in split_regions(template):
+            if region.variable is None:
+                base_parts.append((region.name, region.text))
+                source_parts.append((region.name, region.text))
+                continue
+            space = " " if region.text.startswith(" ") else ""
+            options = self.variables[region.variable]
+            if region.variable in self.label_variables:
+                lead = " " if self.label_prepend_space else ""
+                base_parts.append((region.name, space + lead + rng.choice(options[base_type])))
+                source_parts.append((region.name, space + lead + rng.choice(options[source_type])))
+            else:
+                choice = space + rng.choice(options)
+                base_parts.append((region.name, choice))
+                source_parts.append((region.name, choice))
+        words = self.label_words()
+        return Pair(
+            _sentence(base_parts, rng.choice(words[base_type])),
+            _sentence(source_parts, rng.choice(words[source_type])),
+            base_type,
+            source_type,
+        )
+
+
+def _sentence(parts: list[tuple[str, str]], label: str) -> Sentence:
+    text, spans = "", {}
+    for name, piece in parts:
+        start = len(text) + (len(piece) - len(piece.lstrip()))
+        text += piece
+        end = len(text.rstrip())
+        if end > start:  # an empty option ("") leaves the region without a position
+            spans[name] = (start, end)
+    return Sentence(text, spans, label)
+
+
+def _fail(path: Path | str, task: str, key: str, why: str) -> ValueError:
+    return ValueError(f"Malformed template file {path}: task {task!r}, key {key!r}: {why}")
+
+
+def parse_task(name: str, spec: dict, path: Path | str = "<dict>") -> TaskTemplate:
+    """Validate one task entry of the schema and build its TaskTemplate."""
+    if not isinstance(spec, dict):
+        raise _fail(path, name, name, "each task must be a JSON object")
+    for key in ("templates", "label", "labels", "variables"):
+        if key not in spec:
+            raise _fail(path, name, key, "missing (needed: templates, label, labels, variables)")
+    templates = spec["templates"]
+    if isinstance(templates, str):
+        templates = [templates]
+    if not templates or not all(isinstance(t, str) and t for t in templates):
+        raise _fail(path, name, "templates", "must be a non-empty list of strings")
+    labels = spec["labels"]
+    if not isinstance(labels, dict) or len(labels) < 2:
+        raise _fail(path, name, "labels", "must map at least two types to lists of label words")
+    for label_type, words in labels.items():
+        if not isinstance(words, list) or not words or not all(isinstance(w, str) and w for w in words):
+            raise _fail(path, name, f"labels.{label_type}", "must be a non-empty list of non-empty strings")
+    label_variables = spec["label"] if isinstance(spec["label"], list) else [spec["label"]]
+    variables = spec["variables"]
+    if not isinstance(variables, dict):
+        raise _fail(path, name, "variables", "must be an object from variable name to options")
+    for var in label_variables:
+        options = variables.get(var)
+        if not isinstance(options, dict) or set(options) != set(labels):
+            raise _fail(
+                path, name, f"variables.{var}", f"the label variable must map each type {sorted(labels)} to options"
+            )
+    for var, options in variables.items():
+        lists = options.values() if isinstance(options, dict) else [options]
+        if not all(isinstance(opts, list) and opts and all(isinstance(o, str) for o in opts) for opts in lists):
+            raise _fail(path, name, f"variables.{var}", "options must be non-empty lists of strings")
+        if isinstance(options, dict) and var not in label_variables:
+            raise _fail(path, name, f"variables.{var}", "only label variables may have options per type")
+    for template in templates:
+        for region in split_regions(template):
+            if region.variable is not None and region.variable not in variables:
+                raise _fail(path, name, "templates", f"{template!r} uses {{{region.variable}}}, not in variables")
+    return TaskTemplate(
+        name=name,
+        templates=list(templates),
+        label_variables=label_variables,
+        labels={t: list(w) for t, w in labels.items()},
+        variables=variables,
+        result_prepend_space=bool(spec.get("result_prepend_space", True)),
+        label_prepend_space=bool(spec.get("label_prepend_space", False)),
+    )
+
+
+def load_templates(path: str | Path | None = None) -> dict[str, dict]:
+    """The raw task entries of a template file (default: our built-in file of 29 tasks)."""
+    path = Path(path) if path is not None else BUILTIN_TEMPLATES
+    if not path.is_file():
+        raise FileNotFoundError(f"Template file not found: {path} (--data.templates must name a JSON file)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"Malformed template file {path}: not valid JSON ({err})") from err
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"Malformed template file {path}: the top level must be an object from task name to task")
+    return data
+
+
+def load_task(task: str, path: str | Path | None = None) -> TaskTemplate:
+    data = load_templates(path)
+    if task not in data:
+        raise ValueError(f"Unknown task {task!r} in {path or BUILTIN_TEMPLATES}; tasks: {', '.join(data)}")
+    return parse_task(task, data[task], path or BUILTIN_TEMPLATES)
+
+
+def sample_pairs(
+    task: TaskTemplate, n: int, seed: int, exclude: set[str] = frozenset(), max_tries_per_pair: int = 200
+) -> list[Pair]:
+    """n distinct pairs, none of whose sentences is in `exclude`; each also added swapped (2n)."""
+    rng = random.Random(seed)
+    pairs, seen = [], set()
+    tries = 0
+    while len(pairs) < n:
+        tries += 1
+        if tries > n * max_tries_per_pair:
+            raise ValueError(
+                f"Task {task.name!r} yields only {len(pairs)} distinct pairs of the {n} asked for; "
+                "add options to its variables or ask for fewer pairs."
+            )
+        pair = task.sample_pair(rng)
+        key = (pair.base.text, pair.source.text)
+        if key in seen or (key[::-1]) in seen or pair.base.text in exclude or pair.source.text in exclude:
+            continue
+        seen.add(key)
+        pairs.append(pair)
+    return pairs + [pair.swapped() for pair in pairs]

@@ -1,0 +1,9 @@
+"""Interventions: pure torch modules mapping (f(b), f(s)) to f*(b, s). No Lightning here."""
+
+from lit_interventions.interventions.rotation import (
+    FixedSubspaceIntervention,
+    RotatedSpaceIntervention,
+    subspace_interchange,
+)
+
+__all__ = ["FixedSubspaceIntervention", "RotatedSpaceIntervention", "subspace_interchange"]

@@ -1,0 +1,50 @@
+"""Distributed interchange interventions on a linear subspace (DAS; Geiger et al. 2023).
+
+CausalGym §3.3: with a unit vector a, f*(b, s) = f(b) + (a·f(s) − a·f(b)) a. With k orthonormal
+rows W (k × d) this is f*(b, s) = f(b) + Wᵀ(W f(s) − W f(b)), the same map as pyvene's
+`LowRankRotatedSpaceIntervention` (whose weight is our Wᵀ).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import orthogonal
+
+
+def subspace_interchange(base: torch.Tensor, source: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """f* = f(b) + Wᵀ(W f(s) − W f(b)).  base, source: (batch, d); basis W: (k, d)."""
+    basis = basis.to(base.dtype)
+    return base + (source - base) @ basis.T @ basis
+
+
+class RotatedSpaceIntervention(nn.Module):
+    """DAS: a learned rank-k subspace with orthonormal rows (torch's orthogonal parametrization)."""
+
+    def __init__(self, hidden_size: int, k: int = 1):
+        super().__init__()
+        if not isinstance(k, int) or not 1 <= k <= hidden_size:
+            raise ValueError(f"k={k!r} must be an integer in 1..{hidden_size} (the hidden size)")
+        self.hidden_size, self.k = hidden_size, k
+        # No trivialization: the checkpoint then stores only the (k, d) parameter, not a (d, d) base.
+        self.rotate = orthogonal(nn.Linear(hidden_size, k, bias=False), use_trivialization=False)  # weight: (k, d)
+
+    @property
+    def basis(self) -> torch.Tensor:
+        """W, (k, d), with orthonormal rows."""
+        return self.rotate.weight
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return subspace_interchange(base, source, self.basis)
+
+
+class FixedSubspaceIntervention(nn.Module):
+    """Interchange on a given subspace (closed-form directions, or a = 0 as a no-op control)."""
+
+    def __init__(self, basis: torch.Tensor):
+        super().__init__()
+        basis = torch.as_tensor(basis, dtype=torch.float32)
+        self.register_buffer("basis", basis.reshape(-1, basis.shape[-1]))  # (k, d)
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return subspace_interchange(base, source, self.basis)

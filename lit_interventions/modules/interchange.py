@@ -1,0 +1,114 @@
+"""Counterfactual (interchange) training of a DAS subspace on a frozen LM.
+
+One step (DESIGN.md "Data flow"): read f(s) at the site from a source forward that stops at the
+layer; run the base forward with f(b) replaced by f*(f(b), f(s)); take logits at the last
+position only; minimise −log p_{f←f*}(y_s | b, s).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from transformers import get_linear_schedule_with_warmup
+
+from lit_interventions.interventions import RotatedSpaceIntervention
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.metrics import InterchangeOdds
+from lit_interventions.sites import check_layer, logits_at, read_site
+
+
+class InterchangeModule(LightningModule):
+    """DAS on one site (layer, region) of a frozen LM. Only the intervention is trained and saved.
+
+    Args:
+        lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.lm`).
+        layer: residual stream after this decoder block; -1 is the embedding output. Default: the
+            middle layer.
+        region: template region whose last token is the site (default: the label variable). The
+            data module reads it (train.py links `model.region` to `data.region`).
+        k: rank of the subspace (1 = the paper's 1-D DAS).
+        lr: Adam learning rate; warmup_ratio: linear warmup share, then linear decay to 0.
+        dtype: the LM's dtype (float32, bfloat16, float16).
+    """
+
+    def __init__(
+        self,
+        lm: str = DEFAULT_LM,
+        layer: int | None = None,
+        region: str | None = None,
+        k: int = 1,
+        lr: float = 5e-3,
+        warmup_ratio: float = 0.1,
+        dtype: str = "float32",
+    ):
+        super().__init__()
+        config = load_config(lm)  # the config only: layers are checked before weights load
+        if layer is None:
+            layer = num_layers(config) // 2
+        check_layer(layer, num_layers(config))
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        self.save_hyperparameters()
+        self.hparams.layer = layer
+        self.intervention = RotatedSpaceIntervention(hidden_size(config), k)
+        self.val_odds = InterchangeOdds()
+        self.test_odds = InterchangeOdds()
+        self._frozen: dict[str, torch.nn.Module] = {}  # the LM, kept out of state_dict and DDP
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        model = self._frozen.get("lm")
+        if model is None:
+            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
+        if model.device != self.device:
+            model.to(self.device)
+        return model
+
+    def intervened_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab)."""
+        layer = self.hparams.layer
+        source = read_site(self.lm, layer, batch["source_input_ids"], batch["source_attention_mask"], batch["source_pos"])
+        return logits_at(
+            self.lm,
+            batch["base_input_ids"],
+            batch["base_attention_mask"],
+            batch["base_last"],
+            layer=layer,
+            site_positions=batch["base_pos"],
+            intervention=lambda base: self.intervention(base, source),
+        )
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.intervened_logits(batch).float(), batch["source_label"])
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["source_label"]))
+        return loss
+
+    def _evaluate(self, batch, metric: InterchangeOdds, stage: str) -> None:
+        intervened = self.intervened_logits(batch)
+        clean = logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"])
+        metric.update(clean, intervened, batch["base_label"], batch["source_label"])
+        loss = F.cross_entropy(intervened.float(), batch["source_label"])
+        self.log(f"{stage}/loss", loss, batch_size=len(batch["source_label"]), sync_dist=True)
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, self.val_odds, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, self.test_odds, "test")
+
+    def _log_odds(self, metric: InterchangeOdds, stage: str) -> None:
+        self.log_dict({f"{stage}/{name}": value for name, value in metric.compute().items()}, prog_bar=True)
+        metric.reset()
+
+    def on_validation_epoch_end(self):
+        self._log_odds(self.val_odds, "val")
+
+    def on_test_epoch_end(self):
+        self._log_odds(self.test_odds, "test")
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.intervention.parameters(), lr=self.hparams.lr)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,160 @@
+"""Where to intervene: read and write the residual stream of any decoder-only HF causal LM.
+
+A site is (layer, token position per example). Layers follow pyvene's `block_output`:
+- `layer = l` for 0 <= l < L is the residual stream after decoder block l;
+- `layer = -1` is the embedding output, i.e. the residual stream before block 0.
+
+Decoder blocks are found generically (`decoder_layers`), not from a per-architecture table, so
+GPT-NeoX, GPT-2, Llama, Gemma 2 and Gemma 3 all work. Positions are per example, shape (batch,).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lit_interventions.lm import num_layers
+
+EMBEDDINGS = -1
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder blocks: the ModuleList of `num_hidden_layers` modules of one class."""
+    n = num_layers(model.config)
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) == n
+        and len({type(child) for child in module}) == 1
+    ]
+    if not candidates:
+        raise ValueError(
+            f"Cannot find the decoder blocks of {type(model).__name__}: no ModuleList of "
+            f"{n} identical modules (config.num_hidden_layers)."
+        )
+    return min(candidates, key=lambda item: item[0].count("."))[1]  # the outermost one
+
+
+def check_layer(layer: int, n_layers: int) -> None:
+    if not isinstance(layer, int) or not -1 <= layer < n_layers:
+        raise ValueError(
+            f"layer={layer!r} is out of range: this model has {n_layers} layers, so layer must be "
+            f"-1 (embeddings) or 0..{n_layers - 1}."
+        )
+
+
+def _hidden(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _replace_hidden(output, hidden):
+    return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+
+def _rows(hidden: torch.Tensor) -> torch.Tensor:
+    return torch.arange(hidden.shape[0], device=hidden.device)
+
+
+@contextmanager
+def _hook(model: nn.Module, layer: int, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]):
+    """Call `on_hidden(h)` on the residual stream at `layer`, (batch, seq, d); a returned tensor
+    replaces it."""
+    blocks = decoder_layers(model)
+    check_layer(layer, len(blocks))
+    if layer == EMBEDDINGS:
+
+        def pre_hook(module, args, kwargs):
+            if args:
+                new = on_hidden(args[0])
+                return ((new,) + tuple(args[1:]), kwargs) if new is not None else None
+            new = on_hidden(kwargs["hidden_states"])
+            return (args, {**kwargs, "hidden_states": new}) if new is not None else None
+
+        handle = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+    else:
+
+        def post_hook(module, args, output):
+            new = on_hidden(_hidden(output))
+            return _replace_hidden(output, new) if new is not None else None
+
+        handle = blocks[layer].register_forward_hook(post_hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class _StopForward(Exception):
+    pass
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore padding, so left and right padding give the same states."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _run_body(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    return model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
+    )
+
+
+@torch.no_grad()
+def read_site(
+    model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """f(x): the residual stream at (layer, positions), (batch, d). The forward stops at `layer`."""
+    found = {}
+
+    def grab(hidden):
+        found["h"] = hidden[_rows(hidden), positions]
+        raise _StopForward
+
+    with _hook(model, layer, grab):
+        try:
+            _run_body(model, input_ids, attention_mask)
+        except _StopForward:
+            pass
+    return found["h"]
+
+
+def final_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """LM head on final hidden states (after the final norm), with Gemma's soft-capping if set."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def logits_at(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logit_positions: torch.Tensor,
+    layer: int | None = None,
+    site_positions: torch.Tensor | None = None,
+    intervention: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Next-token logits at `logit_positions` only, (batch, vocab).
+
+    With an intervention, the residual stream at (layer, site_positions) is replaced by
+    `intervention(f(b))` during the forward, i.e. p_{f <- f*}.
+    """
+    if intervention is None:
+        hidden = _run_body(model, input_ids, attention_mask).last_hidden_state
+    else:
+
+        def write(h):
+            rows = _rows(h)
+            h = h.clone()
+            h[rows, site_positions] = intervention(h[rows, site_positions]).to(h.dtype)
+            return h
+
+        with _hook(model, layer, write):
+            hidden = _run_body(model, input_ids, attention_mask).last_hidden_state
+    return final_logits(model, hidden[_rows(hidden), logit_positions])

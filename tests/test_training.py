@@ -1,0 +1,90 @@
+"""`train.py` end to end on a tiny model: fit, export, checkpoint contents, validate/test, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+
+
+def _fit(tmp_path, lm_dir, *extra):
+    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
+            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
+            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false", *extra]  # fmt: skip
+    return train.main(args=args)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, tiny_lm_dir):
+    tmp_path = tmp_path_factory.mktemp("fit")
+    cli = _fit(tmp_path, tiny_lm_dir("gpt_neox"))
+    return cli, Path(cli.trainer.log_dir)
+
+
+def test_fit_logs_loss_and_odds_to_tensorboard(fitted):
+    cli, log_dir = fitted
+    metrics = cli.trainer.callback_metrics
+    for name in ("train/loss", "val/odds", "val/iia", "val/loss"):
+        assert torch.isfinite(metrics[name]), name
+    assert log_dir.parent.name == "lightning_logs" and log_dir.name.startswith("version_")
+    assert list(log_dir.glob("events.out.tfevents.*"))
+
+
+def test_fit_exports_a_unit_norm_direction_with_a_card(fitted):
+    cli, log_dir = fitted
+    basis = load_file(log_dir / "intervention.safetensors")["basis"]
+    assert basis.shape == (1, 32)
+    assert basis.norm().item() == pytest.approx(1.0, abs=1e-5)
+    card = json.loads((log_dir / "intervention.json").read_text())
+    assert card["layer"] == 1 and card["region"] == "subject" and card["task"] == "agr_sv_num_pp" and card["k"] == 1
+    assert card["metrics"]["val/odds"] == pytest.approx(cli.trainer.callback_metrics["val/odds"].item())
+    torch.testing.assert_close(basis, cli.model.intervention.basis.detach())
+
+
+def test_checkpoint_holds_only_the_intervention(fitted):
+    cli, log_dir = fitted
+    (checkpoint,) = (log_dir / "checkpoints").glob("*.ckpt")
+    state = torch.load(checkpoint, weights_only=False)["state_dict"]
+    assert state and all(key.startswith("intervention.") for key in state), list(state)
+    assert sum(v.numel() for v in state.values()) == 32  # one rank-1 direction, no LM weights
+    lm_params = sum(p.numel() for p in cli.model.lm.parameters())
+    assert lm_params > 1000 * 32
+
+
+def test_test_subcommand_reloads_the_checkpoint(fitted, tmp_path, tiny_lm_dir):
+    cli, log_dir = fitted
+    (checkpoint,) = (log_dir / "checkpoints").glob("*.ckpt")
+    args = ["test", "--config", "configs/das.yaml", f"--model.lm={tiny_lm_dir('gpt_neox')}", "--model.layer=1",
+            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
+            "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}"]  # fmt: skip
+    tested = train.main(args=args)
+    torch.testing.assert_close(tested.model.intervention.basis, cli.model.intervention.basis.detach())
+    assert torch.isfinite(tested.trainer.callback_metrics["test/odds"])
+
+
+def test_training_moves_the_direction(tmp_path, tiny_lm_dir):
+    torch.manual_seed(0)
+    cli = _fit(tmp_path, tiny_lm_dir("llama"), "--trainer.max_epochs=0")
+    initial = cli.model.intervention.basis.detach().clone()
+    trained = _fit(tmp_path, tiny_lm_dir("llama")).model.intervention.basis.detach()
+    assert (trained - initial).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        ("--data.task=agr_nope", "Unknown task 'agr_nope'"),
+        ("--model.layer=7", "layer=7 is out of range: this model has 3 layers"),
+        ("--model.region=verb", "Unknown region 'verb' for task 'agr_sv_num_pp'; regions: The, subject"),
+        ("--data.templates=/nonexistent/t.json", "Template file not found: /nonexistent/t.json"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, tiny_lm_dir, capsys, option, message):
+    with pytest.raises(SystemExit) as exit_info:
+        _fit(tmp_path, tiny_lm_dir("gpt_neox"), option)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and message in err
