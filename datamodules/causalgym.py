@@ -204,7 +204,10 @@ class CausalGymDataModule(LightningDataModule):
                     stacklevel=2,
                 )
             if not kept:
-                raise ValueError(f"Region {self.region!r} of task {self.task!r} is empty in every {split} pair")
+                raise ValueError(
+                    f"Region {self.region!r} of task {self.task!r} is empty in every {split} pair; "
+                    f"choose another of: {', '.join(self.template.regions)}"
+                )
             self.splits[split] = kept
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:

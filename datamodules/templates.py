@@ -93,12 +93,27 @@ class TaskTemplate:
 
     @property
     def label_region(self) -> str:
-        return self.label_variables[0]
+        """The default site: the label variable. Where every label variable can be empty (the
+        absent comma of garden_npz_obj, the reduced relative of garden_mvrr), one side of every
+        pair has no position there, so the region just before it is used instead."""
+        for var in self.label_variables:
+            if all(all(options) for options in self.variables[var].values()):
+                return var
+        regions = [r.name for r in split_regions(self.templates[0])]
+        index = regions.index(self.label_variables[0])
+        return regions[index - 1] if index > 0 else self.label_variables[0]
 
     def label_words(self) -> dict[str, list[str]]:
         """Label words per type, exactly as they are tokenised."""
         prefix = " " if self.result_prepend_space else ""
         return {t: [prefix + word for word in words] for t, words in self.labels.items()}
+
+    def _fill(self, region: Region, option: str) -> str:
+        """The option with the template's space before it; an empty option takes no space."""
+        if not option:
+            return ""
+        lead = " " if self.label_prepend_space and region.variable in self.label_variables else ""
+        return (" " if region.text.startswith(" ") else "") + lead + option
 
     def sample_pair(self, rng: random.Random) -> Pair:
         """§3.2: types t1 ≠ t2; label variables take options of t1 (base) / t2 (source); every
@@ -111,16 +126,13 @@ class TaskTemplate:
                 base_parts.append((region.name, region.text))
                 source_parts.append((region.name, region.text))
                 continue
-            space = " " if region.text.startswith(" ") else ""
             options = self.variables[region.variable]
             if region.variable in self.label_variables:
-                lead = " " if self.label_prepend_space else ""
-                base_parts.append((region.name, space + lead + rng.choice(options[base_type])))
-                source_parts.append((region.name, space + lead + rng.choice(options[source_type])))
+                base_choice, source_choice = rng.choice(options[base_type]), rng.choice(options[source_type])
             else:
-                choice = space + rng.choice(options)
-                base_parts.append((region.name, choice))
-                source_parts.append((region.name, choice))
+                base_choice = source_choice = rng.choice(options)
+            base_parts.append((region.name, self._fill(region, base_choice)))
+            source_parts.append((region.name, self._fill(region, source_choice)))
         words = self.label_words()
         return Pair(
             _sentence(base_parts, rng.choice(words[base_type])),

@@ -21,7 +21,6 @@ from transformers import (
 
 from datamodules.templates import BUILTIN_TEMPLATES
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 HIDDEN, LAYERS = 32, 3
 
 

@@ -187,3 +187,18 @@ def test_invalid_json_names_the_file(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="bad.json.*not valid JSON"):
         CausalGymDataModule(task="toy", templates=str(path))
+
+
+def test_empty_option_leaves_no_double_space():
+    task = load_task("garden_mvrr")
+    pairs = sample_pairs(task, 40, seed=0)
+    reduced = [p.base for p in pairs if p.base_type == "reduced"]
+    assert reduced and all("  " not in s.text and "rc" not in s.spans for s in reduced)
+    assert all("rc" in p.base.spans for p in pairs if p.base_type == "unreduced")
+
+
+@pytest.mark.parametrize("task,region", [("garden_mvrr", "noun"), ("garden_npz_obj", "verb"), ("agr_gender", "name")])
+def test_default_region_always_has_a_position(tiny_lm_dir, task, region):
+    data = _datamodule(tiny_lm_dir, task=task)
+    assert data.region == region
+    assert len(data.splits["train"]) == 40  # no pair skipped
