@@ -54,15 +54,16 @@ def test_checkpoint_holds_only_the_intervention(fitted):
     assert lm_params > 1000 * 32
 
 
-def test_test_subcommand_reloads_the_checkpoint(fitted, tmp_path, tiny_lm_dir):
+@pytest.mark.parametrize("subcommand,split", [("test", "test"), ("validate", "val")])
+def test_evaluation_subcommands_reload_the_checkpoint(fitted, tmp_path, tiny_lm_dir, subcommand, split):
     cli, log_dir = fitted
     (checkpoint,) = (log_dir / "checkpoints").glob("*.ckpt")
-    args = ["test", "--config", "configs/das.yaml", f"--model.lm={tiny_lm_dir('gpt_neox')}", "--model.layer=1",
+    args = [subcommand, "--config", "configs/das.yaml", f"--model.lm={tiny_lm_dir('gpt_neox')}", "--model.layer=1",
             f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
             "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}"]  # fmt: skip
     tested = train.main(args=args)
     torch.testing.assert_close(tested.model.intervention.basis, cli.model.intervention.basis.detach())
-    assert torch.isfinite(tested.trainer.callback_metrics["test/odds"])
+    assert torch.isfinite(tested.trainer.callback_metrics[f"{split}/odds"])
 
 
 def test_training_moves_the_direction(tmp_path, tiny_lm_dir):
