@@ -10,7 +10,7 @@ GPT-NeoX, GPT-2, Llama, Gemma 2 and Gemma 3 all work. Positions are per example,
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Callable
 
 import torch
@@ -104,6 +104,35 @@ def _run_body(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 @torch.no_grad()
+def read_layers(
+    model: nn.Module, layers: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """The residual stream at every position for each of `layers`, {layer: (batch, seq, d)}, from
+    one forward that stops after the highest of them."""
+    blocks = decoder_layers(model)
+    for layer in layers:
+        check_layer(layer, len(blocks))
+    found, top = {}, max(layers)
+
+    def grabber(layer):
+        def grab(hidden):
+            found[layer] = hidden
+            if layer == top:
+                raise _StopForward
+
+        return grab
+
+    with ExitStack() as stack:
+        for layer in set(layers):
+            stack.enter_context(_hook(model, layer, grabber(layer)))
+        try:
+            _run_body(model, input_ids, attention_mask)
+        except _StopForward:
+            pass
+    return found
+
+
+@torch.no_grad()
 def read_site(
     model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
@@ -120,6 +149,45 @@ def read_site(
         except _StopForward:
             pass
     return found["h"]
+
+
+def _returns_tuple(model: nn.Module, block: nn.Module) -> bool:
+    """Whether decoder blocks return a tuple (GPT-2) or a tensor (Llama in transformers 5)."""
+    known = getattr(model, "_lit_block_returns_tuple", None)
+    if known is None:
+        seen = {}
+
+        def record(module, args, output):
+            seen["tuple"] = isinstance(output, tuple)
+
+        handle = block.register_forward_hook(record)
+        try:
+            ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+            with torch.no_grad():
+                _run_body(model, ids, torch.ones_like(ids))
+        finally:
+            handle.remove()
+        known = model._lit_block_returns_tuple = seen["tuple"]
+    return known
+
+
+@contextmanager
+def _skip_blocks(model: nn.Module, upto: int):
+    """Blocks 0..upto pass their input through unchanged (their output is replaced anyway)."""
+    blocks = decoder_layers(model)
+    as_tuple = _returns_tuple(model, blocks[0])
+
+    def passthrough(*args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden,) if as_tuple else hidden
+
+    for block in blocks[: upto + 1]:
+        block.forward = passthrough
+    try:
+        yield
+    finally:
+        for block in blocks[: upto + 1]:
+            del block.forward
 
 
 def final_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,22 +207,29 @@ def logits_at(
     layer: int | None = None,
     site_positions: torch.Tensor | None = None,
     intervention: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    start_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next-token logits at `logit_positions` only, (batch, vocab).
 
     With an intervention, the residual stream at (layer, site_positions) is replaced by
     `intervention(f(b))` during the forward, i.e. p_{f <- f*}.
+
+    With `start_states` (batch, seq, d), the residual stream at `layer` computed earlier for
+    these inputs (the LM is frozen, so it never changes), blocks 0..layer are skipped and the
+    forward starts from it: only the blocks above the site do work.
     """
-    if intervention is None:
-        hidden = _run_body(model, input_ids, attention_mask).last_hidden_state
-    else:
 
-        def write(h):
+    def write(h):
+        h = (h if start_states is None else start_states.to(h.dtype)).clone()
+        if intervention is not None:
             rows = _rows(h)
-            h = h.clone()
             h[rows, site_positions] = intervention(h[rows, site_positions]).to(h.dtype)
-            return h
+        return h
 
-        with _hook(model, layer, write):
-            hidden = _run_body(model, input_ids, attention_mask).last_hidden_state
+    with ExitStack() as stack:
+        if start_states is not None and layer != EMBEDDINGS:
+            stack.enter_context(_skip_blocks(model, layer))
+        if intervention is not None or start_states is not None:
+            stack.enter_context(_hook(model, layer, write))
+        hidden = _run_body(model, input_ids, attention_mask).last_hidden_state
     return final_logits(model, hidden[_rows(hidden), logit_positions])

@@ -37,6 +37,7 @@ class ExportIntervention(Callback):
     to the run's log directory."""
 
     def on_fit_end(self, trainer, pl_module):
+        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
         data_hp = trainer.datamodule.hparams if trainer.datamodule is not None else {}
@@ -53,4 +54,4 @@ class ExportIntervention(Callback):
             "hidden_size": pl_module.intervention.hidden_size,
             "metrics": _metrics(trainer),
         }
-        save_intervention(trainer.log_dir or trainer.default_root_dir, {"basis": pl_module.intervention.basis}, card)
+        save_intervention(directory, {"basis": pl_module.intervention.basis}, card)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lightning import LightningModule
 from transformers import get_linear_schedule_with_warmup
 
+from lit_interventions.cache import ActivationCache
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.metrics import InterchangeOdds
@@ -30,6 +31,8 @@ class InterchangeModule(LightningModule):
         k: rank of the subspace (1 = the paper's 1-D DAS).
         lr: Adam learning rate; warmup_ratio: linear warmup share, then linear decay to 0.
         dtype: the LM's dtype (float32, bfloat16, float16).
+        cache: reuse the frozen LM's states at the layer (computed once per distinct sentence),
+            so a step runs only the blocks above the site; False recomputes them every step.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class InterchangeModule(LightningModule):
         lr: float = 5e-3,
         warmup_ratio: float = 0.1,
         dtype: str = "float32",
+        cache: bool = True,
     ):
         super().__init__()
         config = load_config(lm)  # the config only: layers are checked before weights load
@@ -65,19 +69,47 @@ class InterchangeModule(LightningModule):
             model.to(self.device)
         return model
 
+    @property
+    def activations(self) -> ActivationCache | None:
+        if not self.hparams.cache:
+            return None
+        if "cache" not in self._frozen:
+            self._frozen["cache"] = ActivationCache(self.lm, [self.hparams.layer])
+        return self._frozen["cache"]
+
+    def _states(self, batch, side: str) -> torch.Tensor | None:
+        """The cached residual stream at the layer for one side of the batch (None: no cache)."""
+        cache = self.activations
+        if cache is None:
+            return None
+        return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
+
+    def source_representation(self, batch) -> torch.Tensor:
+        """f(s) at the source's site, (batch, d)."""
+        states = self._states(batch, "source")
+        if states is None:
+            return read_site(self.lm, self.hparams.layer, batch["source_input_ids"], batch["source_attention_mask"],
+                             batch["source_pos"])  # fmt: skip
+        return states[torch.arange(len(states), device=states.device), batch["source_pos"]]
+
     def intervened_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab)."""
-        layer = self.hparams.layer
-        source = read_site(self.lm, layer, batch["source_input_ids"], batch["source_attention_mask"], batch["source_pos"])
+        source = self.source_representation(batch)
         return logits_at(
             self.lm,
             batch["base_input_ids"],
             batch["base_attention_mask"],
             batch["base_last"],
-            layer=layer,
+            layer=self.hparams.layer,
             site_positions=batch["base_pos"],
             intervention=lambda base: self.intervention(base, source),
+            start_states=self._states(batch, "base"),
         )
+
+    def clean_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab)."""
+        return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
+                         layer=self.hparams.layer, start_states=self._states(batch, "base"))  # fmt: skip
 
     def training_step(self, batch, batch_idx):
         loss = F.cross_entropy(self.intervened_logits(batch).float(), batch["source_label"])
@@ -86,7 +118,7 @@ class InterchangeModule(LightningModule):
 
     def _evaluate(self, batch, metric: InterchangeOdds, stage: str) -> None:
         intervened = self.intervened_logits(batch)
-        clean = logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"])
+        clean = self.clean_logits(batch)
         metric.update(clean, intervened, batch["base_label"], batch["source_label"])
         loss = F.cross_entropy(intervened.float(), batch["source_label"])
         self.log(f"{stage}/loss", loss, batch_size=len(batch["source_label"]), sync_dist=True)

@@ -1,0 +1,75 @@
+"""Cached training: starting from stored frozen states gives the same numbers as recomputing."""
+
+import lightning as L
+import pytest
+import torch
+
+from datamodules.causalgym import CausalGymDataModule
+from lit_interventions.cache import ActivationCache
+from lit_interventions.interventions import FixedSubspaceIntervention
+from lit_interventions.modules.interchange import InterchangeModule
+from lit_interventions.sites import logits_at, read_layers
+from tests.conftest import ARCHS, HIDDEN, LAYERS
+from tests.test_sites import _batch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_starting_from_cached_states_matches_the_full_forward(tiny_lm, arch, padding_side):
+    model = tiny_lm(arch)
+    ids, mask, last = _batch(model.config.vocab_size, padding_side=padding_side)
+    src_ids, src_mask, _ = _batch(model.config.vocab_size, padding_side=padding_side, seed=1)
+    positions = last - 1
+    direction = FixedSubspaceIntervention(torch.nn.functional.normalize(torch.randn(1, HIDDEN), dim=-1))
+    cache = ActivationCache(model, list(range(-1, LAYERS)))
+    for layer in range(-1, LAYERS):
+        start = cache.states(layer, ids, mask)
+        source = cache.states(layer, src_ids, src_mask)[torch.arange(3), positions]
+        edit = lambda h: direction(h, source)  # noqa: E731
+        full = logits_at(model, ids, mask, last, layer, positions, edit)
+        torch.testing.assert_close(logits_at(model, ids, mask, last, layer, positions, edit, start_states=start), full,
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(logits_at(model, ids, mask, last, layer, start_states=start),
+                                   logits_at(model, ids, mask, last), rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def test_cache_computes_each_sentence_once(tiny_lm):
+    model = tiny_lm("llama")
+    ids, mask, _ = _batch(model.config.vocab_size, lengths=(5, 3, 5))
+    cache = ActivationCache(model, [0, 2])
+    first = cache.states(2, ids, mask)
+    assert len(cache) == 3
+    reordered = cache.states(2, ids.flip(0), mask.flip(0))
+    assert len(cache) == 3
+    torch.testing.assert_close(reordered, first.flip(0))
+    torch.testing.assert_close(first * mask[..., None], read_layers(model, [2], ids, mask)[2] * mask[..., None])
+
+
+class _RecordLoss(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def _train(lm_dir, cache: bool, layer: int):
+    L.seed_everything(0)
+    module = InterchangeModule(lm=lm_dir, layer=layer, cache=cache, lr=0.05)
+    data = CausalGymDataModule(task="agr_sv_num_pp", lm=lm_dir, train_pairs=12, eval_pairs=4)
+    record = _RecordLoss()
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[record])  # fmt: skip
+    trainer.fit(module, data)
+    return record.losses, trainer.callback_metrics, module
+
+
+@pytest.mark.parametrize("arch,layer", [("gpt_neox", 1), ("gemma3", 0), ("gpt2", 2)])
+def test_cached_and_uncached_training_give_the_same_loss_curve(tiny_lm_dir, arch, layer):
+    cached, cached_metrics, module = _train(tiny_lm_dir(arch), cache=True, layer=layer)
+    uncached, uncached_metrics, _ = _train(tiny_lm_dir(arch), cache=False, layer=layer)
+    assert len(cached) == 12 and len(module.activations) > 0  # 24 examples / batch 4, two epochs
+    assert cached == pytest.approx(uncached, rel=1e-4, abs=1e-5)
+    assert cached[0] != pytest.approx(cached[-1])  # training moved something
+    for name in ("val/odds", "val/iia"):
+        assert cached_metrics[name].item() == pytest.approx(uncached_metrics[name].item(), rel=1e-4, abs=1e-5)
