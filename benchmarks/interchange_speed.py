@@ -1,92 +1,155 @@
-"""DAS training steps per second: our path against the CausalGym reference loop structure, measured
-in the same run on the same batches.
+"""DAS training speed: our framework against the CausalGym reference loop, in the same run.
 
-Reference: one pyvene IntervenableModel for the site, a full base and source forward every step
-(LowRankRotatedSpaceIntervention, k=1). Ours: the source forward stops at the layer, and only the
-base's last position goes through the LM head.
+Both train a rank-1 DAS intervention for 100 steps, batch 4, on the same CausalGym pairs, at an
+early, a middle and a late layer:
+- reference: a plain loop over one `pyvene.IntervenableModel` with
+  `LowRankRotatedSpaceIntervention`, a full base and source forward per step (as the CausalGym
+  code does);
+- ours: `train.py`'s module under a Lightning Trainer; the frozen states below the layer are
+  computed once per sentence (the cache build is inside the timed fit) and a step runs only the
+  blocks above the site, with the LM head on the last position only.
 
-    python benchmarks/interchange_speed.py [--lm smollm2-135m-instruct] [--steps 30] [--layers 3 15 27]
+Each (method, layer) runs in a fresh process so its peak memory is its own. Prints steps/s, the
+ratio per layer, both methods' eval odds (same metric code), and `ratio=X` (middle layer) last.
+
+    python benchmarks/interchange_speed.py [--lm smollm2-135m-instruct] [--steps 100] [--device cpu]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
+import resource
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-import pyvene
 import torch
-import torch.nn.functional as F
 
-from datamodules.causalgym import CausalGymDataModule
-from lit_interventions.lm import load_lm, num_layers
-from lit_interventions.modules.interchange import InterchangeModule
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _time(step, batches, steps: int) -> float:
-    step(batches[0])  # warm-up
+def _data(lm: str, task: str, steps: int):
+    from datamodules.causalgym import CausalGymDataModule
+
+    data = CausalGymDataModule(task=task, lm=lm, batch_size=4, train_pairs=max(2 * steps, 2), eval_pairs=50)
+    data.setup("fit")
+    return data
+
+
+def _peak_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def run_ours(lm: str, layer: int, task: str, steps: int, device: str) -> dict:
+    import lightning as L
+
+    from lit_interventions.modules.interchange import InterchangeModule
+
+    data = _data(lm, task, steps)
+    L.seed_everything(0, verbose=False)
+    module = InterchangeModule(lm=lm, layer=layer)
+    trainer = L.Trainer(max_steps=steps, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, accelerator="gpu" if device.startswith("cuda") else "cpu",
+                        devices=1)  # fmt: skip
     start = time.perf_counter()
-    for batch in itertools.islice(itertools.cycle(batches), steps):
-        step(batch)
-    return steps / (time.perf_counter() - start)
+    trainer.fit(module, datamodule=data)
+    seconds = time.perf_counter() - start
+    odds = module.score(data.test_dataloader())["odds"]
+    return {"steps_per_s": steps / seconds, "odds": odds, "peak_mb": _peak_mb(device)}
 
 
-def ours(lm_name: str, layer: int, batches, steps: int) -> float:
-    module = InterchangeModule(lm=lm_name, layer=layer)
-    optimizer = torch.optim.Adam(module.intervention.parameters(), lr=5e-3)
+def run_reference(lm: str, layer: int, task: str, steps: int, device: str) -> dict:
+    import pyvene
+    import torch.nn.functional as F
+    from transformers import get_linear_schedule_with_warmup
 
-    def step(batch):
-        loss = F.cross_entropy(module.intervened_logits(batch), batch["source_label"])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    from lit_interventions.lm import load_lm
+    from lit_interventions.metrics import log_odds_ratio
 
-    return _time(step, batches, steps)
-
-
-def reference(lm_name: str, layer: int, batches, steps: int) -> float:
-    model = load_lm(lm_name)
+    data = _data(lm, task, steps)
+    torch.manual_seed(0)
+    model = load_lm(lm).to(device)
     config = pyvene.IntervenableConfig(
         representations=[pyvene.RepresentationConfig(layer=layer, component="block_output", low_rank_dimension=1)],
         intervention_types=pyvene.LowRankRotatedSpaceIntervention,
     )
     intervenable = pyvene.IntervenableModel(config, model)
-    params = [p for iv in intervenable.interventions.values() for p in (iv[0] if isinstance(iv, tuple) else iv).parameters()]
-    optimizer = torch.optim.Adam(params, lr=5e-3)
+    intervenable.set_device(device)
+    intervention = next(iter(intervenable.interventions.values()))
+    intervention = intervention[0] if isinstance(intervention, (tuple, list)) else intervention
+    optimizer = torch.optim.Adam(intervention.parameters(), lr=5e-3)
+    schedule = get_linear_schedule_with_warmup(optimizer, steps // 10, steps)
 
-    def step(batch):
-        rows = torch.arange(len(batch["base_pos"]))
-        locations = {"sources->base": ([[[p] for p in batch["source_pos"].tolist()]], [[[p] for p in batch["base_pos"].tolist()]])}
-        _, out = intervenable(
-            {"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
-            [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
-            unit_locations=locations,
-        )
-        loss = F.cross_entropy(out.logits[rows, batch["base_last"]], batch["source_label"])
-        loss.backward()
+    def forward(batch):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        locations = {"sources->base": ([[[p] for p in batch["source_pos"].tolist()]],
+                                       [[[p] for p in batch["base_pos"].tolist()]])}  # fmt: skip
+        _, out = intervenable({"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
+                              [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
+                              unit_locations=locations)  # fmt: skip
+        rows = torch.arange(len(batch["base_last"]), device=device)
+        return out.logits[rows, batch["base_last"]], batch
+
+    start = time.perf_counter()
+    for step, batch in enumerate(data.train_dataloader()):
+        if step == steps:
+            break
+        logits, batch = forward(batch)
+        F.cross_entropy(logits.float(), batch["source_label"]).backward()
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
-
-    return _time(step, batches, steps)
+    seconds = time.perf_counter() - start
+    odds = []
+    with torch.no_grad():
+        for batch in data.test_dataloader():
+            intervened, batch = forward(batch)
+            rows = torch.arange(len(batch["base_last"]), device=device)
+            clean = model(input_ids=batch["base_input_ids"], attention_mask=batch["base_attention_mask"]).logits
+            odds.append(log_odds_ratio(clean[rows, batch["base_last"]], intervened, batch["base_label"], batch["source_label"]))
+    return {"steps_per_s": steps / seconds, "odds": torch.cat(odds).mean().item(), "peak_mb": _peak_mb(device)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lm", default="smollm2-135m-instruct")
     parser.add_argument("--task", default="agr_sv_num_pp")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--layers", type=int, nargs="*", help="default: early, middle and late")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--worker", nargs=2, metavar=("METHOD", "LAYER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    n = num_layers(load_lm(args.lm).config)
+    if args.worker:
+        method, layer = args.worker[0], int(args.worker[1])
+        run = run_ours if method == "ours" else run_reference
+        print(json.dumps(run(args.lm, layer, args.task, args.steps, args.device)))
+        return
+
+    from lit_interventions.lm import load_config, num_layers
+
+    n = num_layers(load_config(args.lm))
     layers = args.layers or [n // 8, n // 2, n - 1]
-    data = CausalGymDataModule(task=args.task, lm=args.lm, batch_size=4)
-    data.setup("fit")
-    batches = list(itertools.islice(data.train_dataloader(), 20))
-    print(f"{args.lm}, task {args.task}, batch 4, {args.steps} steps, {torch.get_num_threads()} threads")
-    print("layer  reference steps/s  ours steps/s  speed-up")
+    print(f"{args.lm}: DAS k=1, task {args.task}, batch 4, {args.steps} steps, device {args.device}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print("layer | reference steps/s  odds  peak MB | ours steps/s  odds  peak MB | ratio")
+    ratios = {}
     for layer in layers:
-        ref, fast = reference(args.lm, layer, batches, args.steps), ours(args.lm, layer, batches, args.steps)
-        print(f"{layer:5d}  {ref:17.2f}  {fast:12.2f}  {fast / ref:8.2f}x")
+        result = {}
+        for method in ("reference", "ours"):
+            command = [sys.executable, __file__, "--lm", args.lm, "--task", args.task, "--steps", str(args.steps),
+                       "--device", args.device, "--worker", method, str(layer)]  # fmt: skip
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+            result[method] = json.loads(done.stdout.strip().splitlines()[-1])
+        ref, ours = result["reference"], result["ours"]
+        ratios[layer] = ours["steps_per_s"] / ref["steps_per_s"]
+        print(f"{layer:5d} | {ref['steps_per_s']:17.2f} {ref['odds']:5.2f} {ref['peak_mb']:8.0f} | "
+              f"{ours['steps_per_s']:12.2f} {ours['odds']:5.2f} {ours['peak_mb']:8.0f} | {ratios[layer]:.2f}")  # fmt: skip
+    print(f"ratio={ratios[layers[len(layers) // 2]]:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from lit_interventions.lm import DEFAULT_LM, load_tokenizer
+from lit_interventions.surprisal import bos_prefix
 
 CONTROL_TASKS = {"dog_give": [" dog", " give"]}  # Hewitt & Liang-style control: arbitrary labels
 
@@ -32,14 +33,8 @@ class Example:
     source_label: int
     base_text: str
     source_text: str
-
-
-def _bos_prefix(tokenizer) -> str:
-    """Text to prepend so every sentence starts with BOS (pythia's tokenizer adds none itself)."""
-    bos = tokenizer.bos_token_id
-    if bos is None or tokenizer("a").input_ids[:1] == [bos]:
-        return ""
-    return tokenizer.bos_token
+    base_type: str
+    source_type: str
 
 
 def first_token(tokenizer, word: str) -> int:
@@ -73,7 +68,7 @@ def label_token_ids(task: TaskTemplate, tokenizer, control: str | None = None) -
 
 
 def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, int]], control: str | None) -> list[Example]:
-    prefix = _bos_prefix(tokenizer)
+    prefix = bos_prefix(tokenizer)  # every sentence starts with BOS (pythia's tokenizer adds none)
 
     def encode(sentence):
         enc = tokenizer(prefix + sentence.text, return_offsets_mapping=True)
@@ -103,6 +98,8 @@ def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, 
                 label_id(pair.source_type, pair.source.label),
                 pair.base.text,
                 pair.source.text,
+                pair.base_type,
+                pair.source_type,
             )
         )
     return examples

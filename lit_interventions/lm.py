@@ -154,9 +154,13 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-@lru_cache(maxsize=2)
 def load_lm(name: str = DEFAULT_LM, dtype: str = "float32") -> torch.nn.Module:
     """A frozen causal LM in eval mode. Shared within a process (the result is cached)."""
+    return _load_lm(name, dtype)  # positional, so load_lm(x) and load_lm(x, "float32") share one copy
+
+
+@lru_cache(maxsize=2)
+def _load_lm(name: str, dtype: str) -> torch.nn.Module:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     path = resolve(name)

@@ -84,17 +84,17 @@ class InterchangeModule(LightningModule):
             return None
         return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
 
-    def source_representation(self, batch) -> torch.Tensor:
-        """f(s) at the source's site, (batch, d)."""
-        states = self._states(batch, "source")
+    def site_representation(self, batch, side: str = "source") -> torch.Tensor:
+        """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
+        states = self._states(batch, side)
         if states is None:
-            return read_site(self.lm, self.hparams.layer, batch["source_input_ids"], batch["source_attention_mask"],
-                             batch["source_pos"])  # fmt: skip
-        return states[torch.arange(len(states), device=states.device), batch["source_pos"]]
+            return read_site(self.lm, self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
+                             batch[f"{side}_pos"])  # fmt: skip
+        return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
 
     def intervened_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab)."""
-        source = self.source_representation(batch)
+        source = self.site_representation(batch, "source")
         return logits_at(
             self.lm,
             batch["base_input_ids"],
@@ -110,6 +110,32 @@ class InterchangeModule(LightningModule):
         """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab)."""
         return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
                          layer=self.hparams.layer, start_states=self._states(batch, "base"))  # fmt: skip
+
+    def share_cache(self, cache: ActivationCache) -> None:
+        """Use activations already computed (a sweep computes every layer once per dataset)."""
+        if self.hparams.layer not in cache.layers:
+            raise ValueError(f"the cache holds layers {cache.layers}, not layer {self.hparams.layer}")
+        self._frozen["cache"] = cache
+
+    @torch.no_grad()
+    def score(self, batches, interventions: dict[str, torch.nn.Module] | None = None) -> dict:
+        """AvgOdds and IIA over `batches` with the validation metric: of the module's own
+        intervention, or of each of `interventions` ({name: {odds, iia}}), sharing the
+        unintervened forward of each batch."""
+        candidates = interventions if interventions is not None else {"": self.intervention}
+        metrics = {name: InterchangeOdds().to(self.device) for name in candidates}
+        own = self.intervention
+        try:
+            for batch in batches:
+                batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                clean = self.clean_logits(batch)
+                for name, intervention in candidates.items():
+                    self.intervention = intervention
+                    metrics[name].update(clean, self.intervened_logits(batch), batch["base_label"], batch["source_label"])
+        finally:
+            self.intervention = own
+        scores = {name: {k: v.item() for k, v in metric.compute().items()} for name, metric in metrics.items()}
+        return scores if interventions is not None else scores[""]
 
     def training_step(self, batch, batch_idx):
         loss = F.cross_entropy(self.intervened_logits(batch).float(), batch["source_label"])

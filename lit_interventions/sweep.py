@@ -1,0 +1,278 @@
+"""The CausalGym study in one command: every method at every layer × region of every task.
+
+    python -m lit_interventions.sweep --config configs/sweep_causalgym.yaml [--tasks all] [--out DIR]
+
+Per task, the frozen LM's residual stream at every swept layer is computed once for all train
+and eval sentences (one forward per batch, `ActivationCache`). Each site (layer, region) then
+fits the closed-form directions on the base train states, trains DAS (Lightning, the paper's
+setup), and scores every method with the same 1-D interchange and the same odds metric as
+`train.py` (`InterchangeModule.score`), running only the blocks above the layer.
+
+Writes, resumably (a rerun skips finished sites, so an interruption loses at most one):
+- DIR/results.csv: task, method, layer, region, odds, iia [, control_odds, control_iia];
+- DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
+- DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import math
+import warnings
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from jsonargparse import ActionConfigFile, ArgumentParser
+from tqdm import tqdm
+
+from datamodules.causalgym import CausalGymDataModule, collate
+from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
+from lit_interventions.cache import ActivationCache
+from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
+from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
+from lit_interventions.interventions.directions import fit_direction
+from lit_interventions.lm import DEFAULT_LM, load_config, load_lm, num_layers
+from lit_interventions.modules.interchange import InterchangeModule
+from lit_interventions.plots import odds_heatmap
+
+METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
+RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
+
+
+def _names(value: str | list[str], valid: list[str], what: str) -> list[str]:
+    names = valid if value == "all" or value == ["all"] else ([value] if isinstance(value, str) else list(value))
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise ValueError(f"Unknown {what} {unknown}; valid: {', '.join(valid)} (or 'all')")
+    return names
+
+
+def _layers(value: str | list[int], n_layers: int) -> list[int]:
+    layers = list(range(n_layers)) if value == "all" else ([value] if isinstance(value, int) else list(value))
+    bad = [layer for layer in layers if not isinstance(layer, int) or not -1 <= layer < n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} are out of range: this model has {n_layers} layers (-1..{n_layers - 1})")
+    return layers
+
+
+def _check_out_dir(out: Path, meta: dict) -> None:
+    """An output directory belongs to one model and one template file."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "meta.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if {k: old.get(k) for k in ("lm", "templates_sha256")} != {k: meta[k] for k in ("lm", "templates_sha256")}:
+            raise ValueError(
+                f"{out} holds results for lm={old.get('lm')!r}, templates={old.get('templates')!r}; this sweep "
+                f"uses lm={meta['lm']!r}, templates={meta['templates']!r}. Choose another --out."
+            )
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _read_results(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _append_results(path: Path, rows: list[dict]) -> None:
+    new = not path.is_file()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def _batches(data: CausalGymDataModule, split: str, batch_size: int = 16) -> list[dict]:
+    examples = data.splits[split]
+    make = partial(collate, region=data.region, pad_id=data.tokenizer.pad_token_id, padding_side="right")
+    return [make(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
+
+
+def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pairs where this region is empty are expected: skipped quietly
+        data = CausalGymDataModule(task=task, templates=templates, lm=lm, region=region, control=control, **sizes)
+        try:
+            data.setup("fit")
+        except ValueError:
+            return None  # the region is empty in every pair: no site
+    return data
+
+
+def _train_das(module: InterchangeModule, data: CausalGymDataModule, seed: int) -> None:
+    L.seed_everything(seed, verbose=False)
+    module.intervention = RotatedSpaceIntervention(module.intervention.hidden_size, module.hparams.k)
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+
+
+def _intervention(method: str, module, data, types: list[str], X: torch.Tensor, seed: int, hidden: int):
+    if method == "das":
+        _train_das(module, data, seed)
+        return module.intervention
+    if method == "vanilla":
+        return FixedSubspaceIntervention(torch.eye(hidden))  # f* = f(s)
+    seeded = {"random_state": seed} if "random_state" in DIRECTION_METHODS[method]().get_params() else {}
+    try:
+        direction = fit_direction(method, X.float().cpu(), np.array(types), **seeded)
+    except ValueError:
+        # Degenerate site: every base has the same state here (a token before the alternation,
+        # under causal attention), so f(b) = f(s) and any interchange is a no-op: odds 0.
+        direction = torch.zeros(hidden)
+    return FixedSubspaceIntervention(direction)
+
+
+def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cache, seed) -> list[dict]:
+    """Every method at one site; one row per method."""
+    data = _region_data(task, templates, lm, region, None, sizes)
+    if data is None:
+        return []
+    control_data = _region_data(task, templates, lm, region, "dog_give", sizes) if control else None
+    module = InterchangeModule(lm=lm, layer=layer, region=region)
+    module.share_cache(cache)
+    train, evaluation = _batches(data, "train"), _batches(data, "eval")
+    X = torch.cat([module.site_representation(batch, "base") for batch in train])  # what directions are fitted on
+    types = [e.base_type for e in data.splits["train"]]
+    found = {method: _intervention(method, module, data, types, X, seed, X.shape[-1]) for method in methods}
+    scores = module.score(evaluation, found)
+    rows = [{"task": task, "method": m, "layer": layer, "region": region, **scores[m]} for m in methods]
+    if control_data is not None:
+        if "das" in found:  # DAS is retrained on the control labels; the directions stay as fitted
+            found["das"] = _intervention("das", module, control_data, types, X, seed, X.shape[-1])
+        control_scores = module.score(_batches(control_data, "eval"), found)
+        for row in rows:
+            row |= {"control_odds": control_scores[row["method"]]["odds"], "control_iia": control_scores[row["method"]]["iia"]}
+    return rows
+
+
+@torch.no_grad()
+def task_accuracy(task, templates, lm, sizes, cache) -> float:
+    """Acc: the share of eval pairs where the unintervened model ranks y_b above y_s."""
+    data = _region_data(task, templates, lm, None, None, sizes)
+    module = InterchangeModule(lm=lm, layer=cache.layers[-1])
+    module.share_cache(cache)
+    right = total = 0
+    for batch in _batches(data, "eval"):
+        logits = module.clean_logits(batch)
+        rows = torch.arange(len(logits))
+        right += (logits[rows, batch["base_label"]] > logits[rows, batch["source_label"]]).sum().item()
+        total += len(logits)
+    return right / total
+
+
+def overall(cells: dict[tuple[int, str], float]) -> float:
+    """CausalGym eq. 19: the mean over layers of the best region's AvgOdds."""
+    best = defaultdict(lambda: -math.inf)
+    for (layer, _), value in cells.items():
+        best[layer] = max(best[layer], value)
+    return float(np.mean(list(best.values()))) if best else math.nan
+
+
+def summarise(results: list[dict], accuracy: dict[str, float], regions: dict[str, list[str]], out: Path) -> list[dict]:
+    """summary.csv and one heatmap per task and method."""
+    grouped = defaultdict(dict)
+    for row in results:
+        grouped[(row["task"], row["method"])][(int(row["layer"]), row["region"])] = row
+    summary = []
+    for (task, method), cells in grouped.items():
+        odds = {site: float(r["odds"]) for site, r in cells.items()}
+        line = {"task": task, "method": method, "accuracy": accuracy.get(task, math.nan), "overall_odds": overall(odds)}
+        if all(r.get("control_odds") not in (None, "") for r in cells.values()):
+            line["selectivity"] = overall({s: float(r["odds"]) - float(r["control_odds"]) for s, r in cells.items()})
+        summary.append(line)
+        layers = sorted({layer for layer, _ in cells})
+        names = [r for r in regions[task] if any((layer, r) in cells for layer in layers)]
+        matrix = np.full((len(layers), len(names)), np.nan)
+        for (layer, region), value in odds.items():
+            matrix[layers.index(layer), names.index(region)] = value
+        odds_heatmap(matrix, layers, names, f"{task} · {method} · overall odds {line['overall_odds']:.2f}",
+                     out / "heatmaps" / f"{task}_{method}.png")  # fmt: skip
+    with (out / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["task", "method", "accuracy", "overall_odds", "selectivity"])
+        writer.writeheader()
+        writer.writerows(summary)
+    return summary
+
+
+def run_sweep(
+    tasks: str | list[str] = "agr_sv_num_pp",
+    methods: str | list[str] = "all",
+    layers: str | list[int] = "all",
+    templates: str | None = None,
+    lm: str = DEFAULT_LM,
+    control: bool = False,
+    out: str = "runs/sweep",
+    train_pairs: int = 200,
+    eval_pairs: int = 50,
+    seed: int = 0,
+) -> list[dict]:
+    """Run (or resume) the sweep; returns the summary rows.
+
+    Args:
+        tasks: task names, or 'all'.
+        methods: from das, probe, diffmean, lda, pca, kmeans, random, vanilla; or 'all'.
+        layers: layer indices (-1 = embeddings), or 'all'.
+        templates: a template file in the CausalGym schema (default: our 29 tasks).
+        lm: the LM (embedded name, .gguf, local directory or hub id).
+        control: also run the dog/give control task (adds control_odds and selectivity).
+        out: output directory.
+        train_pairs, eval_pairs: pairs before swap-doubling (the paper: 200, 50).
+        seed: data and method seed.
+    """
+    template_path = Path(templates) if templates else BUILTIN_TEMPLATES
+    tasks = _names(tasks, list(load_templates(template_path)), "tasks")
+    methods = _names(methods, METHODS, "methods")
+    layers = _layers(layers, num_layers(load_config(lm)))
+    out = Path(out)
+    digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
+    _check_out_dir(out, {"lm": lm, "templates": templates or "builtin", "templates_sha256": digest})
+    sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
+    results_path = out / "results.csv"
+    done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in _read_results(results_path)}
+    regions = {task: load_task(task, templates).regions for task in tasks}
+    sites = [(task, layer, region) for task in tasks for layer in layers for region in regions[task]]
+    model = load_lm(lm)
+    accuracy, caches = {}, {}
+    for task, layer, region in tqdm(sites, desc="sites", unit="site"):
+        todo = [m for m in methods if (task, m, layer, region) not in done]
+        if task not in caches:  # one cache per task: every layer, computed once for its sentences
+            caches = {task: ActivationCache(model, layers)}
+            accuracy[task] = task_accuracy(task, templates, lm, sizes, caches[task])
+        if todo:
+            _append_results(results_path, sweep_site(task, layer, region, todo, lm, templates, control, sizes,
+                                                     caches[task], seed))  # fmt: skip
+    results = [r for r in _read_results(results_path) if r["task"] in tasks and r["method"] in methods]
+    return summarise(results, accuracy, regions, out)
+
+
+def main(args=None) -> None:
+    for name in ("lightning.pytorch", "lightning.fabric"):  # one Trainer per DAS site: keep its banner quiet
+        logging.getLogger(name).setLevel(logging.ERROR)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], default_config_files=[])
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_function_arguments(run_sweep, as_positional=False)
+    config = parser.parse_args(args)
+    config.pop("config", None)
+    kwargs = {k: v for k, v in config.as_dict().items() if not k.startswith("__")}
+    try:
+        summary = run_sweep(**kwargs)
+    except (ValueError, FileNotFoundError) as err:
+        parser.exit(2, f"error: {err}\n")
+    for line in summary:
+        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The CausalGym sweep on a tiny model: files, resumption, the overall odds, degenerate sites, errors."""
+
+import csv
+import json
+
+import pytest
+
+from lit_interventions import sweep
+
+
+def _rows(path):
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _run(tmp_path, lm_dir, **kwargs):
+    options = dict(tasks="agr_sv_num_pp", methods=["diffmean", "vanilla"], layers=[0, 2], lm=lm_dir,
+                   out=str(tmp_path / "out"), train_pairs=10, eval_pairs=4)  # fmt: skip
+    return sweep.run_sweep(**{**options, **kwargs})
+
+
+def test_overall_odds_by_hand():
+    # layer 0: best region 2.0; layer 1: best region 4.0 -> mean 3.0 (CausalGym eq. 19)
+    assert sweep.overall({(0, "a"): 1.0, (0, "b"): 2.0, (1, "a"): 4.0, (1, "b"): -1.0}) == 3.0
+
+
+def test_sweep_writes_results_summary_and_heatmaps(tmp_path, tiny_lm_dir):
+    summary = _run(tmp_path, tiny_lm_dir("llama"), control=True)
+    out = tmp_path / "out"
+    rows = _rows(out / "results.csv")
+    regions = ["The", "subject", "prep", "the", "object"]
+    assert {(r["method"], int(r["layer"]), r["region"]) for r in rows} == {
+        (m, layer, region) for m in ("diffmean", "vanilla") for layer in (0, 2) for region in regions
+    }
+    assert all(r["control_odds"] != "" for r in rows)
+    # Under causal attention the first token's state is the same in base and source: no effect.
+    assert all(float(r["odds"]) == 0.0 for r in rows if r["region"] == "The")
+    by_method = {line["method"]: line for line in summary}
+    vanilla = {(int(r["layer"]), r["region"]): float(r["odds"]) for r in rows if r["method"] == "vanilla"}
+    assert by_method["vanilla"]["overall_odds"] == pytest.approx(sweep.overall(vanilla))
+    assert "selectivity" in by_method["vanilla"] and 0.0 <= by_method["vanilla"]["accuracy"] <= 1.0
+    assert (out / "heatmaps" / "agr_sv_num_pp_diffmean.png").stat().st_size > 1000
+    assert len(_rows(out / "summary.csv")) == 2
+
+
+def test_rerun_skips_finished_sites(tmp_path, tiny_lm_dir):
+    lm_dir = tiny_lm_dir("llama")
+    _run(tmp_path, lm_dir, methods=["diffmean"])
+    first = _rows(tmp_path / "out" / "results.csv")
+    _run(tmp_path, lm_dir, methods=["diffmean", "vanilla"])
+    second = _rows(tmp_path / "out" / "results.csv")
+    assert second[: len(first)] == first and len(second) == 2 * len(first)
+    _run(tmp_path, lm_dir, methods=["diffmean", "vanilla"])
+    assert _rows(tmp_path / "out" / "results.csv") == second
+
+
+def test_das_and_closed_form_methods_at_one_site(tmp_path, tiny_lm_dir):
+    summary = _run(tmp_path, tiny_lm_dir("gpt_neox"), methods="all", layers=[1])
+    assert {line["method"] for line in summary} == set(sweep.METHODS)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"methods": ["das", "magic"]}, r"Unknown methods \['magic'\]; valid: das, probe"),
+        ({"tasks": ["agr_nope"]}, r"Unknown tasks \['agr_nope'\]; valid: agr_gender"),
+        ({"layers": [0, 9]}, r"layers \[9\] are out of range: this model has 3 layers"),
+    ],
+)
+def test_bad_input_fails_before_the_sweep(tmp_path, tiny_lm_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _run(tmp_path, tiny_lm_dir("llama"), **kwargs)
+    assert not (tmp_path / "out" / "results.csv").exists()
+
+
+def test_output_directory_of_another_model_is_refused(tmp_path, tiny_lm_dir):
+    _run(tmp_path, tiny_lm_dir("llama"), methods=["diffmean"], layers=[0])
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["lm"] == tiny_lm_dir("llama")
+    with pytest.raises(ValueError, match="holds results for lm="):
+        _run(tmp_path, tiny_lm_dir("gpt_neox"), methods=["diffmean"], layers=[0])
+
+
+def test_command_line(tmp_path, tiny_lm_dir, capsys):
+    sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", "--methods=[diffmean]",
+                "--layers=[1]", f"--out={tmp_path / 'cli'}", "--train_pairs=10", "--eval_pairs=4"])  # fmt: skip
+    assert "method=diffmean" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", "--methods=[nope]"])
+    assert "error: Unknown methods ['nope']" in capsys.readouterr().err
