@@ -105,8 +105,9 @@ def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, 
     return examples
 
 
-def collate(examples: list[Example], region: str, pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
-    """Pad base and source separately; shift positions by the padding when it is on the left."""
+def collate(examples: list[Example], region: str, pad_id: int, padding_side: str = "right") -> dict:
+    """Pad base and source separately; shift positions by the padding when it is on the left.
+    `*_keys` are the unpadded ids and first real positions, for `ActivationCache`."""
     batch: dict[str, torch.Tensor] = {}
     for side in ("base", "source"):
         seqs = [getattr(e, f"{side}_ids") for e in examples]
@@ -124,6 +125,7 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
         batch[f"{side}_pos"] = positions + shift  # (batch,)
         batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
         batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])
+        batch[f"{side}_keys"] = ([tuple(seq) for seq in seqs], shift.tolist())  # host-side cache keys
     return batch
 
 

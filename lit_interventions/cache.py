@@ -36,9 +36,18 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._states)
 
-    def states(self, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The residual stream at `layer` for a padded batch, (batch, seq, d), padding as zeros."""
-        keys, starts = input_keys(input_ids, attention_mask)
+    def states(
+        self,
+        layer: int,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        keys: tuple[list[Key], list[int]] | None = None,
+    ) -> torch.Tensor:
+        """The residual stream at `layer` for a padded batch, (batch, seq, d), padding as zeros.
+
+        `keys` is `input_keys(input_ids, attention_mask)` computed on the host (the CausalGym
+        collate function does), which spares a device-to-host copy per step on a GPU."""
+        keys, starts = keys if keys is not None else input_keys(input_ids, attention_mask)
         missing = [i for i, key in enumerate(keys) if key not in self._states]
         if missing:
             rows = torch.tensor(missing, device=input_ids.device)

@@ -73,3 +73,14 @@ def test_cached_and_uncached_training_give_the_same_loss_curve(tiny_lm_dir, arch
     assert cached[0] != pytest.approx(cached[-1])  # training moved something
     for name in ("val/odds", "val/iia"):
         assert cached_metrics[name].item() == pytest.approx(uncached_metrics[name].item(), rel=1e-4, abs=1e-5)
+
+
+def test_collate_keys_match_the_tensors(tiny_lm_dir):
+    from lit_interventions.cache import input_keys
+
+    data = CausalGymDataModule(task="agr_sv_num_pp", lm=tiny_lm_dir("llama"), train_pairs=6, eval_pairs=2,
+                               padding_side="left")  # fmt: skip
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    for side in ("base", "source"):
+        assert batch[f"{side}_keys"] == input_keys(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])

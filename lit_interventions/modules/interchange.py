@@ -82,7 +82,8 @@ class InterchangeModule(LightningModule):
         cache = self.activations
         if cache is None:
             return None
-        return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
+        return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
+                            batch.get(f"{side}_keys"))  # fmt: skip
 
     def site_representation(self, batch, side: str = "source") -> torch.Tensor:
         """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
