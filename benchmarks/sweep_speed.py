@@ -1,0 +1,122 @@
+"""Time per site of a one-task CausalGym sweep: ours against the paper's loop structure, same run.
+
+- ours: `python -m lit_interventions.sweep` (activations of every layer computed once per task,
+  each site runs only the blocks above it, one unintervened forward shared by all methods);
+- reference: per site, one `pyvene.IntervenableModel`; DAS trained with a full base and source
+  forward every step; the base representations for the closed-form methods read with a forward
+  per site; every method scored with full base and source forwards.
+
+Both use the same data, directions (`fit_direction`) and odds metric (`log_odds_ratio`). smollm2
+is the default because pyvene 0.1.8 has no mapping for Gemma 3.
+
+    python benchmarks/sweep_speed.py [--lm smollm2-135m-instruct] [--layers 7 22] [--methods das diffmean probe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from functools import partial
+
+import numpy as np
+import pyvene
+import torch
+import torch.nn.functional as F
+from transformers import get_linear_schedule_with_warmup
+
+from datamodules.causalgym import CausalGymDataModule, collate
+from lit_interventions.interventions.directions import fit_direction
+from lit_interventions.lm import load_lm
+from lit_interventions.metrics import log_odds_ratio
+from lit_interventions.sites import read_site
+from lit_interventions.sweep import run_sweep
+
+
+def _batches(data, split, size):
+    make = partial(collate, region=data.region, pad_id=data.tokenizer.pad_token_id)
+    examples = data.splits[split]
+    return [make(examples[i : i + size]) for i in range(0, len(examples), size)]
+
+
+def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str]) -> None:
+    """One site the way the CausalGym code runs it."""
+    data = CausalGymDataModule(task=task, lm=lm, region=region)
+    try:
+        data.setup("fit")
+    except ValueError:
+        return
+    model = load_lm(lm)
+    config = pyvene.IntervenableConfig(
+        representations=[pyvene.RepresentationConfig(layer=layer, component="block_output", low_rank_dimension=1)],
+        intervention_types=pyvene.LowRankRotatedSpaceIntervention,
+    )
+    intervenable = pyvene.IntervenableModel(config, model)
+    intervention = next(iter(intervenable.interventions.values()))
+    intervention = intervention[0] if isinstance(intervention, (tuple, list)) else intervention
+
+    def forward(batch):
+        locations = {"sources->base": ([[[p] for p in batch["source_pos"].tolist()]],
+                                       [[[p] for p in batch["base_pos"].tolist()]])}  # fmt: skip
+        _, out = intervenable({"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
+                              [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
+                              unit_locations=locations)  # fmt: skip
+        return out.logits[torch.arange(len(batch["base_last"])), batch["base_last"]]
+
+    train, evaluation = _batches(data, "train", 4), _batches(data, "eval", 16)
+    X = torch.cat([read_site(model, layer, b["base_input_ids"], b["base_attention_mask"], b["base_pos"])
+                   for b in _batches(data, "train", 16)])  # fmt: skip
+    types = np.array([e.base_type for e in data.splits["train"]])
+    for method in methods:
+        if method == "das":
+            optimizer = torch.optim.Adam(intervention.parameters(), lr=5e-3)
+            schedule = get_linear_schedule_with_warmup(optimizer, len(train) // 10, len(train))
+            for batch in train:
+                F.cross_entropy(forward(batch), batch["source_label"]).backward()
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+        else:
+            try:
+                direction = fit_direction(method, X, types)
+            except ValueError:  # a degenerate site (identical states): nothing to fit
+                direction = None
+            if direction is not None:
+                with torch.no_grad():
+                    intervention.rotate_layer.weight = direction[:, None]
+        with torch.no_grad():
+            for batch in evaluation:
+                clean = model(input_ids=batch["base_input_ids"], attention_mask=batch["base_attention_mask"]).logits
+                clean = clean[torch.arange(len(batch["base_last"])), batch["base_last"]]
+                log_odds_ratio(clean, forward(batch), batch["base_label"], batch["source_label"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lm", default="smollm2-135m-instruct")
+    parser.add_argument("--task", default="agr_sv_num_pp")
+    parser.add_argument("--layers", type=int, nargs="+", default=[7, 22])
+    parser.add_argument("--methods", nargs="+", default=["das", "probe", "diffmean", "pca", "kmeans", "lda", "random"])
+    args = parser.parse_args()
+    regions = CausalGymDataModule(task=args.task).template.regions
+    sites = len(args.layers) * len(regions)
+    load_lm(args.lm)  # both timings exclude loading the model
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        run_sweep(tasks=args.task, methods=args.methods, layers=args.layers, lm=args.lm, out=out)
+    ours = (time.perf_counter() - start) / sites
+
+    start = time.perf_counter()
+    for layer in args.layers:
+        for region in regions:
+            reference_site(args.lm, args.task, layer, region, args.methods)
+    reference = (time.perf_counter() - start) / sites
+
+    print(f"{args.lm}, task {args.task}, layers {args.layers}, {len(regions)} regions, methods {args.methods}")
+    print(f"seconds per site: reference {reference:.1f}, ours {ours:.1f}")
+    print(f"ratio={reference / ours:.2f}")
+
+
+if __name__ == "__main__":
+    main()
