@@ -63,15 +63,17 @@ def _layers(value: str | list[int], n_layers: int) -> list[int]:
 
 
 def _check_out_dir(out: Path, meta: dict) -> None:
-    """An output directory belongs to one model and one template file."""
+    """An output directory belongs to one model, one template file and one data sample."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "meta.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        if {k: old.get(k) for k in ("lm", "templates_sha256")} != {k: meta[k] for k in ("lm", "templates_sha256")}:
+        changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v and k != "templates"}
+        if changed:
             raise ValueError(
                 f"{out} holds results for lm={old.get('lm')!r}, templates={old.get('templates')!r}; this sweep "
-                f"uses lm={meta['lm']!r}, templates={meta['templates']!r}. Choose another --out."
+                f"differs in {', '.join(f'{k} ({a!r} there, {b!r} here)' for k, (a, b) in changed.items())}. "
+                "Choose another --out."
             )
     path.write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -237,10 +239,11 @@ def run_sweep(
     layers = _layers(layers, num_layers(load_config(lm)))
     out = Path(out)
     digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
-    _check_out_dir(out, {"lm": lm, "templates": templates or "builtin", "templates_sha256": digest})
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
+    _check_out_dir(out, {"lm": lm, "templates": templates or "builtin", "templates_sha256": digest, **sizes})
     results_path = out / "results.csv"
-    done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in _read_results(results_path)}
+    done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in _read_results(results_path)
+            if r["control_odds"] or not control}  # a site run without the control is redone with it
     regions = {task: load_task(task, templates).regions for task in tasks}
     sites = [(task, layer, region) for task in tasks for layer in layers for region in regions[task]]
     model = load_lm(lm)
@@ -253,7 +256,8 @@ def run_sweep(
         if todo:
             _append_results(results_path, sweep_site(task, layer, region, todo, lm, templates, control, sizes,
                                                      caches[task], seed))  # fmt: skip
-    results = [r for r in _read_results(results_path) if r["task"] in tasks and r["method"] in methods]
+    results = [r for r in _read_results(results_path)
+               if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
     return summarise(results, accuracy, regions, out)
 
 

@@ -87,3 +87,18 @@ def test_command_line(tmp_path, tiny_lm_dir, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", "--methods=[nope]"])
     assert "error: Unknown methods ['nope']" in capsys.readouterr().err
+
+
+def test_other_data_sizes_are_refused_and_control_is_added_on_rerun(tmp_path, tiny_lm_dir):
+    lm_dir = tiny_lm_dir("llama")
+    _run(tmp_path, lm_dir, methods=["diffmean"], layers=[0])
+    with pytest.raises(ValueError, match=r"differs in train_pairs \(10 there, 12 here\)"):
+        _run(tmp_path, lm_dir, methods=["diffmean"], layers=[0], train_pairs=12)
+    summary = _run(tmp_path, lm_dir, methods=["diffmean"], layers=[0], control=True)
+    assert "selectivity" in summary[0]  # the sites run without the control were redone with it
+    summary = _run(tmp_path, lm_dir, methods=["diffmean"], layers=[1])
+    assert {int(r["layer"]) for r in _rows(tmp_path / "out" / "results.csv")} == {0, 1}
+    assert summary[0]["overall_odds"] == pytest.approx(
+        sweep.overall({(1, r["region"]): float(r["odds"]) for r in _rows(tmp_path / "out" / "results.csv")
+                       if r["layer"] == "1"})  # fmt: skip
+    )  # the summary covers the layers asked for
