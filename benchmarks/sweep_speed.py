@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from functools import partial
 
 import numpy as np
 import pyvene
@@ -25,18 +24,12 @@ import torch
 import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
 
-from datamodules.causalgym import CausalGymDataModule, collate
+from datamodules.causalgym import CausalGymDataModule
 from lit_interventions.interventions.directions import fit_direction
 from lit_interventions.lm import load_lm
 from lit_interventions.metrics import log_odds_ratio
 from lit_interventions.sites import read_site
 from lit_interventions.sweep import run_sweep
-
-
-def _batches(data, split, size):
-    make = partial(collate, region=data.region, pad_id=data.tokenizer.pad_token_id)
-    examples = data.splits[split]
-    return [make(examples[i : i + size]) for i in range(0, len(examples), size)]
 
 
 def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str]) -> None:
@@ -63,9 +56,9 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
                               unit_locations=locations)  # fmt: skip
         return out.logits[torch.arange(len(batch["base_last"])), batch["base_last"]]
 
-    train, evaluation = _batches(data, "train", 4), _batches(data, "eval", 16)
+    train, evaluation = data.loader("train", 4), data.loader("eval", 16)
     X = torch.cat([read_site(model, layer, b["base_input_ids"], b["base_attention_mask"], b["base_pos"])
-                   for b in _batches(data, "train", 16)])  # fmt: skip
+                   for b in data.loader("train", 16)])  # fmt: skip
     types = np.array([e.base_type for e in data.splits["train"]])
     for method in methods:
         if method == "das":

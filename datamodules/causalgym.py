@@ -210,7 +210,8 @@ class CausalGymDataModule(LightningDataModule):
                 )
             self.splits[split] = kept
 
-    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+    def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
+        """Batches of one split ("train", "dev" or "eval"), collated for this region."""
         pad_id = self.tokenizer.pad_token_id
         sampler = None
         if not shuffle and self.trainer is not None and self.trainer.world_size > 1:
@@ -228,10 +229,10 @@ class CausalGymDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.hparams.batch_size, shuffle=True)
+        return self.loader("train", self.hparams.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("dev", self.hparams.eval_batch_size, shuffle=False)
+        return self.loader("dev", self.hparams.eval_batch_size, shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("eval", self.hparams.eval_batch_size, shuffle=False)
+        return self.loader("eval", self.hparams.eval_batch_size, shuffle=False)

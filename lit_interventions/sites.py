@@ -137,18 +137,8 @@ def read_site(
     model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """f(x): the residual stream at (layer, positions), (batch, d). The forward stops at `layer`."""
-    found = {}
-
-    def grab(hidden):
-        found["h"] = hidden[_rows(hidden), positions]
-        raise _StopForward
-
-    with _hook(model, layer, grab):
-        try:
-            _run_body(model, input_ids, attention_mask)
-        except _StopForward:
-            pass
-    return found["h"]
+    hidden = read_layers(model, [layer], input_ids, attention_mask)[layer]
+    return hidden[_rows(hidden), positions]
 
 
 def _returns_tuple(model: nn.Module, block: nn.Module) -> bool:

@@ -23,7 +23,6 @@ import logging
 import math
 import warnings
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -32,7 +31,7 @@ import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
 from tqdm import tqdm
 
-from datamodules.causalgym import CausalGymDataModule, collate
+from datamodules.causalgym import CausalGymDataModule
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.cache import ActivationCache
 from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
@@ -94,12 +93,6 @@ def _append_results(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def _batches(data: CausalGymDataModule, split: str, batch_size: int = 16) -> list[dict]:
-    examples = data.splits[split]
-    make = partial(collate, region=data.region, pad_id=data.tokenizer.pad_token_id, padding_side="right")
-    return [make(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
-
-
 def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pairs where this region is empty are expected: skipped quietly
@@ -144,7 +137,7 @@ def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cach
     control_data = _region_data(task, templates, lm, region, "dog_give", sizes) if control else None
     module = InterchangeModule(lm=lm, layer=layer, region=region)
     module.share_cache(cache)
-    train, evaluation = _batches(data, "train"), _batches(data, "eval")
+    train, evaluation = list(data.loader("train", 16)), list(data.loader("eval", 16))
     X = torch.cat([module.site_representation(batch, "base") for batch in train])  # what directions are fitted on
     types = [e.base_type for e in data.splits["train"]]
     found = {method: _intervention(method, module, data, types, X, seed, X.shape[-1]) for method in methods}
@@ -153,7 +146,7 @@ def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cach
     if control_data is not None:
         if "das" in found:  # DAS is retrained on the control labels; the directions stay as fitted
             found["das"] = _intervention("das", module, control_data, types, X, seed, X.shape[-1])
-        control_scores = module.score(_batches(control_data, "eval"), found)
+        control_scores = module.score(control_data.loader("eval", 16), found)
         for row in rows:
             row |= {"control_odds": control_scores[row["method"]]["odds"], "control_iia": control_scores[row["method"]]["iia"]}
     return rows
@@ -166,7 +159,7 @@ def task_accuracy(task, templates, lm, sizes, cache) -> float:
     module = InterchangeModule(lm=lm, layer=cache.layers[-1])
     module.share_cache(cache)
     right = total = 0
-    for batch in _batches(data, "eval"):
+    for batch in data.loader("eval", 16):
         logits = module.clean_logits(batch)
         rows = torch.arange(len(logits))
         right += (logits[rows, batch["base_label"]] > logits[rows, batch["source_label"]]).sum().item()

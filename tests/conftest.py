@@ -4,7 +4,6 @@ a small byte-level BPE tokenizer trained offline on our template words."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
