@@ -174,7 +174,7 @@ def test_direction_drives_the_fixed_subspace_intervention():
 
 
 def test_methods_registry_and_sklearn_params():
-    assert set(METHODS) == {"probe", "diffmean", "lda", "pca", "kmeans", "random"}
+    assert set(METHODS) == {"probe", "diffmean", "lda", "pca", "kmeans", "random", "lat"}
     assert clone(ProbeDirection(strength=3.0)).get_params()["strength"] == 3.0
 
 
@@ -200,3 +200,27 @@ def test_bad_inputs():
         fit_direction("probe", X, y, strength=0.0)
     with pytest.raises(ValueError, match="zero direction"):
         fit_direction("diffmean", np.ones((4, 3)), [0, 1, 0, 1])
+
+
+def test_lat_is_the_top_pc_of_normalised_pair_differences():
+    # By hand: the same shuffle and pairing, unit-normalised differences, top PC by SVD.
+    from lit_interventions.interventions.directions import LATDirection
+
+    X, y, axis = two_classes(n=400, d=8, sep=8.0, seed=2)
+    a = LATDirection(random_state=5).fit(X, y).direction_.double().numpy()
+    order = np.random.RandomState(5).permutation(len(X))
+    diffs = X[order[:200]] - X[order[200:]]
+    diffs /= np.linalg.norm(diffs, axis=1, keepdims=True)
+    _, _, vt = np.linalg.svd(diffs - diffs.mean(0), full_matrices=False)
+    assert abs(cos(a, vt[0])) == pytest.approx(1.0, abs=1e-6)
+    # Pairs across the classes differ along the class axis, so LAT finds it (oriented 0 -> 1).
+    assert cos(a, axis) > 0.95
+
+
+def test_lat_needs_two_pairs_of_distinct_rows():
+    from lit_interventions.interventions.directions import LATDirection
+
+    X = np.ones((6, 3))
+    X[0] = 2.0
+    with pytest.raises(ValueError, match="at least 2 pairs of distinct rows"):
+        LATDirection().fit(X)

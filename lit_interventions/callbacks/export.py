@@ -10,6 +10,9 @@ import torch
 from lightning import Callback
 from safetensors.torch import load_file, save_file
 
+from lit_interventions.interventions.mask import SigmoidMaskIntervention
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
+
 WEIGHTS, CARD = "intervention.safetensors", "intervention.json"
 
 
@@ -32,26 +35,37 @@ def _metrics(trainer) -> dict[str, float]:
     return {k: v for k, v in sorted(values.items()) if math.isfinite(v)}
 
 
+def exported_tensors(intervention) -> dict[str, torch.Tensor] | None:
+    """What a trained interchange intervention is: a DAS basis W (k, d), or a DBM mask σ(m/T) (d,)."""
+    if isinstance(intervention, RotatedSpaceIntervention):
+        return {"basis": intervention.basis}
+    if isinstance(intervention, SigmoidMaskIntervention):
+        return {"mask": intervention.weights()}
+    return None
+
+
 class ExportIntervention(Callback):
-    """After fit, rank 0 writes the intervention's basis and a card (model, site, task, k, metrics)
-    to the run's log directory."""
+    """After fit, rank 0 writes the trained interchange intervention (a DAS basis or a DBM mask)
+    and a card (model, site, data, metrics) to the run's log directory. Modules with other
+    interventions (steering, featurizers) are skipped: they export themselves."""
 
     def on_fit_end(self, trainer, pl_module):
         directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
-        if not trainer.is_global_zero:
+        tensors = exported_tensors(getattr(pl_module, "intervention", None))
+        if not trainer.is_global_zero or tensors is None:
             return
-        data_hp = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+        data_hp = dict(trainer.datamodule.hparams) if trainer.datamodule is not None else {}
         hp = pl_module.hparams
         card = {
-            "method": "das",
+            "method": hp.get("method", "das"),
             "model": hp.lm,
             "layer": hp.layer,
-            "region": getattr(trainer.datamodule, "region", hp.region),
-            "task": data_hp.get("task"),
-            "templates": data_hp.get("templates") or "builtin",
-            "control": data_hp.get("control"),
-            "k": hp.k,
-            "hidden_size": pl_module.intervention.hidden_size,
+            "k": hp.get("k") if "basis" in tensors else None,
+            "hidden_size": next(iter(tensors.values())).shape[-1],
+            "data": {k: v for k, v in data_hp.items() if k != "lm"},
             "metrics": _metrics(trainer),
         }
-        save_intervention(directory, {"basis": pl_module.intervention.basis}, card)
+        if "task" in data_hp:  # CausalGym
+            card.update(region=getattr(trainer.datamodule, "region", hp.get("region")), task=data_hp["task"],
+                        templates=data_hp.get("templates") or "builtin", control=data_hp.get("control"))  # fmt: skip
+        save_intervention(directory, tensors, card)

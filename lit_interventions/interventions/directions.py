@@ -7,7 +7,7 @@ torch tensor of shape (d,) with unit L2 norm, to use as
 
 Classes are ordered by `np.unique(y)`: class 0 is the smaller label, class 1 the larger. Sign
 convention: every direction is flipped if needed so that the mean projection of class 1 is ≥
-that of class 0, i.e. a·(μ1 − μ0) ≥ 0. The unsupervised methods (PCA, k-means, random) ignore y
+that of class 0, i.e. a·(μ1 − μ0) ≥ 0. The unsupervised methods (PCA, LAT, k-means, random) ignore y
 for the fit and use it only for this orientation when it is given; without y they keep the sign
 scikit-learn (or the seed) gives. The interchange itself is sign-invariant.
 
@@ -212,6 +212,32 @@ class RandomDirection(_Direction):
         return check_random_state(self.random_state).standard_normal(X.shape[1])
 
 
+class LATDirection(_Direction):
+    """a = the first principal component of Δ, the unit-normalised differences
+    δ = (h_i − h_j)/‖h_i − h_j‖ of a random pairing of the rows of X (LAT: Zou et al. 2023; as
+    AxBench §4 uses it). The rows are shuffled with `random_state` and split into ⌊n/2⌋ disjoint
+    pairs (an odd last row is left out); pairs of identical rows carry no direction and are
+    dropped. PCA (sklearn, which centres Δ) then gives the top component; y, if given, only
+    orients it.
+    """
+
+    _supervised = False
+
+    def __init__(self, random_state=0):
+        self.random_state = random_state
+
+    def _raw_direction(self, X, codes):
+        order = check_random_state(self.random_state).permutation(X.shape[0])
+        half = X.shape[0] // 2
+        diffs = X[order[:half]] - X[order[half : 2 * half]]  # (n/2, d)
+        norms = np.linalg.norm(diffs, axis=1)
+        diffs = diffs[norms > 0] / norms[norms > 0, None]
+        if diffs.shape[0] < 2:
+            raise ValueError(f"LATDirection needs at least 2 pairs of distinct rows; got {diffs.shape[0]}")
+        self.estimator_ = PCA(n_components=1, random_state=self.random_state).fit(diffs)
+        return self.estimator_.components_[0]
+
+
 METHODS: dict[str, type] = {
     "probe": ProbeDirection,
     "diffmean": DiffMeanDirection,
@@ -219,6 +245,7 @@ METHODS: dict[str, type] = {
     "pca": PCADirection,
     "kmeans": KMeansDirection,
     "random": RandomDirection,
+    "lat": LATDirection,
 }
 
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from lightning import LightningModule
-from transformers import get_linear_schedule_with_warmup
 
-from lit_interventions.cache import ActivationCache
 from lit_interventions.interventions import RotatedSpaceIntervention
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config
 from lit_interventions.metrics import InterchangeOdds
-from lit_interventions.sites import check_layer, logits_at, read_site
+from lit_interventions.modules.site import SiteModule
 
 
-class InterchangeModule(LightningModule):
+class InterchangeModule(SiteModule):
     """DAS on one site (layer, region) of a frozen LM. Only the intervention is trained and saved.
 
     Args:
@@ -47,76 +44,14 @@ class InterchangeModule(LightningModule):
         cache: bool = True,
     ):
         super().__init__()
-        config = load_config(lm)  # the config only: layers are checked before weights load
-        if layer is None:
-            layer = num_layers(config) // 2
-        check_layer(layer, num_layers(config))
+        layer = self._check_site(lm, layer)  # the config only: layers are checked before weights load
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
         self.save_hyperparameters()
         self.hparams.layer = layer
-        self.intervention = RotatedSpaceIntervention(hidden_size(config), k)
+        self.intervention = RotatedSpaceIntervention(hidden_size(load_config(lm)), k)
         self.val_odds = InterchangeOdds()
         self.test_odds = InterchangeOdds()
-        self._frozen: dict[str, torch.nn.Module] = {}  # the LM, kept out of state_dict and DDP
-
-    @property
-    def lm(self) -> torch.nn.Module:
-        model = self._frozen.get("lm")
-        if model is None:
-            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
-        if model.device != self.device:
-            model.to(self.device)
-        return model
-
-    @property
-    def activations(self) -> ActivationCache | None:
-        if not self.hparams.cache:
-            return None
-        if "cache" not in self._frozen:
-            self._frozen["cache"] = ActivationCache(self.lm, [self.hparams.layer])
-        return self._frozen["cache"]
-
-    def _states(self, batch, side: str) -> torch.Tensor | None:
-        """The cached residual stream at the layer for one side of the batch (None: no cache)."""
-        cache = self.activations
-        if cache is None:
-            return None
-        return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
-                            batch.get(f"{side}_keys"))  # fmt: skip
-
-    def site_representation(self, batch, side: str = "source") -> torch.Tensor:
-        """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
-        states = self._states(batch, side)
-        if states is None:
-            return read_site(self.lm, self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
-                             batch[f"{side}_pos"])  # fmt: skip
-        return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
-
-    def intervened_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab)."""
-        source = self.site_representation(batch, "source")
-        return logits_at(
-            self.lm,
-            batch["base_input_ids"],
-            batch["base_attention_mask"],
-            batch["base_last"],
-            layer=self.hparams.layer,
-            site_positions=batch["base_pos"],
-            intervention=lambda base: self.intervention(base, source),
-            start_states=self._states(batch, "base"),
-        )
-
-    def clean_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab)."""
-        return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
-                         layer=self.hparams.layer, start_states=self._states(batch, "base"))  # fmt: skip
-
-    def share_cache(self, cache: ActivationCache) -> None:
-        """Use activations already computed (a sweep computes every layer once per dataset)."""
-        if self.hparams.layer not in cache.layers:
-            raise ValueError(f"the cache holds layers {cache.layers}, not layer {self.hparams.layer}")
-        self._frozen["cache"] = cache
 
     @torch.no_grad()
     def score(self, batches, interventions: dict[str, torch.nn.Module] | None = None) -> dict:
@@ -167,7 +102,4 @@ class InterchangeModule(LightningModule):
         self._log_odds(self.test_odds, "test")
 
     def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.intervention.parameters(), lr=self.hparams.lr)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return self._adam_with_linear_schedule(self.intervention.parameters(), self.hparams.lr, self.hparams.warmup_ratio)

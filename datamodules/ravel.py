@@ -1,0 +1,486 @@
+"""RAVEL data: entities, attribute prompts and splits in the published file layout.
+
+Files of one entity type `<type>` in a directory (RAVEL, Huang et al. 2024, §3):
+- `ravel_<type>_entity_attributes.json`: {entity: {attribute: value}}
+- `ravel_<type>_attribute_to_prompts.json`: {attribute: [templates with %s]}
+- `ravel_<type>_entity_to_split.json`: {entity: train|val|test}
+- `ravel_<type>_prompt_to_split.json`: {template: train|val|test}
+- `wikipedia_<type>_entity_prompts.json`: {prompt with %s: {"split": ..., "entity": ...}}
+
+`ravel_dir=None` reads our own built-in files in `datamodules/data/ravel/` (city, physical_object).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+
+import torch
+from lightning import LightningDataModule
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader
+
+from datamodules.causalgym import collate as causalgym_collate
+from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
+from lit_interventions.sites import logits_at
+from lit_interventions.surprisal import bos_prefix
+
+BUILTIN_RAVEL = Path(__file__).parent / "data" / "ravel"
+SPLITS = ("train", "val", "test")
+FILES = {
+    "entities": "ravel_{}_entity_attributes.json",
+    "prompts": "ravel_{}_attribute_to_prompts.json",
+    "entity_split": "ravel_{}_entity_to_split.json",
+    "prompt_split": "ravel_{}_prompt_to_split.json",
+    "wikipedia": "wikipedia_{}_entity_prompts.json",
+}
+
+
+@dataclass
+class RavelData:
+    """One entity type of RAVEL, as read from its five files."""
+
+    entity_type: str
+    attributes: list[str]  # in the order of the attribute_to_prompts file
+    entities: dict[str, dict[str, str]]  # entity -> attribute -> value
+    prompts: dict[str, list[str]]  # attribute -> templates with %s
+    entity_split: dict[str, str]  # entity -> train|val|test
+    prompt_split: dict[str, str]  # template -> train|val|test
+    wikipedia: list[tuple[str, str, str]]  # (prompt with %s, entity, split)
+
+    def check_attribute(self, attribute: str) -> str:
+        if attribute not in self.attributes:
+            raise ValueError(
+                f"Unknown attribute {attribute!r} for entity type {self.entity_type!r}; "
+                f"attributes: {', '.join(self.attributes)}"
+            )
+        return attribute
+
+    def values(self, attribute: str) -> dict[str, str]:
+        """entity -> value of `attribute` (entities without a value are left out)."""
+        self.check_attribute(attribute)
+        return {e: attrs[attribute] for e, attrs in self.entities.items() if attrs.get(attribute)}
+
+
+def entity_types(ravel_dir: str | Path | None = None) -> list[str]:
+    """The entity types with an entity_attributes file in `ravel_dir`."""
+    directory = Path(ravel_dir) if ravel_dir is not None else BUILTIN_RAVEL
+    prefix, suffix = "ravel_", "_entity_attributes.json"
+    return sorted(p.name[len(prefix) : -len(suffix)] for p in directory.glob(f"{prefix}*{suffix}"))
+
+
+def load_ravel(ravel_dir: str | Path | None, entity_type: str) -> RavelData:
+    """Read the five files of `entity_type` from `ravel_dir` (None: our built-in data)."""
+    directory = Path(ravel_dir) if ravel_dir is not None else BUILTIN_RAVEL
+    if not directory.is_dir():
+        raise ValueError(f"RAVEL directory {str(directory)!r} does not exist")
+    types = entity_types(directory)
+    if entity_type not in types:
+        raise ValueError(
+            f"Unknown entity type {entity_type!r} in {directory}; types present: {', '.join(types) or 'none'}"
+        )
+    raw = {}
+    for key, pattern in FILES.items():
+        path = directory / pattern.format(entity_type)
+        if not path.is_file():
+            raise ValueError(f"RAVEL directory {directory} lacks the file {path.name} for entity type {entity_type!r}")
+        raw[key] = json.loads(path.read_text())
+    for key in ("entity_split", "prompt_split"):
+        bad = sorted({s for s in raw[key].values() if s not in SPLITS})
+        if bad:
+            raise ValueError(f"{FILES[key].format(entity_type)} has splits {bad}; allowed: {', '.join(SPLITS)}")
+    prompts = {a: list(ts) for a, ts in raw["prompts"].items()}
+    for attribute, templates in prompts.items():
+        for t in templates:
+            if t.count("%s") != 1:
+                raise ValueError(f"Template {t!r} of attribute {attribute!r} must contain exactly one %s")
+    wikipedia = [
+        (prompt, info["entity"], info["split"])
+        for prompt, info in raw["wikipedia"].items()
+        if info.get("entity") in raw["entities"] and prompt.count("%s") == 1
+    ]
+    return RavelData(
+        entity_type=entity_type,
+        attributes=list(prompts),
+        entities={e: {a: str(v) for a, v in attrs.items()} for e, attrs in raw["entities"].items()},
+        prompts=prompts,
+        entity_split=dict(raw["entity_split"]),
+        prompt_split=dict(raw["prompt_split"]),
+        wikipedia=wikipedia,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# DataModule: filtered (entity, template) pairs -> Cause / Iso interchange examples
+# ---------------------------------------------------------------------------------------------
+
+
+
+
+SPLIT_SETTINGS = ("entity", "context")
+SOURCES = ("attribute", "wikipedia", "mixed")
+CAUSE, ISO = 0, 1
+SKIPPED_ATTRIBUTES = ("Latitude", "Longitude")  # numeric: RAVEL scores them within ±2, not by first token
+_NO_SPACE_BEFORE_VALUE = tuple(" \t\n\"'([{")  # a prompt ending in one of these is followed directly by the value
+
+
+def value_separator(prompt: str) -> str:
+    """' ' when the value follows the prompt as a new word ("... country of" -> " France"), ''
+    when the prompt ends in whitespace or an opening quote / bracket ('"country": "' -> "France")."""
+    return "" if prompt.endswith(_NO_SPACE_BEFORE_VALUE) else " "
+
+
+@dataclass
+class Query:
+    """One (entity, template) pair: the prompt, its token ids and the entity's last token."""
+
+    entity: str
+    template: str
+    attribute: str | None  # None for a Wikipedia prompt (it queries nothing)
+    ids: list[int]
+    entity_pos: int  # index in ids of the entity's last token
+
+
+@dataclass
+class RavelExample:
+    """Fields named as `datamodules.causalgym.Example`, so its collate function applies."""
+
+    base_ids: list[int]
+    source_ids: list[int]
+    base_positions: dict[str, int]  # {"entity": last token of the entity}
+    source_positions: dict[str, int]
+    base_label: int  # A(E): the base's own answer for the attribute it queries
+    source_label: int  # the label the intervened model should predict (collated as `label`)
+    attribute: int  # index in data.attributes of the attribute the base queries
+    kind: int  # CAUSE or ISO
+    base_entity: int
+    source_entity: int
+    base_template: str
+    source_template: str
+
+
+def collate(examples: list[RavelExample], pad_id: int, padding_side: str = "right") -> dict:
+    """CausalGym's collate (base/source padded apart, `*_pos`, `*_last`, `*_keys`), plus the
+    RAVEL fields: label, attribute, kind, base_entity, source_entity."""
+    batch = causalgym_collate(examples, region="entity", pad_id=pad_id, padding_side=padding_side)
+    batch["label"] = batch.pop("source_label")
+    for field in ("attribute", "kind", "base_entity", "source_entity"):
+        batch[field] = torch.tensor([getattr(e, field) for e in examples])
+    return batch
+
+
+class RavelDataModule(LightningDataModule):
+    """RAVEL Cause / Iso interchange examples for one entity type and target attribute A*.
+
+    Cause: base = a template of A* filled with E, source mentions E' with A*(E') ≠ A*(E) in its
+    first token, label = A*(E'). Iso: base queries another attribute A of E, label = A(E).
+    The site is the last token of the entity in base and source (RAVEL, Huang et al. 2024, §3).
+
+    Args:
+        lm: the LM whose tokenizer is used and whose answers filter the data.
+        ravel_dir: a directory in the published layout (None: our built-in data).
+        entity_type: e.g. city, physical_object.
+        target_attribute: A*.
+        split: `entity` (entities split, templates shared) or `context` (templates split,
+            entities shared). The files' `val` is our dev (val_dataloader), `test` is test.
+        source: `attribute` (an attribute prompt of another entity), `wikipedia` (a Wikipedia
+            prompt that mentions E'), or `mixed` (each source drawn from one of the two).
+        multitask: train batches also hold Iso examples (MDAS / MDBM); otherwise Cause only.
+        train_size, eval_size: Cause examples per split; Iso examples are as many again,
+            spread over the other attributes (train: only with multitask).
+        max_candidates: at most this many (entity, template) pairs are checked per attribute
+            and split (a random subset), which bounds the filtering forward passes.
+        batch_size, eval_batch_size, seed, padding_side: as in CausalGymDataModule.
+    """
+
+    def __init__(
+        self,
+        lm: str = DEFAULT_LM,
+        ravel_dir: str | None = None,
+        entity_type: str = "city",
+        target_attribute: str = "Country",
+        split: str = "entity",
+        source: str = "attribute",
+        multitask: bool = False,
+        train_size: int = 1000,
+        eval_size: int = 200,
+        max_candidates: int = 200,
+        batch_size: int = 16,
+        eval_batch_size: int = 32,
+        seed: int = 0,
+        padding_side: str = "right",
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        if split not in SPLIT_SETTINGS:
+            raise ValueError(f"split={split!r}; choose one of {', '.join(SPLIT_SETTINGS)}")
+        if source not in SOURCES:
+            raise ValueError(f"source={source!r}; choose one of {', '.join(SOURCES)}")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
+        for name, value in (("train_size", train_size), ("eval_size", eval_size), ("max_candidates", max_candidates),
+                            ("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        self.data = load_ravel(ravel_dir, entity_type)  # validates the directory and the type
+        self.data.check_attribute(target_attribute)
+        if target_attribute in SKIPPED_ATTRIBUTES:
+            raise ValueError(
+                f"target_attribute={target_attribute!r} is numeric and not supported; choose one of "
+                f"{', '.join(a for a in self.data.attributes if a not in SKIPPED_ATTRIBUTES)}"
+            )
+        self.lm = lm
+        self.attributes = self.data.attributes
+        self.used_attributes = [a for a in self.attributes if a not in SKIPPED_ATTRIBUTES]
+        self.target_attribute = target_attribute
+        self.target_index = self.attributes.index(target_attribute)
+        self.entity_names = sorted(self.data.entities)
+        self.entity_index = {e: i for i, e in enumerate(self.entity_names)}
+        if source != "attribute" and not self.data.wikipedia:
+            raise ValueError(f"source={source!r} needs Wikipedia prompts, and {entity_type!r} has none")
+        self.kept: dict[str, dict[str, int]] = {}  # split -> attribute -> (entity, template) pairs kept
+        self.checked: dict[str, dict[str, int]] = {}  # split -> attribute -> pairs checked
+        self.splits: dict[str, list[RavelExample]] = {}
+
+    # -- public helpers -----------------------------------------------------------------------
+
+    def values(self, attribute: str) -> list[str]:
+        """The value of `attribute` for every entity, in the order of `entity_names` ('' if none)."""
+        self.data.check_attribute(attribute)
+        return [self.data.entities[e].get(attribute, "") for e in self.entity_names]
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        self.tokenizer = load_tokenizer(self.lm)
+        self.prefix = bos_prefix(self.tokenizer)
+        model = load_lm(self.lm)
+        kept = {s: self.filter_split(model, s) for s in SPLITS}
+        train_bases = {(q.entity, q.template) for qs in kept["train"].values() for q in qs}
+        for s in SPLITS:
+            if s != "train":  # never an eval base that is also a train base (disjoint by construction)
+                kept[s] = {a: [q for q in qs if (q.entity, q.template) not in train_bases] for a, qs in kept[s].items()}
+            rng = random.Random(f"{self.hparams.seed}-{s}")
+            n = self.hparams.train_size if s == "train" else self.hparams.eval_size
+            with_iso = s != "train" or self.hparams.multitask
+            self.splits[s] = self.make_examples(kept[s], self.source_pool(kept[s], s), n, with_iso, rng, s)
+
+    def candidates(self, attribute: str, split: str) -> list[tuple[str, str]]:
+        """(entity, template) pairs of `attribute` in `split`, at most max_candidates of them."""
+        d = self.data
+        if self.hparams.split == "entity":
+            entities = [e for e in self.entity_names if d.entity_split.get(e) == split]
+            templates = d.prompts[attribute]
+        else:
+            entities = self.entity_names
+            templates = [t for t in d.prompts[attribute] if d.prompt_split.get(t) == split]
+        pairs = [(e, t) for t in templates for e in entities if d.entities[e].get(attribute)]
+        rng = random.Random(f"{self.hparams.seed}-{split}-{attribute}")
+        return rng.sample(pairs, min(len(pairs), self.hparams.max_candidates))
+
+    def encode(self, entity: str, template: str, attribute: str | None) -> Query:
+        """Fill %s with the entity; the site is the token holding the entity's last character."""
+        start = len(self.prefix) + template.index("%s")
+        text = self.prefix + template.replace("%s", entity, 1)
+        enc = self.tokenizer(text, return_offsets_mapping=True)
+        last_char = start + len(entity) - 1
+        pos = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= last_char < b]
+        if not pos:
+            raise ValueError(f"No token covers the end of entity {entity!r} in {text!r}")
+        return Query(entity, template, attribute, enc["input_ids"], pos[-1])
+
+    def value_token(self, template: str, value: str) -> int:
+        """The first token of `value` as it follows the prompt (see `value_separator`)."""
+        return _first_token(self.tokenizer, value_separator(template) + value)
+
+    @torch.no_grad()
+    def predict_next(self, model, queries: list[Query]) -> list[int]:
+        """The argmax next token after each prompt (one batched forward, logits at the end only)."""
+        ids, mask = _right_pad([q.ids for q in queries], self.tokenizer.pad_token_id, model.device)
+        last = mask.sum(-1) - 1  # (batch,)
+        return logits_at(model, ids, mask, last).argmax(-1).tolist()
+
+    def filter_split(self, model, split: str) -> dict[str, list[Query]]:
+        """attribute -> the pairs whose argmax next token is the first token of the value. The
+        model's answers are kept on disk (`AnswerCache`), so each prompt is run once per model."""
+        kept, batch = {}, 64
+        answers = AnswerCache(self.lm)
+        self.kept[split], self.checked[split] = {}, {}
+        for attribute in self.used_attributes:
+            queries = [self.encode(e, t, attribute) for e, t in self.candidates(attribute, split)]
+            todo = sorted((q for q in queries if answers.get(q.ids) is None), key=lambda q: len(q.ids))  # little padding
+            for k in range(0, len(todo), batch):
+                chunk = todo[k : k + batch]
+                for q, p in zip(chunk, self.predict_next(model, chunk)):
+                    answers.put(q.ids, p)
+            correct = [q for q in queries
+                       if answers.get(q.ids) == self.value_token(q.template, self.data.entities[q.entity][attribute])]  # fmt: skip
+            kept[attribute] = sorted(correct, key=lambda q: (q.entity, q.template))
+            self.kept[split][attribute], self.checked[split][attribute] = len(correct), len(queries)
+            print(f"RAVEL {self.data.entity_type} {self.hparams.split}-split {split} {attribute}: "
+                  f"kept {len(correct)} of {len(queries)} (entity, template) pairs the model answers correctly")  # fmt: skip
+        answers.save()
+        return kept
+
+    def source_pool(self, kept: dict[str, list[Query]], split: str) -> dict[str, list[Query]]:
+        """Source prompts of a split: kept attribute prompts and/or Wikipedia prompts."""
+        pools = {}
+        if self.hparams.source in ("attribute", "mixed"):
+            pools["attribute"] = [q for qs in kept.values() for q in qs]
+        if self.hparams.source in ("wikipedia", "mixed"):
+            d = self.data
+            if self.hparams.split == "entity":  # the source entity comes from the split's entities
+                wiki = [(p, e) for p, e, _ in d.wikipedia if d.entity_split.get(e) == split]
+            else:  # the prompt comes from the split's prompts
+                wiki = [(p, e) for p, e, s in d.wikipedia if s == split]
+            pools["wikipedia"] = [self.encode(e, p, None) for p, e in wiki]
+        return {k: v for k, v in pools.items() if v}
+
+    def make_examples(self, kept, pools, n_cause, with_iso, rng, split) -> list[RavelExample]:
+        target = self.target_attribute
+        examples = self.sample(kept, pools, target, target, n_cause, CAUSE, rng, split)
+        if with_iso:
+            others = [a for a in self.used_attributes if a != target]
+            for j, attribute in enumerate(others):  # n_cause iso examples, spread evenly
+                n = n_cause // len(others) + (j < n_cause % len(others))
+                if n:
+                    examples += self.sample(kept, pools, attribute, target, n, ISO, rng, split)
+        return examples
+
+    def sample(self, kept, pools, queried, target, n, kind, rng, split) -> list[RavelExample]:
+        """n examples whose base (E, template) queries `queried`, each with a source entity E'
+        whose value of `queried` differs from E's in its first token (Cause: queried = A*, and
+        the label is A*(E'); Iso: the label stays A(E), and a leak of E' would show)."""
+        bases, d = kept[queried], self.data
+        what = "Cause" if kind == CAUSE else "Iso"
+        checked = self.checked[split][queried]
+        if not bases:
+            raise ValueError(
+                f"No {what} examples for attribute {queried!r} in the {split} split: all {checked} candidate "
+                f"(entity, template) pairs were dropped because the model {self.lm!r} answers them wrongly"
+            )
+        sources = [q for pool in pools.values() for q in pool]
+        source_entities = sorted({q.entity for q in sources if d.entities[q.entity].get(queried)})
+        by_token = {}  # (separator, token) -> source entities whose value starts with that token
+
+        def token(sep, entity):
+            return _first_token(self.tokenizer, sep + d.entities[entity][queried])
+
+        for sep in {value_separator(b.template) for b in bases}:
+            for e in source_entities:
+                by_token.setdefault((sep, token(sep, e)), set()).add(e)
+        usable = []
+        for b in bases:
+            sep = value_separator(b.template)
+            ok = set(source_entities) - by_token.get((sep, token(sep, b.entity)), set())
+            if ok:
+                usable.append((b, ok))
+        if not usable:
+            raise ValueError(
+                f"No {what} examples for attribute {queried!r} in the {split} split: of {checked} candidate pairs "
+                f"{checked - len(bases)} were dropped because the model answers them wrongly, and the other "
+                f"{len(bases)} have no informative source (an entity whose {queried!r} value differs in its "
+                f"first token) among {len(sources)} source prompts"
+            )
+        out, order = [], []
+        while len(out) < n:
+            if not order:
+                order = list(range(len(usable)))
+                rng.shuffle(order)  # every base once before any repeats
+            base, ok = usable[order.pop()]
+            pool = pools[rng.choice(sorted(pools))]  # `mixed`: each source kind half the time
+            choices = [q for q in pool if q.entity in ok] or [q for q in sources if q.entity in ok]
+            src = rng.choice(choices)
+            value = d.entities[(src if kind == CAUSE else base).entity][queried]
+            out.append(
+                RavelExample(
+                    base.ids, src.ids, {"entity": base.entity_pos}, {"entity": src.entity_pos},
+                    base_label=self.value_token(base.template, d.entities[base.entity][queried]),
+                    source_label=self.value_token(base.template, value),
+                    attribute=self.attributes.index(queried), kind=kind,
+                    base_entity=self.entity_index[base.entity], source_entity=self.entity_index[src.entity],
+                    base_template=base.template, source_template=src.template,
+                )  # fmt: skip
+            )
+        return out
+
+    # -- loaders ------------------------------------------------------------------------------
+
+    def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
+        """Batches of one split (train, val or test)."""
+        sampler = None
+        if not shuffle and self.trainer is not None and self.trainer.world_size > 1:
+            # Evaluation under DDP: every example exactly once (as in CausalGymDataModule).
+            sampler = UnrepeatedDistributedSampler(
+                self.splits[split], num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+            )
+        return DataLoader(
+            self.splits[split],
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            collate_fn=partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader("train", self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader("val", self.hparams.eval_batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.loader("test", self.hparams.eval_batch_size)
+
+
+class AnswerCache:
+    """A frozen LM's argmax next token for each prompt (by token ids), in a JSON file under
+    `$LIT_INTERVENTIONS_CACHE/ravel_answers/`: filtering is done once per model, not per run.
+    A local model directory is keyed by its path and the time its config was written."""
+
+    def __init__(self, lm: str):
+        key = lm
+        config = Path(lm) / "config.json"
+        if config.exists():
+            key = f"{Path(lm).resolve()}@{config.stat().st_mtime_ns}"
+        self.path = cache_dir() / "ravel_answers" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+        self.answers: dict[str, int] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.dirty = False
+
+    def get(self, ids: list[int]) -> int | None:
+        return self.answers.get(",".join(map(str, ids)))
+
+    def put(self, ids: list[int], token: int) -> None:
+        self.answers[",".join(map(str, ids))] = int(token)
+        self.dirty = True
+
+    def save(self) -> None:
+        if self.dirty:  # atomic: a concurrent reader (another DDP rank) sees the old or the new file
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.answers))
+            os.replace(tmp, self.path)
+            self.dirty = False
+
+
+@lru_cache(maxsize=65536)
+def _first_token(tokenizer, text: str) -> int:
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if not ids:
+        raise ValueError(f"Value {text!r} tokenises to nothing")
+    return ids[0]
+
+
+def _right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    return ids.to(device), mask.to(device)

@@ -1,0 +1,30 @@
+"""Write the trained concept dictionary next to the TensorBoard logs when fit ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning import Callback
+
+WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
+
+
+def _training_data(trainer) -> str:
+    datamodule = trainer.datamodule
+    hp = getattr(datamodule, "hparams", {}) or {}
+    return str(hp.get("concept_dir") or ("builtin" if datamodule is not None else "unknown"))
+
+
+class ExportDictionary(Callback):
+    """After fit, rank 0 writes `<log_dir>/dictionary.safetensors` (vectors, max activations) and
+    `dictionary.json` (model, layer, method, concepts, hidden size, training data, val AUROC).
+    A module without `to_dictionary` (not a SteeringModule) is skipped, so the callback can sit in
+    the CLI's defaults beside the DAS export."""
+
+    def on_fit_end(self, trainer, pl_module):
+        if not hasattr(pl_module, "to_dictionary"):  # another kind of module: nothing to export
+            return
+        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        if not trainer.is_global_zero:
+            return
+        pl_module.to_dictionary(training_data=_training_data(trainer)).save(Path(directory) / WEIGHTS)

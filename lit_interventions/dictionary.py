@@ -1,0 +1,210 @@
+"""The released concept dictionary (AxBench §4): rank-1 vectors for many concepts, one file.
+
+On disk, two files with one stem:
+- `NAME.safetensors`: `vectors` (concepts × d, float32) and `max_activations` (concepts,), the
+  largest latent of each concept on the eval set (the unit of the steering factor);
+- `NAME.json`: the card — model, layer, method, concept names, hidden size, how a latent is
+  read (`latent`: "linear" h·w or "relu" ReLU(h·w)), the training data and the eval AUROC.
+
+    d = Dictionary.load("runs/reft_r1/.../dictionary.safetensors")
+    scores = d.detect(["Rent a van for the weekend.", "2 + 2 = 4"])    # (2, concepts)
+    with d.steer(lm, "references to rental services", factor=1.0) as model:
+        out = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0)
+
+Latents follow the method: ReLU(h·w) for ReFT-r1 and SSV, h·w for DiffMean, PCA, LAT and the
+probe (the probe's σ(h·w + b) is a monotone function of h·w, so the two rank texts alike and the
+AUROC is the same; the released w of a probe is its unit-norm weight).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lit_interventions.interventions.additive import add_vector
+from lit_interventions.lm import hidden_size, load_lm, load_tokenizer, num_layers
+from lit_interventions.sites import _hook, check_layer, read_layers
+
+FORMAT = "lit-interventions/concept-dictionary/v1"
+RELU_METHODS = ("reft_r1", "ssv")
+
+
+def _paths(path: str | Path) -> tuple[Path, Path]:
+    path = Path(path)
+    stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
+    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+
+@dataclass
+class Dictionary:
+    """Concept vectors `vectors` (C, d) with names `concepts`, read at the residual stream after
+    block `layer` of `model`; `max_activations` (C,) scales the steering factor."""
+
+    vectors: torch.Tensor
+    max_activations: torch.Tensor
+    concepts: list[str]
+    model: str
+    layer: int
+    method: str
+    training_data: str | None = None
+    auroc: dict | None = None  # {"mean": float, "per_concept": {name: float}}
+    card: dict = field(default_factory=dict)  # any further card fields (kept on save/load)
+
+    def __post_init__(self):
+        self.vectors = torch.as_tensor(self.vectors).detach().float().cpu()
+        if self.vectors.dim() != 2:
+            raise ValueError(f"vectors must be (concepts, hidden_size); got shape {tuple(self.vectors.shape)}")
+        if len(self.concepts) != self.vectors.shape[0]:
+            raise ValueError(f"{len(self.concepts)} concept names for {self.vectors.shape[0]} vectors")
+        if len(set(self.concepts)) != len(self.concepts):
+            raise ValueError("concept names must be unique")
+        self.max_activations = torch.as_tensor(self.max_activations).detach().float().cpu().reshape(-1)
+        if self.max_activations.shape[0] != self.vectors.shape[0]:
+            raise ValueError(f"max_activations has {self.max_activations.shape[0]} entries for "
+                             f"{self.vectors.shape[0]} concepts")  # fmt: skip
+        self.concepts = [str(c) for c in self.concepts]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.vectors.shape[1]
+
+    # --- files -----------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write `path` (.safetensors; the suffix is added if missing) and the card beside it
+        (.json). Returns the .safetensors path."""
+        weights, card_path = _paths(path)
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"vectors": self.vectors.contiguous(), "max_activations": self.max_activations.contiguous()},
+                  weights, metadata={"format": FORMAT})  # fmt: skip
+        card = {
+            **self.card,
+            "format": FORMAT,
+            "model": self.model,
+            "layer": self.layer,
+            "method": self.method,
+            "latent": "relu" if self.method in RELU_METHODS else "linear",
+            "hidden_size": self.hidden_size,
+            "num_concepts": len(self.concepts),
+            "concepts": self.concepts,
+            "training_data": self.training_data,
+            "auroc": self.auroc,
+        }
+        card_path.write_text(json.dumps(card, indent=2) + "\n")
+        return weights
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Dictionary":
+        """Read a dictionary from its .safetensors path, its .json card path or their stem."""
+        weights, card_path = _paths(path)
+        for needed in (weights, card_path):
+            if not needed.is_file():
+                raise FileNotFoundError(f"no dictionary file {needed} (a dictionary is NAME.safetensors + NAME.json)")
+        tensors, card = load_file(weights), json.loads(card_path.read_text())
+        missing = {"vectors", "max_activations"} - set(tensors)
+        if missing:
+            raise ValueError(f"{weights} is not a concept dictionary: it lacks {sorted(missing)}")
+        if card.get("hidden_size") not in (None, tensors["vectors"].shape[1]):
+            raise ValueError(f"{card_path} says hidden_size {card['hidden_size']} but the vectors have "
+                             f"{tensors['vectors'].shape[1]}")  # fmt: skip
+        known = {"format", "model", "layer", "method", "latent", "hidden_size", "num_concepts", "concepts",
+                 "training_data", "auroc"}  # fmt: skip
+        return cls(
+            vectors=tensors["vectors"], max_activations=tensors["max_activations"], concepts=card["concepts"],
+            model=card["model"], layer=card["layer"], method=card["method"],
+            training_data=card.get("training_data"), auroc=card.get("auroc"),
+            card={k: v for k, v in card.items() if k not in known},
+        )  # fmt: skip
+
+    # --- concepts and models -----------------------------------------------------------------
+
+    def index(self, concept: str | int) -> int:
+        """The row of `concept`, given by name or index."""
+        if isinstance(concept, bool) or not isinstance(concept, (str, int)):
+            raise ValueError(f"concept must be a name or an index; got {concept!r}")
+        if isinstance(concept, int):
+            if not 0 <= concept < len(self.concepts):
+                raise ValueError(f"concept index {concept} is out of range: this dictionary has "
+                                 f"{len(self.concepts)} concepts (0..{len(self.concepts) - 1})")  # fmt: skip
+            return concept
+        if concept not in self.concepts:
+            shown = ", ".join(repr(c) for c in self.concepts[:5])
+            more = f" … ({len(self.concepts)} in all)" if len(self.concepts) > 5 else ""
+            raise ValueError(f"concept {concept!r} is not in this dictionary; valid concepts include {shown}{more}")
+        return self.concepts.index(concept)
+
+    def latents(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every concept's latent at every token, (..., seq, C): ReLU(h·w) or h·w (see the card)."""
+        values = hidden.float() @ self.vectors.to(hidden.device).T
+        return torch.relu(values) if self.method in RELU_METHODS else values
+
+    def _model(self, lm, dtype: str = "float32") -> torch.nn.Module:
+        """The LM to apply the dictionary to: checked against the card (model name or hidden
+        size, and layer count) before any work."""
+        if isinstance(lm, str):
+            if lm != self.model:
+                raise ValueError(f"this dictionary was trained for model {self.model!r}, not {lm!r}")
+            lm = load_lm(lm, dtype)
+        trained_type, lm_type = self.card.get("model_type"), getattr(lm.config, "model_type", None)
+        if trained_type and lm_type and trained_type != lm_type:
+            raise ValueError(f"this dictionary was trained for model {self.model!r} (a {trained_type} model); "
+                             f"the LM given is a {lm_type} model")  # fmt: skip
+        size = hidden_size(lm.config)
+        if size != self.hidden_size:
+            name = getattr(lm.config, "_name_or_path", "") or type(lm).__name__
+            raise ValueError(f"this dictionary was trained for model {self.model!r} (hidden size {self.hidden_size}); "
+                             f"the LM {name!r} has hidden size {size}")  # fmt: skip
+        check_layer(self.layer, num_layers(lm.config))
+        return lm
+
+    # --- detection and steering -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def detect(self, texts: list[str], lm=None, tokenizer=None, batch_size: int = 16, max_length: int = 256,
+               dtype: str = "float32") -> torch.Tensor:  # fmt: skip
+        """Per-concept scores of each text, (N, C): the max over its tokens of each concept's
+        latent (AxBench eq. 2, unnormalised). Texts are tokenized as they are (no chat template),
+        truncated to `max_length`; special tokens (BOS) are not scored.
+
+        lm: None (the card's model), the same name, or a loaded model; tokenizer: None loads the
+        card model's tokenizer (pass one with a model of your own).
+        """
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("texts must be a list of strings")
+        model = self._model(self.model if lm is None else lm, dtype)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model)
+        out = []
+        for start in range(0, len(texts), batch_size):
+            enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, truncation=True,
+                            max_length=max_length, return_special_tokens_mask=True).to(model.device)  # fmt: skip
+            hidden = read_layers(model, [self.layer], enc["input_ids"], enc["attention_mask"])[self.layer]
+            scored = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()  # (batch, seq)
+            latents = self.latents(hidden).masked_fill(~scored[..., None], float("-inf"))  # (batch, seq, C)
+            out.append(latents.amax(1).cpu())
+        return torch.cat(out) if out else torch.zeros(0, len(self.concepts))
+
+    def steering_alpha(self, concept: str | int, factor: float) -> float:
+        """α = factor × the concept's max activation on the eval set (AxBench §3.3)."""
+        row = self.index(concept)
+        peak = float(self.max_activations[row])
+        if not torch.isfinite(torch.tensor(peak)):
+            raise ValueError(f"concept {self.concepts[row]!r} has no max activation (the dictionary was never "
+                             "validated); pass alpha= directly")  # fmt: skip
+        return factor * peak
+
+    @contextmanager
+    def steer(self, lm, concept: str | int, factor: float = 1.0, alpha: float | None = None, dtype: str = "float32"):
+        """Within the block, the LM's residual stream after `layer` gets α·w_c added at every
+        position (prompt and generated tokens): Φ(h_i) = h_i + α·w. α = factor × max activation
+        of the concept, or `alpha` if given. Yields the (steered) model."""
+        row = self.index(concept)
+        model = self._model(lm, dtype)
+        alpha = self.steering_alpha(row, factor) if alpha is None else float(alpha)
+        vector = self.vectors[row].to(model.device)
+        with _hook(model, self.layer, lambda hidden: add_vector(hidden, vector, alpha)):
+            yield model

@@ -1,0 +1,126 @@
+"""Additive rank-1 concept interventions: a dictionary of concept directions w_c (AxBench §4).
+
+One `ConceptDictionary` holds every concept of a dataset as a row of a (concepts × d) matrix, so
+all concepts train in one run; an example only touches the row of its own concept. Pure torch,
+no Lightning. Formulas (AxBench, Wu et al. 2025, eqs. 4–10):
+
+- detection latent:  Ψ(h_i) = h_i·w (DiffMean, PCA, LAT, probe) or ReLU(h_i·w) (SSV, ReFT-r1);
+- SSV training:      Φ(h_i) = h_i + w, at every token (eq. 6);
+- ReFT-r1 training:  Φ(h_i) = h_i + mean(TopK(ReLU(h·w)))·w, at every token (eq. 9),
+                     with λ·Σ_{non-top-k}|latent| added to the LM loss (eq. 10);
+- steering:          Φ(h_i) = h_i + α·w, at every token.
+
+w is kept unit norm for every method except SSV: after each optimizer step the rows are
+renormalised, and the gradient component parallel to w is removed before the step (Gao et al.
+2024, as AxBench does for ReFT-r1), so Adam only rotates w.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ConceptDictionary(nn.Module):
+    """A (concepts × d) matrix of concept directions, `weight[c]` = w_c.
+
+    unit_norm: initialise the rows on the unit sphere (Gaussian directions from `seed`) and keep
+    them there with `remove_parallel_grad` + `renormalise`; False (SSV) starts from zeros and
+    leaves the norm free.
+    """
+
+    def __init__(self, num_concepts: int, hidden_size: int, unit_norm: bool = True, seed: int = 0):
+        super().__init__()
+        if num_concepts < 1 or hidden_size < 1:
+            raise ValueError(f"num_concepts and hidden_size must be >= 1; got {num_concepts}, {hidden_size}")
+        self.unit_norm = unit_norm
+        if unit_norm:
+            weight = torch.randn(num_concepts, hidden_size, generator=torch.Generator().manual_seed(seed))
+            weight = weight / weight.norm(dim=-1, keepdim=True)
+        else:
+            weight = torch.zeros(num_concepts, hidden_size)
+        self.weight = nn.Parameter(weight)  # (C, d)
+
+    @property
+    def num_concepts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+    def rows(self, concept_id: torch.Tensor) -> torch.Tensor:
+        """w_c for each example, (batch, d). Every id must be a valid row (no −1)."""
+        if concept_id.numel() and (concept_id.min() < 0 or concept_id.max() >= self.num_concepts):
+            bad = concept_id[(concept_id < 0) | (concept_id >= self.num_concepts)][0].item()
+            raise ValueError(f"concept_id {bad} is not a row of this dictionary (0..{self.num_concepts - 1})")
+        return self.weight[concept_id]
+
+    def projections(self, hidden: torch.Tensor, concept_id: torch.Tensor) -> torch.Tensor:
+        """h_i·w_c at every token of each example, (batch, seq), in float32."""
+        return torch.einsum("btd,bd->bt", hidden.float(), self.rows(concept_id).float())
+
+    @torch.no_grad()
+    def remove_parallel_grad(self) -> None:
+        """grad_c ← grad_c − (grad_c·w_c) w_c for every row (w unit norm): no radial update."""
+        grad = self.weight.grad
+        if grad is not None and self.unit_norm:
+            w = self.weight.data
+            grad -= (grad * w).sum(-1, keepdim=True) * w
+
+    @torch.no_grad()
+    def renormalise(self) -> None:
+        """w_c ← w_c / ‖w_c‖ (a no-op for the free-norm SSV dictionary)."""
+        if self.unit_norm:
+            norm = self.weight.data.norm(dim=-1, keepdim=True)
+            self.weight.data /= norm.clamp(min=torch.finfo(norm.dtype).eps)
+
+
+def topk_mean(latents: torch.Tensor, mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1/k)·Σ TopK(latents over the sequence) per example, (batch,), and which tokens were the
+    top k, (batch, seq) bool. Only tokens where `mask` is set compete; a sequence with fewer than
+    k of them averages over all it has."""
+    if k < 1:
+        raise ValueError(f"k (topk) must be >= 1; got {k}")
+    mask = mask.bool()
+    k = min(k, latents.shape[-1])
+    values, index = latents.masked_fill(~mask, float("-inf")).topk(k, dim=-1)  # (batch, k)
+    chosen = torch.zeros_like(mask).scatter(-1, index, True) & mask  # (batch, seq)
+    valid = torch.isfinite(values)
+    mean = values.where(valid, torch.zeros_like(values)).sum(-1) / valid.sum(-1).clamp(min=1)
+    return mean, chosen
+
+
+def reft_r1_intervention(
+    hidden: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Φ(h_i) = h_i + mean(TopK(ReLU(h·w)))·w at every token (AxBench eq. 9).
+
+    hidden (batch, seq, d); w (batch, d), each example's concept row; mask (batch, seq): the tokens
+    whose latents compete for the top k (padding excluded). Returns the new hidden states (in
+    hidden's dtype), the latents ReLU(h·w) (batch, seq) and the top-k mask (batch, seq).
+    """
+    latents = torch.relu(torch.einsum("btd,bd->bt", hidden.float(), w.float()))  # (batch, seq)
+    mean, chosen = topk_mean(latents, mask, k)
+    steered = hidden + (mean[:, None, None] * w[:, None, :].float()).to(hidden.dtype)
+    return steered, latents, chosen
+
+
+def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the tokens where `mask` is set, per example, (batch, ...)."""
+    mask = mask.to(values.dtype)
+    while mask.dim() < values.dim():
+        mask = mask.unsqueeze(-1)
+    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def non_topk_l1(latents: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ_{non-top-k}|latent|, as a mean over each sequence's tokens (mask), (batch,) — AxBench's
+    normalisation of eq. 10, for which its λ ∈ {1e-3, 5e-3} were tuned. Latents ≥ 0 (ReLU)."""
+    return masked_token_mean(latents.abs() * (~chosen.bool()).to(latents.dtype), mask)
+
+
+def add_vector(hidden: torch.Tensor, vector: torch.Tensor, alpha: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Φ(h_i) = h_i + α·w at every token. hidden (batch, seq, d); vector (d,) or (batch, d)."""
+    vector = vector if vector.dim() == 2 else vector[None]
+    return hidden + (alpha * vector.float())[:, None, :].to(hidden.dtype)

@@ -1,0 +1,41 @@
+"""Differentiable binary masks (DBM / MDBM; RAVEL §4, after Csordás et al. and pyvene).
+
+f*(b, s) = (1 − σ(m/T)) ∘ f(b) + σ(m/T) ∘ f(s), with the temperature T annealed towards 0 so the
+mask becomes binary; the loss adds λ‖σ(m/T)‖₁ to keep the swapped dimensions few.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SigmoidMaskIntervention(nn.Module):
+    """A learned soft mask over the d dimensions of the residual stream. As pyvene's
+    `SigmoidMaskIntervention`: m starts at 0 (σ = ½) and T at 1e-2; the training module sets T."""
+
+    def __init__(self, hidden_size: int, temperature: float = 1e-2):
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature!r} must be > 0")
+        self.mask = nn.Parameter(torch.zeros(hidden_size))  # m, (d,)
+        self.register_buffer("temperature", torch.tensor(float(temperature)))
+
+    def weights(self) -> torch.Tensor:
+        """σ(m/T), (d,): how much of each dimension comes from the source."""
+        return torch.sigmoid(self.mask / self.temperature)
+
+    def penalty(self) -> torch.Tensor:
+        """‖σ(m/T)‖₁, the sparsity term of the DBM loss."""
+        return self.weights().sum()
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        weights = self.weights().to(base.dtype)
+        return (1 - weights) * base + weights * source
+
+
+def linear_temperature(step: int, total: int, start: float = 1e-2, end: float = 1e-7) -> float:
+    """T at `step` of `total`, linear from `start` to `end` (torch.linspace, as pyvene's tutorials)."""
+    if total <= 1:
+        return end
+    return start + (end - start) * min(step, total - 1) / (total - 1)

@@ -1,0 +1,257 @@
+"""The AxBench steering judge: concept, instruction relevance and fluency, each rated 0, 1 or 2.
+
+overall = harmonic mean of the three = 3 / (1/c + 1/i + 1/f), and 0 when any of them is 0
+(AxBench §4 "Steering"). A generation is judged with three separate prompts, as in AxBench:
+the concept prompt and the fluency prompt see the response alone, the instruction prompt sees
+the instruction and the response. Each prompt asks for a short reason, then `Rating: [[N]]`.
+
+Backends (`make_judge(backend=..., **options)`):
+- `openai`: any OpenAI-compatible `/chat/completions` endpoint over plain HTTP (urllib).
+- `local`: the same prompts answered in-process by a local chat LM (default the embedded
+  `smollm2-135m-instruct`), parsed the same way. Needs no network.
+
+A reply that cannot be parsed scores 0 and is logged (warning), as AxBench does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ASPECTS = ("concept", "instruct", "fluency")
+
+_FORMAT = (
+    "After your explanation, give your rating in exactly this format: \"Rating: [[score]]\", "
+    "for example \"Rating: [[1]]\"."
+)
+PROMPTS = {
+    "concept": (
+        "You are a strict, impartial judge. Decide whether the concept below appears in the text fragment. "
+        "Judge only whether the concept is clearly present; ignore grammar and coherence. First explain in one "
+        "or two sentences where the concept shows up, if anywhere. Then rate it from 0 to 2: 0 means the "
+        "concept is absent, 1 means it is present only weakly or awkwardly, 2 means it is clearly and naturally "
+        "present. " + _FORMAT + "\n\n[Concept Start]\n{concept}\n[Concept End]\n\n"
+        "[Fragment Start]\n{response}\n[Fragment End]"
+    ),
+    "instruct": (
+        "You are a strict, impartial judge. Decide whether the text fragment below answers the instruction. "
+        "Judge only relevance to the instruction; ignore grammar and coherence, and accept a fragment that "
+        "stops early. First explain in one or two sentences how the fragment relates to the instruction. Then "
+        "rate it from 0 to 2: 0 means unrelated to the instruction, 1 means loosely related, 2 means it "
+        "clearly addresses the instruction. " + _FORMAT + "\n\n[Instruction Start]\n{instruction}\n"
+        "[Instruction End]\n\n[Fragment Start]\n{response}\n[Fragment End]"
+    ),
+    "fluency": (
+        "You are a strict, impartial judge. Rate how fluent the text fragment below is: grammar, natural "
+        "wording and coherence. Do not penalise a fragment for stopping mid-sentence. First explain in one or "
+        "two sentences. Then rate it from 0 to 2: 0 means not fluent (broken, repetitive or meaningless), 1 "
+        "means partly fluent, 2 means fluent. " + _FORMAT + "\n\n[Fragment Start]\n{response}\n[Fragment End]"
+    ),
+}
+
+_PATTERNS = [
+    re.compile(r"\[\[\s*\**\s*(\d+(?:\.\d+)?)\s*\**\s*\]\]"),  # Rating: [[2]]
+    re.compile(r"rating\W{0,6}(?:(?:of|is)\W{1,3})?(\d+(?:\.\d+)?)", re.IGNORECASE),  # Rating: 2, **Rating**: 2, rating of 2
+    re.compile(r"^\W*(\d+(?:\.\d+)?)\W*$"),  # the reply is just the number
+]
+
+
+def parse_rating(reply: str | None) -> float | None:
+    """The 0-2 rating in a judge's reply, or None if there is none. The first `[[N]]` wins (small
+    judges ramble on and rate again); then `Rating: N`; then a reply that is only a number.
+    Numbers outside 0..2 are not ratings."""
+    if not reply:
+        return None
+    for pattern in _PATTERNS:
+        found = pattern.findall(reply.strip())
+        if found:
+            value = float(found[0])
+            return value if 0.0 <= value <= 2.0 else None
+    return None
+
+
+def harmonic_mean(concept: float, instruct: float, fluency: float) -> float:
+    """overall = 3 / (1/c + 1/i + 1/f); 0 if any score is 0."""
+    scores = (concept, instruct, fluency)
+    if any(s <= 0 for s in scores):
+        return 0.0
+    return len(scores) / sum(1.0 / s for s in scores)
+
+
+@dataclass
+class JudgeScore:
+    concept_score: float
+    instruct_score: float
+    fluency_score: float
+    overall: float
+    replies: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Judge:
+    """A backend answers prompts (`ask`); the judging, parsing and scoring are shared."""
+
+    name = ""
+
+    def check(self) -> None:
+        """Fail early (before any generation) when the backend cannot answer."""
+
+    def ask(self, prompts: list[str]) -> list[str]:
+        raise NotImplementedError
+
+    def score(self, concepts: list[str], instructions: list[str], responses: list[str]) -> list[JudgeScore]:
+        """One JudgeScore per (concept, instruction, response)."""
+        if not len(concepts) == len(instructions) == len(responses):
+            raise ValueError("concepts, instructions and responses must have the same length")
+        prompts = [PROMPTS[aspect].format(concept=c, instruction=i, response=r)
+                   for c, i, r in zip(concepts, instructions, responses) for aspect in ASPECTS]  # fmt: skip
+        replies = self.ask(prompts)
+        results = []
+        for k in range(len(responses)):
+            raw = dict(zip(ASPECTS, replies[3 * k: 3 * k + 3]))
+            ratings = {}
+            for aspect, reply in raw.items():
+                value = parse_rating(reply)
+                if value is None:
+                    log.warning("judge %s: unparseable %s rating, counted as 0: %r", self.name, aspect, (reply or "")[:200])
+                ratings[aspect] = value or 0.0
+            c, i, f = ratings["concept"], ratings["instruct"], ratings["fluency"]
+            results.append(JudgeScore(c, i, f, harmonic_mean(c, i, f), raw))
+        return results
+
+
+class OpenAIJudge(Judge):
+    """Any OpenAI-compatible chat endpoint: POST {base_url}/chat/completions (JSON), plain urllib.
+
+    Args:
+        base_url: e.g. `https://api.openai.com/v1` or `http://127.0.0.1:8000/v1`.
+        model: the model name the endpoint expects.
+        api_key_env: name of the environment variable holding the key (None: no key, for local
+            servers). A named variable that is unset is an error.
+        temperature, max_tokens: sampling of the judge's replies (AxBench: temperature 0).
+        timeout: seconds per request; workers: concurrent requests.
+    """
+
+    name = "openai"
+
+    def __init__(self, base_url: str = "https://api.openai.com/v1", model: str = "gpt-4o-mini",
+                 api_key_env: str | None = None, temperature: float = 0.0, max_tokens: int = 256,
+                 timeout: float = 120.0, workers: int = 4):  # fmt: skip
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url={base_url!r} must start with http:// or https://")
+        if workers < 1:
+            raise ValueError(f"workers={workers!r} must be at least 1")
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
+        self.timeout, self.workers = timeout, workers
+        self.headers = {"Content-Type": "application/json"}
+        if api_key_env:
+            key = os.environ.get(api_key_env)
+            if not key:
+                raise ValueError(f"api_key_env={api_key_env!r}: that environment variable is not set "
+                                 "(set it, or use api_key_env: null for a server without keys)")  # fmt: skip
+            self.headers["Authorization"] = f"Bearer {key}"
+
+    def _chat(self, prompt: str, max_tokens: int | None = None) -> str:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "temperature": self.temperature, "max_tokens": max_tokens or self.max_tokens}  # fmt: skip
+        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=self.headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                payload = json.loads(response.read().decode())
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:300]
+            raise ConnectionError(f"judge endpoint {self.url} answered HTTP {err.code}: {detail}") from err
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise ConnectionError(f"judge endpoint {self.url} is unreachable: {reason}") from err
+        try:
+            return payload["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError) as err:
+            raise ConnectionError(f"judge endpoint {self.url} sent no chat completion: {str(payload)[:300]}") from err
+
+    def check(self) -> None:
+        """One cheap request (max_tokens 1); raises ConnectionError naming the URL if it fails."""
+        self._chat("Reply with the number 1.", max_tokens=1)
+
+    def ask(self, prompts: list[str]) -> list[str]:
+        with ThreadPoolExecutor(self.workers) as pool:
+            return list(pool.map(self._chat, prompts))
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    """The user turn in the tokenizer's chat template (plain text when it has none)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    return f"User: {prompt}\nAssistant:"
+
+
+@torch.no_grad()
+def greedy_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
+                   max_length: int | None = None) -> list[str]:  # fmt: skip
+    """Greedy chat replies of a local LM, batched with left padding."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        replies = []
+        for start in range(0, len(prompts), batch_size):
+            texts = [chat_prompt(tokenizer, p) for p in prompts[start: start + batch_size]]
+            templated = bool(getattr(tokenizer, "chat_template", None))
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated,
+                            truncation=max_length is not None, max_length=max_length).to(model.device)  # fmt: skip
+            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return replies
+    finally:
+        tokenizer.padding_side = side
+
+
+class LocalJudge(Judge):
+    """The AxBench judge prompts answered in-process by a local chat LM (greedy), parsed like the
+    `openai` backend. Needs no network.
+
+    How it approximates the LLM judge: identical prompts and parsing, only a far smaller judge.
+    Known biases: a 135M chat model follows the "Rating: [[N]]" format only part of the time
+    (unparsed replies count 0, so scores are biased low), and its ratings track surface cues
+    (a repeated concept word, a short reply) much more than meaning; use it for smoke tests and
+    relative comparisons on one model, not for numbers to set beside the paper's.
+    """
+
+    name = "local"
+
+    def __init__(self, lm: str = "smollm2-135m-instruct", max_new_tokens: int = 64, batch_size: int = 8,
+                 max_length: int | None = 1024, dtype: str = "float32"):  # fmt: skip
+        from lit_interventions.lm import load_lm, load_tokenizer
+
+        self.model, self.tokenizer = load_lm(lm, dtype), load_tokenizer(lm)
+        self.lm, self.max_new_tokens, self.batch_size, self.max_length = lm, max_new_tokens, batch_size, max_length
+
+    def ask(self, prompts: list[str]) -> list[str]:
+        return greedy_replies(self.model, self.tokenizer, prompts, self.max_new_tokens, self.batch_size, self.max_length)
+
+
+JUDGES: dict[str, type[Judge]] = {"openai": OpenAIJudge, "local": LocalJudge}
+
+
+def make_judge(backend: str = "openai", **options) -> Judge:
+    """A judge from its config: `{backend: openai, base_url: ..., model: ..., api_key_env: ...}`."""
+    if backend not in JUDGES:
+        raise ValueError(f"judge backend={backend!r} is unknown; choose one of {sorted(JUDGES)}")
+    try:
+        return JUDGES[backend](**options)
+    except TypeError as err:
+        raise ValueError(f"bad options for judge backend {backend!r}: {err}") from err

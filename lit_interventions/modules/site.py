@@ -1,0 +1,100 @@
+"""What every interchange objective shares: a frozen LM, one site (layer, token position per
+example) and an intervention module mapping (f(b), f(s)) to f*.
+
+A batch holds `base_*` and `source_*` token ids, attention masks, site positions (`*_pos`), last
+positions (`*_last`) and host-side cache keys (`*_keys`), as the data modules collate them.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning import LightningModule
+from transformers import get_linear_schedule_with_warmup
+
+from lit_interventions.cache import ActivationCache
+from lit_interventions.lm import load_config, load_lm, num_layers
+from lit_interventions.sites import check_layer, logits_at, read_site
+
+
+class SiteModule(LightningModule):
+    """Base of the interchange modules. Subclasses set `self.intervention` and save `lm`, `layer`,
+    `dtype` and `cache` as hyperparameters (call `self._check_site(lm, layer)` first)."""
+
+    intervention: torch.nn.Module
+
+    def __init__(self):
+        super().__init__()
+        self._frozen: dict[str, object] = {}  # the LM and its cache, kept out of state_dict and DDP
+
+    def _check_site(self, lm: str, layer: int | None) -> int:
+        """The layer, defaulting to the middle one, checked against the config (no weights loaded)."""
+        config = load_config(lm)
+        if layer is None:
+            layer = num_layers(config) // 2
+        check_layer(layer, num_layers(config))
+        return layer
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        model = self._frozen.get("lm")
+        if model is None:
+            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
+        if model.device != self.device:
+            model.to(self.device)
+        return model
+
+    @property
+    def activations(self) -> ActivationCache | None:
+        if not self.hparams.cache:
+            return None
+        if "cache" not in self._frozen:
+            self._frozen["cache"] = ActivationCache(self.lm, [self.hparams.layer])
+        return self._frozen["cache"]
+
+    def share_cache(self, cache: ActivationCache) -> None:
+        """Use activations already computed (a sweep computes every layer once per dataset)."""
+        if self.hparams.layer not in cache.layers:
+            raise ValueError(f"the cache holds layers {cache.layers}, not layer {self.hparams.layer}")
+        self._frozen["cache"] = cache
+
+    def _states(self, batch, side: str) -> torch.Tensor | None:
+        """The cached residual stream at the layer for one side of the batch (None: no cache)."""
+        cache = self.activations
+        if cache is None:
+            return None
+        return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
+                            batch.get(f"{side}_keys"))  # fmt: skip
+
+    def site_representation(self, batch, side: str = "source") -> torch.Tensor:
+        """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
+        states = self._states(batch, side)
+        if states is None:
+            return read_site(self.lm, self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
+                             batch[f"{side}_pos"])  # fmt: skip
+        return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
+
+    def intervened_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab)."""
+        source = self.site_representation(batch, "source")
+        return logits_at(
+            self.lm,
+            batch["base_input_ids"],
+            batch["base_attention_mask"],
+            batch["base_last"],
+            layer=self.hparams.layer,
+            site_positions=batch["base_pos"],
+            intervention=lambda base: self.intervention(base, source),
+            start_states=self._states(batch, "base"),
+        )
+
+    def clean_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab)."""
+        return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
+                         layer=self.hparams.layer, start_states=self._states(batch, "base"))  # fmt: skip
+
+    def _adam_with_linear_schedule(self, parameters, lr: float, warmup_ratio: float):
+        """Adam, linear warmup over the first `warmup_ratio` of the steps, then linear decay to 0."""
+        optimizer = torch.optim.Adam(parameters, lr=lr)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

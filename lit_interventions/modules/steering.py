@@ -1,0 +1,363 @@
+"""AxBench concept dictionaries on a frozen LM: one module for all six rank-1 methods.
+
+Every concept of the dataset is a row of one `ConceptDictionary` (concepts × d), trained in one
+run; an example only updates the row of its own concept.
+
+Trained by gradient (automatic optimization, AdamW + linear schedule):
+- `reft_r1`: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at every token of a positive example,
+  loss −log p(response) + λ·Σ_{non-top-k}|latent| (AxBench eqs. 9–10). The top k compete over
+  all (non-padding) tokens of the sequence; the L1 term is a per-sequence token mean (AxBench's
+  code; λ is on that scale). Negatives (the shared pool, concept_id −1) are *our choice*: they
+  get no intervention and no LM loss, only the L1 term on *every* concept's latents at all their
+  tokens (none is exempt: no concept is present), pushing all latents towards 0 off-concept. So
+  each row sees the gradient it would get if its concept were trained alone on its positives plus
+  the negative pool (AxBench trains on positives only; `negative_l1: false` does that).
+  w_c stays unit norm: the gradient component parallel to w_c is removed before each step and
+  the rows are renormalised after it.
+- `ssv`: Φ(h_i) = h_i + w_c at every token of a positive example; loss −log p(response); w free
+  norm (AxBench eqs. 6–7). Negatives are not used.
+
+Closed form (no optimizer): `diffmean`, `pca`, `lat`, `probe`. `trainer.fit` runs one pass
+over the training data; each step reads the residual stream at the layer (the LM is frozen) and
+keeps the response tokens: a positive's tokens for its concept (token_labels), the negatives'
+tokens as the shared pool H⁻. Each concept's row is then fitted with scikit-learn
+(`lit_interventions.interventions.directions`): DiffMean mean(H⁺_c) − mean(H⁻); PCA top PC of
+H⁺_c; LAT top PC of normalised differences of random pairs of H⁺_c ∪ H⁻; probe a logistic
+regression of token labels on H⁺_c ∪ H⁻ (sklearn SAGA, L2). All unit norm, oriented so that
+H⁺_c projects higher than H⁻. This is a Lightning-native fit because Lightning still owns the
+loop: DDP sharding of the data (the kept tokens of all ranks are gathered before the fit),
+device placement, validation, logging, checkpointing and the export callback are the same as for
+the trained methods, and `python train.py fit` serves all six. The fit happens when the collected
+data is first needed: at the start of validation (Lightning validates *before*
+`on_train_epoch_end`) or at the end of the epoch; use `max_epochs: 1`.
+
+Validation scores every row of the eval set for the concept it is evaluated for: token latents
+Ψ(h_i) (h·w, or ReLU(h·w) for ReFT-r1 and SSV) on the response tokens, max-pooled, min-max
+normalised per concept, AUROC per concept (`val/auroc/<concept>`) and their mean (`val/auroc`).
+The largest sequence score of each concept becomes its `max_activations` entry (the steering
+unit of the released dictionary).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from transformers import get_linear_schedule_with_warmup
+
+from lit_interventions.dictionary import RELU_METHODS, Dictionary
+from lit_interventions.interventions.additive import (
+    ConceptDictionary,
+    masked_token_mean,
+    non_topk_l1,
+    reft_r1_intervention,
+)
+from lit_interventions.interventions.directions import METHODS as DIRECTIONS
+from lit_interventions.interventions.directions import PCADirection
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.metrics.detection import ConceptAUROC
+from lit_interventions.sites import _hook, _run_body, check_layer, final_logits, read_layers
+
+TRAINED = ("reft_r1", "ssv")
+CLOSED_FORM = ("diffmean", "pca", "lat", "probe")
+STEERING_METHODS = TRAINED + CLOSED_FORM
+
+
+def _gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate a (n, ...) tensor of every process along dim 0 (sizes may differ)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensor
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    return torch.cat(gather_all_tensors(tensor))
+
+
+def fit_concept_direction(method: str, positives: torch.Tensor, negatives: torch.Tensor, seed: int = 0,
+                          **kwargs) -> torch.Tensor:  # fmt: skip
+    """One concept's unit direction from its positive tokens H⁺_c (n⁺, d) and the negative pool
+    H⁻ (n⁻, d), oriented so that mean(H⁺_c)·w ≥ mean(H⁻)·w. float32 (d,)."""
+    if method not in CLOSED_FORM:
+        raise ValueError(f"unknown closed-form method {method!r}; valid: {', '.join(CLOSED_FORM)}")
+    if method == "pca":  # the top PC of the positives alone (AxBench §4), oriented by the negatives
+        w = PCADirection(random_state=seed).fit(positives).direction_
+        return w if w @ (positives.float().mean(0) - negatives.float().mean(0)) >= 0 else -w
+    X = torch.cat([positives, negatives]).float()
+    y = np.r_[np.ones(len(positives)), np.zeros(len(negatives))]
+    seeded = {"random_state": seed} if "random_state" in DIRECTIONS[method]().get_params() else {}
+    return DIRECTIONS[method](**seeded, **kwargs).fit(X, y).direction_
+
+
+class SteeringModule(LightningModule):
+    """A concept dictionary (concepts × d) at one layer of a frozen LM, by one AxBench method.
+
+    Args:
+        lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.lm`).
+        layer: residual stream after this block (−1: embeddings). Default: the middle layer.
+        method: reft_r1, ssv (trained) or diffmean, pca, lat, probe (closed form).
+        concept_names: the concept names, one per row (concept_id indexes them). None: taken from
+            the data module's `.concepts` when fit/validate starts (`configure_model`). Not called
+            `concepts`, which the data module uses for concept ids (Lightning merges both hparams).
+        topk: k of ReFT-r1's TopK. l1: λ of ReFT-r1's L1 term.
+        negative_l1: ReFT-r1 also applies the L1 term to the negative pool (see the module doc).
+        lr, weight_decay: AdamW; warmup_ratio: linear warmup share, then linear decay to 0.
+        dtype: the LM's dtype (float32, bfloat16, float16).
+        direction_seed: initial directions (ReFT-r1) and the random pairs / solvers of the closed
+            forms (not `seed`, the data module's shuffling seed).
+    """
+
+    def __init__(
+        self,
+        lm: str = DEFAULT_LM,
+        layer: int | None = None,
+        method: str = "reft_r1",
+        concept_names: list[str] | None = None,
+        topk: int = 8,
+        l1: float = 5e-3,
+        negative_l1: bool = True,
+        lr: float = 1e-2,
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.0,
+        dtype: str = "float32",
+        direction_seed: int = 0,
+    ):
+        super().__init__()
+        if method not in STEERING_METHODS:
+            raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(STEERING_METHODS)}")
+        if topk < 1:
+            raise ValueError(f"topk={topk!r} must be >= 1")
+        if l1 < 0:
+            raise ValueError(f"l1={l1!r} must be >= 0")
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        config = load_config(lm)  # the config only: the layer is checked before weights load
+        if layer is None:
+            layer = num_layers(config) // 2
+        check_layer(layer, num_layers(config))
+        self.save_hyperparameters()
+        self.hparams.layer = layer
+        self.automatic_optimization = method in TRAINED
+        self._hidden_size = hidden_size(config)
+        self._frozen: dict[str, object] = {"tokens": []}  # the LM and collected states: not in state_dict
+        self.dictionary: ConceptDictionary | None = None
+        if concept_names is not None:
+            self._build(list(concept_names))
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def _build(self, concepts: list[str]) -> None:
+        if not concepts or len(set(concepts)) != len(concepts):
+            raise ValueError(f"concepts must be a non-empty list of distinct names; got {concepts!r}")
+        self.hparams.concept_names = [str(c) for c in concepts]
+        n = len(concepts)
+        self.dictionary = ConceptDictionary(n, self._hidden_size, unit_norm=self.hparams.method != "ssv",
+                                            seed=self.hparams.direction_seed)  # fmt: skip
+        self.register_buffer("max_activations", torch.full((n,), float("nan")))
+        self.val_auroc = ConceptAUROC(n)
+        self.test_auroc = ConceptAUROC(n)
+
+    def configure_model(self) -> None:
+        """Concept names from the data module when none were given (called after its setup)."""
+        if self.dictionary is None:
+            datamodule = getattr(self.trainer, "datamodule", None)
+            concepts = getattr(datamodule, "concepts", None)
+            if not concepts:
+                raise ValueError("SteeringModule needs concept names: pass concept_names=[...] or use a data module "
+                                 "with a .concepts list")  # fmt: skip
+            self._build(list(concepts))
+
+    @property
+    def concepts(self) -> list[str]:
+        return list(self.hparams.concept_names or [])
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        model = self._frozen.get("lm")
+        if model is None:
+            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
+        if model.device != self.device:
+            model.to(self.device)
+        return model
+
+    # --- detection ----------------------------------------------------------------------------
+
+    def states(self, batch) -> torch.Tensor:
+        """The frozen LM's residual stream at the layer, (batch, seq, d)."""
+        layer = self.hparams.layer
+        return read_layers(self.lm, [layer], batch["input_ids"], batch["attention_mask"])[layer]
+
+    def token_scores(self, hidden: torch.Tensor, concept_id: torch.Tensor) -> torch.Tensor:
+        """Ψ(h_i) of each row's concept at every token, (batch, seq): h·w, or ReLU(h·w) for
+        ReFT-r1 and SSV."""
+        scores = self.dictionary.projections(hidden, concept_id)
+        return torch.relu(scores) if self.hparams.method in RELU_METHODS else scores
+
+    # --- trained methods ----------------------------------------------------------------------
+
+    def _steered_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(−log p(response) of the positives under the intervention, the L1 term) for a batch."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        positive = (batch["label"] == 1) & (batch["concept_id"] >= 0)  # (batch,)
+        w = self.dictionary.weight[batch["concept_id"].clamp(min=0)]  # (batch, d); unused on negatives
+        seen: dict[str, torch.Tensor] = {}
+
+        def intervene(hidden):  # (batch, seq, d) -> the same, at the layer
+            if self.hparams.method == "ssv":
+                return hidden + (w * positive[:, None]).to(hidden.dtype)[:, None, :]
+            steered, seen["latents"], seen["chosen"] = reft_r1_intervention(hidden, w, mask, self.hparams.topk)
+            seen["hidden"] = hidden
+            return torch.where(positive[:, None, None], steered, hidden)
+
+        targets = batch["response_mask"][:, 1:].bool() & positive[:, None]  # token t+1 is predicted at t
+        if targets.any():
+            with _hook(self.lm, self.hparams.layer, intervene):
+                final = _run_body(self.lm, ids, mask).last_hidden_state  # (batch, seq, d)
+            logits = final_logits(self.lm, final[:, :-1][targets])  # (n_targets, vocab)
+            lm_loss = F.cross_entropy(logits.float(), ids[:, 1:][targets])
+        else:  # no positive: nothing to predict (the sum keeps the graph for DDP)
+            lm_loss = self.dictionary.weight.sum() * 0.0
+            if self.hparams.method == "reft_r1":
+                intervene(self.states(batch))  # the L1 term needs only the states at the layer
+        if self.hparams.method != "reft_r1":
+            return lm_loss, lm_loss.detach() * 0.0
+        return lm_loss, self._l1(seen, positive, mask)
+
+    def _l1(self, seen: dict, positive: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean over the batch of each row's L1 term: a positive's non-top-k latents of its
+        concept; a negative's latents of every concept at all tokens (if negative_l1)."""
+        per_row = torch.where(positive, non_topk_l1(seen["latents"], seen["chosen"], mask),
+                              torch.zeros_like(seen["latents"][:, 0]))  # fmt: skip
+        negative = ~positive
+        if self.hparams.negative_l1 and negative.any():
+            every = torch.relu(seen["hidden"][negative].float() @ self.dictionary.weight.T)  # (neg, seq, C)
+            extra = torch.zeros_like(per_row)
+            extra[negative] = masked_token_mean(every, mask[negative]).sum(-1)
+            per_row = per_row + extra
+        return per_row.mean()
+
+    def training_step(self, batch, batch_idx):
+        if not self.automatic_optimization:
+            return self._collect(batch)
+        lm_loss, l1 = self._steered_loss(batch)
+        loss = lm_loss + self.hparams.l1 * l1
+        size = len(batch["label"])
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log("train/lm_loss", lm_loss, batch_size=size)
+        if self.hparams.method == "reft_r1":
+            self.log("train/l1", l1, batch_size=size)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.dictionary.remove_parallel_grad()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.automatic_optimization:
+            self.dictionary.renormalise()
+
+    def configure_optimizers(self):
+        if not self.automatic_optimization:
+            return None
+        optimizer = torch.optim.AdamW(self.dictionary.parameters(), lr=self.hparams.lr,
+                                      weight_decay=self.hparams.weight_decay)  # fmt: skip
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # --- closed-form methods --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _collect(self, batch) -> None:
+        """Keep the response tokens of this batch: positives with their concept, negatives as −1."""
+        hidden = self.states(batch)
+        response = batch["response_mask"].bool()
+        positive = response & (batch["token_labels"] >= 0)
+        negative = response & (batch["label"] == 0)[:, None]
+        keep = positive | negative
+        self._frozen["tokens"].append((hidden[keep].float().cpu(), batch["token_labels"][keep].where(
+            positive[keep], torch.full_like(batch["token_labels"][keep], -1)).cpu()))  # fmt: skip
+        self._frozen["pending"] = True
+
+    @torch.no_grad()
+    def fit_closed_form(self) -> None:
+        """Fit every concept's row from the tokens collected so far (all processes)."""
+        if not self._frozen.pop("pending", False):
+            return
+        pieces = self._frozen["tokens"]
+        hidden = torch.cat([p[0] for p in pieces]) if pieces else torch.zeros(0, self._hidden_size)
+        labels = torch.cat([p[1] for p in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
+        hidden = _gather(hidden.to(self.device)).cpu()
+        labels = _gather(labels.to(self.device)).cpu()
+        negatives = hidden[labels == -1]
+        if len(negatives) == 0:
+            raise ValueError("the training data has no negative tokens: the closed-form methods need negatives")
+        for c, name in enumerate(self.concepts):
+            positives = hidden[labels == c]
+            if len(positives) < 2:
+                raise ValueError(f"concept {name!r} has {len(positives)} positive response token(s) in the "
+                                 "training data; at least 2 are needed")  # fmt: skip
+            w = fit_concept_direction(self.hparams.method, positives, negatives, seed=self.hparams.direction_seed)
+            self.dictionary.weight.data[c] = w.to(self.dictionary.weight)
+
+    def on_train_epoch_start(self):
+        self._frozen["tokens"] = []
+
+    def on_train_epoch_end(self):
+        if not self.automatic_optimization:
+            self.fit_closed_form()
+
+    # --- validation and test ------------------------------------------------------------------
+
+    def _evaluate(self, batch, metric: ConceptAUROC) -> None:
+        scores = self.token_scores(self.states(batch), batch["concept_id"])
+        metric.update(scores, batch["response_mask"], batch["concept_id"], batch["label"])
+
+    def on_validation_epoch_start(self):
+        if not self.automatic_optimization:
+            self.fit_closed_form()
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, self.val_auroc)
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, self.test_auroc)
+
+    def _log_auroc(self, metric: ConceptAUROC, stage: str) -> dict:
+        result = metric.compute()
+        metric.reset()
+        values = {f"{stage}/auroc": result["auroc"]}
+        for name, value in zip(self.concepts, result["auroc_per_concept"]):
+            values[f"{stage}/auroc/{_safe(name)}"] = value
+        self.log_dict({k: v.float() for k, v in values.items()})
+        seen = ~torch.isnan(result["max_score"])
+        if stage == "val" and not self.trainer.sanity_checking:
+            self.max_activations[seen] = result["max_score"][seen].to(self.max_activations)
+        return {"mean": float(result["auroc"]),
+                "per_concept": {n: float(v) for n, v in zip(self.concepts, result["auroc_per_concept"])}}  # fmt: skip
+
+    def on_validation_epoch_end(self):
+        auroc = self._log_auroc(self.val_auroc, "val")
+        if not self.trainer.sanity_checking:
+            self._frozen["val_auroc"] = auroc
+
+    def on_test_epoch_end(self):
+        self._frozen["test_auroc"] = self._log_auroc(self.test_auroc, "test")
+
+    # --- export -------------------------------------------------------------------------------
+
+    def to_dictionary(self, training_data: str | None = None) -> Dictionary:
+        """The released dictionary: rows, names, max activations, last validation AUROC."""
+        card = {"model_type": getattr(load_config(self.hparams.lm), "model_type", None)}
+        if self.hparams.method == "reft_r1":
+            card.update(topk=self.hparams.topk, l1=self.hparams.l1)
+        return Dictionary(
+            vectors=self.dictionary.weight.detach(), max_activations=self.max_activations, concepts=self.concepts,
+            model=self.hparams.lm, layer=self.hparams.layer, method=self.hparams.method,
+            training_data=training_data, auroc=self._frozen.get("val_auroc"), card=card,
+        )  # fmt: skip
+
+
+def _safe(name: str) -> str:
+    """A concept name as a metric key: no slashes, runs of other characters kept readable."""
+    return re.sub(r"\s+", " ", name.replace("/", "∕")).strip()

@@ -1,0 +1,325 @@
+"""The AxBench steering baselines that finetune per concept: LoReFT and LoRA (AxBench §4, methods).
+
+Both minimise the LM loss −log p(response | instruction) on the positive responses of one
+concept (rows with label 1; rows of other concepts are dropped when `concept_id` is set). The LM
+stays frozen; only the intervention (LoReFT) or the adapter (LoRA) is trained and saved.
+
+- LoReFT: Φ(h) = h + Rᵀ(W h + b − R h) on the residual stream after block `layer`, at **every
+  position** (prompt and response, and every generated token at steering time), so training and
+  generation see the same edit.
+- LoRA: peft `LoraConfig(r=rank, lora_alpha=32, target_modules=[attention output projection])`
+  in every layer (or `layers`). The target is `o_proj` (Llama, Gemma, Qwen, SmolLM...); for
+  architectures without it, the attention output projection found by name: `out_proj`,
+  `attention.dense` (GPT-NeoX), `attn.c_proj` (GPT-2).
+
+After fit, rank 0 writes `intervention.safetensors` + `intervention.json` (card: method, model,
+layer, rank, concept...) to the run's log directory; `load_steering_checkpoint` rebuilds a module
+from that directory or from a Lightning `.ckpt`.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from torch import nn
+from torchmetrics import MeanMetric
+from transformers import get_linear_schedule_with_warmup
+
+from lit_interventions.callbacks.export import CARD, load_intervention, save_intervention
+from lit_interventions.interventions.loreft import LoReFTIntervention
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.sites import _hook, check_layer, final_logits, position_ids
+
+# Attention output projections by architecture, in the order they are tried.
+ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean −log p(token) over response tokens (response_mask) of the positive rows (label 1).
+
+    Logits are computed only where the loss needs them (the next token of a response token)."""
+    keep = batch["label"] == 1
+    ids, mask, targets = batch["input_ids"][keep], batch["attention_mask"][keep], batch["response_mask"][keep]
+    if not keep.any() or not targets[:, 1:].any():
+        raise ValueError("the batch holds no positive response tokens (label 1 with response_mask 1)")
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                              use_cache=False).last_hidden_state  # (b, T, d)  # fmt: skip
+    predict = targets[:, 1:].bool()  # position t predicts token t + 1
+    logits = final_logits(model, hidden[:, :-1][predict])  # (n, vocab)
+    return F.cross_entropy(logits.float(), ids[:, 1:][predict])
+
+
+class _SteeringModule(LightningModule):
+    """Shared loop: filter the batch to one concept, LM loss, AdamW with a linear schedule."""
+
+    method = ""
+
+    def _setup_common(self, lm: str, concept_id: int | None, warmup_ratio: float):
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        if concept_id is not None and (not isinstance(concept_id, int) or concept_id < 0):
+            raise ValueError(f"concept_id={concept_id!r} must be a non-negative integer or None (all rows)")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self._frozen: dict[str, nn.Module] = {}  # the LM, kept out of state_dict and DDP
+
+    def _concept_rows(self, batch):
+        if self.hparams.concept_id is None:
+            return batch
+        keep = batch["concept_id"] == self.hparams.concept_id
+        return {k: v[keep] if torch.is_tensor(v) and v.shape[:1] == keep.shape else v for k, v in batch.items()}
+
+    def loss(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch, batch_idx):
+        batch = self._concept_rows(batch)
+        if not (batch["label"] == 1).any():
+            return None  # nothing of this concept in the batch: skip the step
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=int((batch["label"] == 1).sum()))
+        return loss
+
+    def _evaluate(self, batch, metric: MeanMetric):
+        batch = self._concept_rows(batch)
+        if (batch["label"] == 1).any():
+            metric.update(self.loss(batch), weight=int((batch["label"] == 1).sum()))
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, self.val_loss)
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, self.test_loss)
+
+    def on_validation_epoch_end(self):
+        self.log("val/loss", self.val_loss.compute(), prog_bar=True)
+        self.val_loss.reset()
+
+    def on_test_epoch_end(self):
+        self.log("test/loss", self.test_loss.compute())
+        self.test_loss.reset()
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def export(self) -> tuple[dict[str, torch.Tensor], dict]:
+        raise NotImplementedError
+
+    def save(self, directory: str | Path) -> Path:
+        """Write intervention.safetensors (trainable weights only) and intervention.json."""
+        tensors, card = self.export()
+        return save_intervention(directory, tensors, card)
+
+    def on_fit_end(self):
+        directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP
+        if self.trainer.is_global_zero:
+            self.save(directory)
+
+    def _card(self) -> dict:
+        names = getattr(self.trainer.datamodule, "concepts", None) if self._trainer is not None else None
+        concept = self.hparams.concept
+        if concept is None and names and self.hparams.concept_id is not None:
+            concept = names[self.hparams.concept_id]
+        elif concept is None and names and len(names) == 1:
+            concept = names[0]
+        return {"method": self.method, "model": self.hparams.lm, "concept": concept,
+                "concept_id": self.hparams.concept_id, "metrics": {k: float(v) for k, v in (
+                    self.trainer.callback_metrics.items() if self._trainer is not None else [])
+                    if torch.as_tensor(v).numel() == 1}}  # fmt: skip
+
+
+class LoReFTModule(_SteeringModule):
+    """LoReFT on one concept: Φ(h) = h + Rᵀ(W h + b − R h) at every position after block `layer`.
+
+    Args:
+        lm: the frozen LM (embedded name, .gguf, local directory or hub id).
+        layer: residual stream after this block (-1 = embeddings); default the middle layer.
+        rank: r, the rank of R and W.
+        concept_id: train on rows of this concept id only (None: every positive row in the data,
+            for a data module that holds one concept).
+        concept: the concept's name, written to the card (default: from the data module).
+        lr, weight_decay, warmup_ratio: AdamW with linear warmup, then linear decay to 0.
+        dtype: the LM's dtype.
+    """
+
+    method = "loreft"
+
+    def __init__(self, lm: str = DEFAULT_LM, layer: int | None = None, rank: int = 4, concept_id: int | None = None,
+                 concept: str | None = None, lr: float = 5e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.0,
+                 dtype: str = "float32"):  # fmt: skip
+        super().__init__()
+        config = load_config(lm)
+        if layer is None:
+            layer = num_layers(config) // 2
+        check_layer(layer, num_layers(config))
+        self._setup_common(lm, concept_id, warmup_ratio)
+        self.save_hyperparameters()
+        self.hparams.layer = layer
+        self.intervention = LoReFTIntervention(hidden_size(config), rank)
+
+    @property
+    def lm(self) -> nn.Module:
+        model = self._frozen.get("lm")
+        if model is None:
+            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
+        if model.device != self.device:
+            model.to(self.device)
+        return model
+
+    @contextmanager
+    def steer(self, model: nn.Module | None = None, factor: float = 1.0):
+        """Inside the block, `model` (default the LM) runs with Φ at every position; yields it.
+        `factor` is accepted for a uniform steering interface and ignored: LoReFT has no strength."""
+        model = model if model is not None else self.lm
+        with _hook(model, self.hparams.layer, lambda h: self.intervention(h).to(h.dtype)):
+            yield model
+
+    def loss(self, batch) -> torch.Tensor:
+        with self.steer():
+            return lm_loss(self.lm, batch)
+
+    def export(self):
+        card = {**self._card(), "layer": self.hparams.layer, "rank": self.hparams.rank, "positions": "all",
+                "hidden_size": self.intervention.hidden_size}  # fmt: skip
+        return self.intervention.export(), card
+
+
+def attention_output_modules(model: nn.Module) -> list[str]:
+    """Suffix names of the attention output projection (the LoRA target), by architecture."""
+    names = [name for name, _ in model.named_modules()]
+    for suffix in ATTENTION_OUTPUTS:
+        if any(name.endswith("." + suffix) for name in names):
+            return [suffix]
+    raise ValueError(f"Cannot find an attention output projection in {type(model).__name__}: "
+                     f"no module named like {ATTENTION_OUTPUTS}; pass target_modules.")  # fmt: skip
+
+
+class LoRAModule(_SteeringModule):
+    """LoRA on one concept (peft): W₀x + (α/r)·B A x on the attention output projection.
+
+    Args:
+        lm: the LM; a private copy gets the adapter (the shared frozen LM is never modified).
+        rank: r; alpha: lora_alpha (the paper: 32); dropout: lora_dropout.
+        target_modules: module name suffixes; default the attention output projection
+            (`o_proj`, or the architecture's equivalent, see `ATTENTION_OUTPUTS`).
+        layers: layer indices that get adapters (default: all).
+        concept_id, concept, lr, weight_decay, warmup_ratio, dtype: as `LoReFTModule`.
+    """
+
+    method = "lora"
+
+    def __init__(self, lm: str = DEFAULT_LM, rank: int = 4, alpha: int = 32, dropout: float = 0.0,
+                 target_modules: list[str] | None = None, layers: list[int] | None = None,
+                 concept_id: int | None = None, concept: str | None = None, lr: float = 5e-3,
+                 weight_decay: float = 0.0, warmup_ratio: float = 0.0, dtype: str = "float32"):  # fmt: skip
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank={rank!r} must be a positive integer")
+        n_layers = num_layers(load_config(lm))
+        for layer in layers or []:
+            if not 0 <= layer < n_layers:
+                raise ValueError(f"layers={layers!r}: each must be in 0..{n_layers - 1}")
+        self._setup_common(lm, concept_id, warmup_ratio)
+        model = copy.deepcopy(load_lm(lm, dtype))  # peft injects in place: never into the shared copy
+        target_modules = list(target_modules) if target_modules else attention_output_modules(model)
+        self.save_hyperparameters()
+        self.hparams.target_modules = target_modules
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                            layers_to_transform=layers, bias="none")  # fmt: skip
+        peft_model = get_peft_model(model, config)
+        self._frozen["peft"] = peft_model
+        self._frozen["dropouts"] = [m for name, m in peft_model.named_modules() if name.endswith("lora_dropout")]
+        # The adapter's parameters, registered here too: the optimizer, DDP and state_dict see only them.
+        self.adapter = nn.ParameterDict({name.replace(".", "__"): p for name, p in peft_model.named_parameters()
+                                         if p.requires_grad})  # fmt: skip
+        if not len(self.adapter):
+            raise ValueError(f"target_modules={target_modules!r} matched no module of {lm!r}")
+
+    @property
+    def lm(self) -> nn.Module:
+        """The LM with the adapter injected (a private copy)."""
+        model = self._frozen["peft"].get_base_model()
+        if model.device != self.device:
+            model.to(self.device)
+        return model
+
+    @contextmanager
+    def steer(self, model: nn.Module | None = None, factor: float = 1.0):
+        """Yields the adapted LM (`model` is ignored: the adapter lives in a private copy)."""
+        yield self.lm
+
+    def loss(self, batch) -> torch.Tensor:
+        for dropout in self._frozen["dropouts"]:
+            dropout.train(self.training)  # the LM itself stays in eval mode
+        return lm_loss(self.lm, batch)
+
+    def export(self):
+        from peft import get_peft_model_state_dict
+
+        tensors = get_peft_model_state_dict(self._frozen["peft"])
+        card = {**self._card(), "rank": self.hparams.rank, "alpha": self.hparams.alpha,
+                "target_modules": self.hparams.target_modules, "layers": self.hparams.layers,
+                "dropout": self.hparams.dropout}  # fmt: skip
+        return tensors, card
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self._frozen["peft"], tensors)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"adapter tensors do not fit this model: unexpected {result.unexpected_keys[:3]}")
+
+
+def load_steering_checkpoint(path: str | Path, lm: str | None = None) -> _SteeringModule:
+    """A trained LoReFT / LoRA module from its exported directory (intervention.json +
+    intervention.safetensors) or a Lightning `.ckpt`. `lm` overrides the card's model."""
+    path = Path(path)
+    if path.suffix == ".ckpt":
+        hparams = torch.load(path, map_location="cpu", weights_only=False)["hyper_parameters"]
+        cls = LoRAModule if "alpha" in hparams else LoReFTModule
+        return cls.load_from_checkpoint(path, map_location="cpu", **({"lm": lm} if lm else {}))
+    if not (path / CARD).is_file():
+        raise FileNotFoundError(f"{path} is neither a .ckpt file nor a directory holding {CARD}")
+    tensors, card = load_intervention(path)
+    common = {"lm": lm or card["model"], "concept": card.get("concept"), "concept_id": card.get("concept_id")}
+    if card.get("method") == "loreft":
+        module = LoReFTModule(layer=card["layer"], rank=card["rank"], **common)
+        if module.intervention.hidden_size != tensors["rotation"].shape[1]:
+            raise ValueError(f"{path} was trained on hidden size {tensors['rotation'].shape[1]}, but "
+                             f"{common['lm']!r} has hidden size {module.intervention.hidden_size}")  # fmt: skip
+        module.intervention = LoReFTIntervention.from_tensors(tensors)
+        return module
+    if card.get("method") == "lora":
+        module = LoRAModule(rank=card["rank"], alpha=card["alpha"], target_modules=card["target_modules"],
+                            layers=card.get("layers"), dropout=card.get("dropout", 0.0), **common)  # fmt: skip
+        module.load_adapter(tensors)
+        return module
+    raise ValueError(f"{path}: card method {card.get('method')!r} is not a steering checkpoint; expected loreft or lora")
+
+
+def main(args=None):
+    """`python -m lit_interventions.modules.steering_baselines fit --config configs/loreft.yaml`."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from datamodules.axbench import AxBenchDataModule
+
+    class SteeringCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.link_arguments("model.init_args.lm", "data.lm")
+
+    return SteeringCLI(_SteeringModule, AxBenchDataModule, subclass_mode_model=True,
+                       save_config_kwargs={"overwrite": True}, args=args)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

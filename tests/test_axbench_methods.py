@@ -1,0 +1,377 @@
+"""AxBench concept-dictionary methods, the detection metric and a short fit on synthetic concepts.
+
+Synthetic data (the AxBench batch format) on the tiny llama: each concept is planted as a token
+(" dog" for concept 0, " give" for concept 1) inside the response of its positives; negatives and
+the prompts are made of other tokens.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lit_interventions.callbacks.dictionary import ExportDictionary
+from lit_interventions.dictionary import Dictionary
+from lit_interventions.interventions.additive import (
+    ConceptDictionary,
+    add_vector,
+    non_topk_l1,
+    reft_r1_intervention,
+    topk_mean,
+)
+from lit_interventions.metrics.detection import ConceptAUROC, min_max_normalise, sequence_scores
+from lit_interventions.modules.steering import SteeringModule, fit_concept_direction
+
+CONCEPTS = ["dogs", "giving"]
+
+
+# --- synthetic AxBench batches -------------------------------------------------------------------
+
+
+def _ids(tokenizer, words):
+    return [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(w))[0] for w in words]
+
+
+def make_rows(tokenizer, n_per_concept=12, n_negative=12, seed=0, train=True):
+    """Rows as dicts of lists: prompt of filler tokens, response of filler tokens; a positive's
+    response holds its concept token at two random places."""
+    rng = np.random.default_rng(seed)
+    filler = _ids(tokenizer, [" the", " is", " here", " The", " that", " a", " of", " to"])
+    concept_tokens = _ids(tokenizer, [" dog", " give"])
+    rows = []
+
+    def row(concept, label):
+        prompt = list(rng.choice(filler, 4))
+        response = list(rng.choice(filler, 8))
+        if label == 1:
+            for pos in rng.choice(8, 2, replace=False):
+                response[pos] = concept_tokens[concept]
+        return {"prompt": prompt, "response": response, "concept_id": concept, "label": label}
+
+    for c in range(len(CONCEPTS)):
+        rows += [row(c, 1) for _ in range(n_per_concept)]
+    for i in range(n_negative):
+        rows.append(row(i % len(CONCEPTS) if not train else -1, 0))
+    return rows
+
+
+def collate(rows, pad_id=0):
+    """The AxBench batch format, right padded."""
+    T = max(len(r["prompt"]) + len(r["response"]) for r in rows)
+    B = len(rows)
+    batch = {k: torch.zeros(B, T, dtype=torch.long) for k in ("input_ids", "attention_mask", "response_mask")}
+    batch["input_ids"].fill_(pad_id)
+    batch["token_labels"] = torch.full((B, T), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids = r["prompt"] + r["response"]
+        batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
+        batch["attention_mask"][i, : len(ids)] = 1
+        batch["response_mask"][i, len(r["prompt"]) : len(ids)] = 1
+        if r["label"] == 1:
+            batch["token_labels"][i, len(r["prompt"]) : len(ids)] = r["concept_id"]
+    batch["concept_id"] = torch.tensor([r["concept_id"] for r in rows])
+    batch["label"] = torch.tensor([r["label"] for r in rows])
+    batch["category"] = batch["label"].clone()
+    return batch
+
+
+class SyntheticConcepts(L.LightningDataModule):
+    def __init__(self, tokenizer, batch_size=8):
+        super().__init__()
+        self.concepts = list(CONCEPTS)
+        self.train_rows = make_rows(tokenizer, seed=0, train=True)
+        self.val_rows = make_rows(tokenizer, n_per_concept=8, n_negative=16, seed=1, train=False)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, collate_fn=collate,
+                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    def val_dataloader(self):
+        return DataLoader(self.val_rows, batch_size=self.batch_size, collate_fn=collate)
+
+
+def _trainer(tmp_path, **kwargs):
+    options = dict(max_epochs=1, accelerator="cpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, logger=True)
+    options.update(kwargs)  # fmt: skip
+    return L.Trainer(**options)
+
+
+# --- the interventions, by hand ------------------------------------------------------------------
+
+
+def test_topk_mean_and_reft_r1_intervention_by_hand():
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # (batch, d): each row's concept
+    hidden = torch.tensor([[[1.0, 9.0], [5.0, 0.0], [3.0, 1.0], [-2.0, 0.0]],
+                           [[0.0, 2.0], [0.0, -1.0], [7.0, 100.0], [0.0, 0.0]]])  # fmt: skip
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])  # row 1: the 100 is padding
+    steered, latents, chosen = reft_r1_intervention(hidden, w, mask, k=2)
+    # latents ReLU(h·w): row 0 [1, 5, 3, 0] -> top 2 {5, 3}, mean 4; row 1 [2, 0] -> mean 1
+    torch.testing.assert_close(latents, torch.tensor([[1.0, 5.0, 3.0, 0.0], [2.0, 0.0, 100.0, 0.0]]))
+    assert chosen.tolist() == [[False, True, True, False], [True, True, False, False]]
+    torch.testing.assert_close(steered, hidden + torch.tensor([[4.0, 0.0], [0.0, 1.0]])[:, None, :])
+    mean, _ = topk_mean(latents, mask, k=8)  # fewer than k tokens: the mean of all of them
+    torch.testing.assert_close(mean, torch.tensor([9.0 / 4, 1.0]))
+    with pytest.raises(ValueError, match="topk"):
+        topk_mean(latents, mask, k=0)
+
+
+def test_l1_counts_only_the_non_top_k_latents():
+    latents = torch.tensor([[1.0, 5.0, 3.0, 2.0]], requires_grad=True)
+    mask = torch.ones(1, 4)
+    _, chosen = topk_mean(latents, mask, k=2)
+    l1 = non_topk_l1(latents, chosen, mask)
+    assert l1.item() == pytest.approx((1.0 + 2.0) / 4)
+    l1.sum().backward()
+    torch.testing.assert_close(latents.grad, torch.tensor([[0.25, 0.0, 0.0, 0.25]]))
+
+
+def test_dictionary_keeps_rows_unit_norm_and_drops_the_parallel_gradient():
+    d = ConceptDictionary(3, 5, unit_norm=True, seed=1)
+    torch.testing.assert_close(d.weight.norm(dim=-1), torch.ones(3))
+    w = d.weight.detach().clone()
+    grad = torch.randn(3, 5)
+    d.weight.grad = grad.clone()
+    d.remove_parallel_grad()
+    torch.testing.assert_close((d.weight.grad * w).sum(-1), torch.zeros(3), atol=1e-6, rtol=0)
+    torch.testing.assert_close(d.weight.grad, grad - (grad * w).sum(-1, keepdim=True) * w)
+    d.weight.data *= 3.0
+    d.renormalise()
+    torch.testing.assert_close(d.weight.norm(dim=-1), torch.ones(3))
+    free = ConceptDictionary(2, 4, unit_norm=False)
+    free.weight.data += 2.0
+    free.renormalise()
+    assert free.weight.norm(dim=-1).tolist() == pytest.approx([4.0, 4.0])
+    with pytest.raises(ValueError, match="concept_id 7"):
+        d.rows(torch.tensor([0, 7]))
+
+
+def test_add_vector_adds_alpha_w_at_every_token():
+    hidden = torch.randn(2, 3, 4)
+    v = torch.tensor([1.0, 0.0, -1.0, 2.0])
+    torch.testing.assert_close(add_vector(hidden, v, 0.5), hidden + 0.5 * v)
+
+
+# --- closed-form fits ------------------------------------------------------------------------------
+
+
+def _planted(n=200, d=6, shift=3.0, seed=0):
+    rng = np.random.default_rng(seed)
+    axis = torch.tensor(rng.standard_normal(d), dtype=torch.float32)
+    axis /= axis.norm()
+    negatives = torch.tensor(rng.standard_normal((n, d)), dtype=torch.float32)
+    positives = torch.tensor(rng.standard_normal((n // 2, d)), dtype=torch.float32) + shift * axis
+    return positives, negatives, axis
+
+
+def test_diffmean_is_the_normalised_difference_of_token_means():
+    positives = torch.tensor([[1.0, 2.0], [3.0, 2.0]])
+    negatives = torch.tensor([[0.0, 0.0], [0.0, 2.0], [0.0, 1.0]])
+    # mean(H+) - mean(H-) = (2, 2) - (0, 1) = (2, 1)
+    w = fit_concept_direction("diffmean", positives, negatives)
+    torch.testing.assert_close(w, torch.tensor([2.0, 1.0]) / 5**0.5)
+
+
+@pytest.mark.parametrize("method", ["diffmean", "probe", "lat"])
+def test_supervised_directions_find_the_planted_axis(method):
+    positives, negatives, axis = _planted()
+    w = fit_concept_direction(method, positives, negatives)
+    assert w.norm().item() == pytest.approx(1.0, abs=1e-5)
+    assert torch.dot(w, axis).item() > 0.9
+
+
+def test_probe_separates_planted_tokens():
+    positives, negatives, _ = _planted(shift=4.0)
+    w = fit_concept_direction("probe", positives, negatives)
+    from sklearn.metrics import roc_auc_score
+
+    scores = torch.cat([positives, negatives]) @ w
+    labels = np.r_[np.ones(len(positives)), np.zeros(len(negatives))]
+    assert roc_auc_score(labels, scores.numpy()) > 0.97
+
+
+def test_pca_is_the_top_pc_of_the_positives_oriented_by_the_negatives():
+    rng = np.random.default_rng(3)
+    positives = torch.tensor(rng.standard_normal((300, 3)) * [5.0, 0.5, 0.5], dtype=torch.float32)
+    negatives = positives.mean(0) - torch.tensor([[1.0, 0.0, 0.0]]) + torch.zeros(10, 3)
+    w = fit_concept_direction("pca", positives, negatives)
+    assert abs(w[0].item()) > 0.99 and w[0].item() > 0  # variance axis, positives projecting higher
+    with pytest.raises(ValueError, match="unknown closed-form method 'kmeans'"):
+        fit_concept_direction("kmeans", positives, negatives)
+
+
+# --- the detection metric ------------------------------------------------------------------------
+
+
+def test_concept_auroc_by_hand():
+    # Concept 0: positives score 0.9, 0.4; negatives 0.5, 0.1 -> 3 of 4 pairs ordered: 0.75.
+    # Concept 1: positive 0.2; negatives 0.3, 0.3 -> 0.0. Mean 0.375.
+    # Each row's sequence score is its max over the masked tokens; the 50.0 is outside the mask.
+    token_scores = torch.tensor([[0.9, 0.1, 50.0], [0.2, 0.4, 0.0], [0.5, -1.0, 0.0], [0.1, 0.0, 0.0],
+                                 [0.2, 0.0, 0.0], [0.3, 0.0, 0.0], [0.1, 0.3, 0.0]])  # fmt: skip
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]])
+    concept_id = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    label = torch.tensor([1, 1, 0, 0, 1, 0, 0])
+    metric = ConceptAUROC(num_concepts=3)
+    metric.update(token_scores, mask, concept_id, label)
+    out = metric.compute()
+    assert out["auroc_per_concept"][:2].tolist() == pytest.approx([0.75, 0.0])
+    assert torch.isnan(out["auroc_per_concept"][2])  # concept 2 was never scored
+    assert out["auroc"].item() == pytest.approx(0.375)
+    assert out["max_score"][:2].tolist() == pytest.approx([0.9, 0.3])
+    normalised, _, _ = metric.normalised_scores()  # min-max per concept: (s - min) / (max - min)
+    assert normalised.tolist() == pytest.approx([1.0, 0.375, 0.5, 0.0, 0.0, 1.0, 1.0])
+
+
+def test_min_max_normalisation_and_empty_rows():
+    scores = torch.tensor([2.0, 4.0, 3.0, 3.0])
+    assert min_max_normalise(scores, torch.tensor([0, 0, 1, 1]), 2).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert sequence_scores(torch.ones(1, 2), torch.zeros(1, 2)).item() == float("-inf")
+    metric = ConceptAUROC(1)
+    metric.update(torch.ones(2, 2), torch.tensor([[1, 1], [0, 0]]), torch.tensor([0, 0]), torch.tensor([1, 0]))
+    assert metric.skipped.item() == 1 and torch.isnan(metric.compute()["auroc"])
+    with pytest.raises(ValueError, match="concept_id must be in 0..0"):
+        metric.update(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([-1]), torch.tensor([0]))
+
+
+def test_concept_auroc_states_merge_like_ddp():
+    gen = torch.Generator().manual_seed(0)
+    scores, mask = torch.randn(40, 6, generator=gen), torch.randint(0, 2, (40, 6), generator=gen)
+    mask[:, 0] = 1
+    concept_id, label = torch.arange(40) % 4, (torch.arange(40) // 4) % 2
+    whole = ConceptAUROC(4)
+    whole.update(scores, mask, concept_id, label)
+    first, second = ConceptAUROC(4), ConceptAUROC(4)
+    first.update(scores[:17], mask[:17], concept_id[:17], label[:17])
+    second.update(scores[17:], mask[17:], concept_id[17:], label[17:])
+    first.merge_state(second)  # what the DDP sync does: cat states across processes
+    expected, merged = whole.compute(), first.compute()
+    for key in expected:
+        torch.testing.assert_close(merged[key], expected[key])
+    from sklearn.metrics import roc_auc_score
+
+    seq = sequence_scores(scores, mask)
+    by_hand = [roc_auc_score(label[concept_id == c], seq[concept_id == c]) for c in range(4)]
+    assert expected["auroc_per_concept"].tolist() == pytest.approx(by_hand)
+
+
+# --- the module on the tiny llama ----------------------------------------------------------------
+
+
+def test_reft_r1_step_updates_only_the_concepts_in_the_batch(tiny_lm_dir, tokenizer):
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=2,
+                            negative_l1=False)  # fmt: skip
+    rows = [r for r in make_rows(tokenizer) if r["concept_id"] == 0][:4]
+    lm_loss, l1 = module._steered_loss(collate(rows))
+    (lm_loss + 0.1 * l1).backward()
+    grad = module.dictionary.weight.grad
+    assert grad[0].abs().sum() > 0 and grad[1].abs().sum() == 0
+    # With negative_l1, a negative pushes every concept's latents: both rows get a gradient.
+    module.dictionary.weight.grad = None
+    module.hparams.negative_l1 = True
+    negatives = [r for r in make_rows(tokenizer) if r["label"] == 0][:3]
+    lm_loss, l1 = module._steered_loss(collate(negatives))
+    assert lm_loss.item() == 0.0 and l1.item() > 0
+    l1.backward()
+    assert (module.dictionary.weight.grad.abs().sum(-1) > 0).all()
+
+
+def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="ssv", concept_names=CONCEPTS)
+    assert module.dictionary.weight.abs().sum() == 0  # SSV starts at zero, free norm
+    module.dictionary.weight.data[0] = 5.0
+    rows = make_rows(tokenizer)
+    batch = collate([rows[0], rows[-1]])  # a positive of concept 0, a pool negative
+    seen = {}
+    from lit_interventions.sites import _hook
+
+    with _hook(module.lm, 1, lambda h: seen.setdefault("h", h)):
+        module._steered_loss(batch)  # the hook at layer 1 runs first: it sees the clean states
+    clean = module.states(batch)
+    with _hook(module.lm, 2, lambda h: seen.setdefault("after", h)):
+        module._steered_loss(batch)
+    plain = {}
+    with _hook(module.lm, 2, lambda h: plain.setdefault("after", h)):
+        module.lm.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(seen["h"], clean)
+    assert not torch.allclose(seen["after"][0], plain["after"][0])  # the positive is steered
+    torch.testing.assert_close(seen["after"][1], plain["after"][1])  # the negative is not
+
+
+@pytest.mark.parametrize("method", ["reft_r1", "ssv"])
+def test_trained_methods_fit_and_keep_their_norm(tmp_path, tiny_lm_dir, tokenizer, method):
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=method, topk=2, l1=5e-3, lr=1e-2)
+    data = SyntheticConcepts(tokenizer)
+    trainer = _trainer(tmp_path, max_epochs=2)
+    trainer.fit(module, datamodule=data)
+    norms = module.dictionary.weight.norm(dim=-1)
+    if method == "reft_r1":
+        torch.testing.assert_close(norms, torch.ones(2), atol=1e-5, rtol=0)
+    else:
+        assert (norms > 0).all() and not torch.allclose(norms, torch.ones(2))
+    metrics = trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and 0.0 <= metrics["val/auroc"].item() <= 1.0
+    assert module.concepts == CONCEPTS and torch.isfinite(module.max_activations).all()
+
+
+def test_diffmean_fit_detects_planted_concepts_and_exports_a_dictionary(tmp_path, tiny_lm_dir, tokenizer):
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="diffmean")
+    data = SyntheticConcepts(tokenizer)
+    trainer = _trainer(tmp_path, callbacks=[ExportDictionary()])
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.callback_metrics
+    assert metrics["val/auroc"].item() > 0.9
+    assert metrics["val/auroc/dogs"].item() > 0.9 and metrics["val/auroc/giving"].item() > 0.9
+    # The rows are DiffMean of the collected response tokens, recomputed here by hand.
+    hidden, token_labels, keep = [], [], []
+    for batch in DataLoader(data.train_rows, batch_size=50, collate_fn=collate):
+        hidden.append(module.states(batch)), token_labels.append(batch["token_labels"])
+        keep.append(batch["response_mask"].bool())
+    hidden, token_labels, keep = torch.cat(hidden), torch.cat(token_labels), torch.cat(keep)
+    negatives = hidden[keep & (token_labels == -1)]
+    for c in range(2):
+        w = hidden[token_labels == c].mean(0) - negatives.mean(0)
+        torch.testing.assert_close(module.dictionary.weight[c], w / w.norm(), atol=1e-5, rtol=0)
+    exported = Dictionary.load(tmp_path / "lightning_logs" / "version_0" / "dictionary.safetensors")
+    assert exported.concepts == CONCEPTS and exported.method == "diffmean" and exported.layer == 1
+    torch.testing.assert_close(exported.vectors, module.dictionary.weight.detach())
+    assert exported.auroc["mean"] == pytest.approx(metrics["val/auroc"].item())
+    assert torch.isfinite(exported.max_activations).all() and exported.card["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("method", ["pca", "lat", "probe"])
+def test_other_closed_form_methods_fit_in_one_pass(tmp_path, tiny_lm_dir, tokenizer, method):
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=method)
+    trainer = _trainer(tmp_path)
+    trainer.fit(module, datamodule=SyntheticConcepts(tokenizer))
+    torch.testing.assert_close(module.dictionary.weight.norm(dim=-1), torch.ones(2), atol=1e-5, rtol=0)
+    assert 0.0 <= trainer.callback_metrics["val/auroc"].item() <= 1.0
+
+
+def test_bad_arguments_fail_before_loading(tiny_lm_dir):
+    with pytest.raises(ValueError, match="unknown method 'sae'.*reft_r1, ssv, diffmean, pca, lat, probe"):
+        SteeringModule(lm=tiny_lm_dir("llama"), method="sae")
+    with pytest.raises(ValueError, match="layer=5 is out of range"):
+        SteeringModule(lm=tiny_lm_dir("llama"), layer=5)
+    with pytest.raises(ValueError, match="topk"):
+        SteeringModule(lm=tiny_lm_dir("llama"), topk=0)
+
+
+def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
+    from datamodules.axbench import AxBenchDataModule
+
+    lm_dir = tiny_lm_dir("llama")
+    data = AxBenchDataModule(lm=lm_dir, concepts=[0, 1], max_length=48, batch_size=16, eval_batch_size=32)
+    module = SteeringModule(lm=lm_dir, layer=1, method="diffmean")
+    trainer = _trainer(tmp_path, limit_train_batches=6, limit_val_batches=2, callbacks=[ExportDictionary()])
+    with pytest.warns(UserWarning, match="truncated"):
+        trainer.fit(module, datamodule=data)
+    assert module.concepts == data.concepts[:2]
+    auroc = trainer.callback_metrics["val/auroc"].item()
+    assert 0.0 <= auroc <= 1.0
+    exported = Dictionary.load(tmp_path / "lightning_logs" / "version_0" / "dictionary.json")
+    assert exported.concepts == data.concepts and exported.training_data == "builtin"

@@ -1,0 +1,183 @@
+"""RAVEL's objective and metrics: DBM's mask against pyvene, Cause / Iso / Disentangle by hand,
+the multi-task loss by hand, and DisentangleModule steps on a tiny model."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_interventions.interventions.mask import SigmoidMaskIntervention, linear_temperature
+from lit_interventions.metrics.disentangle import CAUSE, ISO, Disentanglement
+from lit_interventions.modules.disentangle import DisentangleModule, FullVectorSwap, multitask_loss
+
+
+def test_mask_matches_pyvene_sigmoid_mask():
+    from pyvene import SigmoidMaskIntervention as PyveneMask
+
+    torch.manual_seed(0)
+    ours = SigmoidMaskIntervention(8, temperature=0.5)
+    theirs = PyveneMask(embed_dim=8)
+    mask = torch.randn(8)
+    ours.mask.data.copy_(mask)
+    theirs.mask.data.copy_(mask)
+    theirs.set_temperature(torch.tensor(0.5))
+    base, source = torch.randn(3, 8), torch.randn(3, 8)
+    torch.testing.assert_close(ours(base, source), theirs(base, source))
+
+
+def test_mask_starts_half_and_anneals_to_binary():
+    mask = SigmoidMaskIntervention(4)
+    base, source = torch.zeros(1, 4), torch.ones(1, 4)
+    assert torch.allclose(mask(base, source), torch.full((1, 4), 0.5))  # m = 0: σ = ½
+    mask.mask.data = torch.tensor([1e-3, -1e-3, 2e-3, -5e-4])
+    mask.temperature.fill_(1e-7)
+    assert mask(base, source).tolist() == [[1.0, 0.0, 1.0, 0.0]]
+    assert mask.penalty().item() == pytest.approx(2.0)
+    assert linear_temperature(0, 11) == pytest.approx(1e-2)
+    assert linear_temperature(10, 11) == pytest.approx(1e-7)
+    assert linear_temperature(5, 11) == pytest.approx((1e-2 + 1e-7) / 2)
+
+
+def test_disentanglement_by_hand():
+    metric = Disentanglement(3)
+    # vocabulary of 4; predictions are the argmax of one-hot logits
+    predicted = torch.tensor([1, 2, 0, 3, 3, 1])
+    logits = F.one_hot(predicted, 4).float()
+    label = torch.tensor([1, 1, 0, 3, 2, 1])  # correct: yes, no, yes, yes, no, yes
+    base_label = torch.tensor([0, 0, 0, 3, 2, 2])  # changed: yes, yes, no, no, yes, yes
+    attribute = torch.tensor([0, 0, 1, 1, 2, 2])
+    kind = torch.tensor([CAUSE, CAUSE, ISO, ISO, ISO, ISO])
+    metric.update(logits[:3], label[:3], base_label[:3], attribute[:3], kind[:3])
+    metric.update(logits[3:], label[3:], base_label[3:], attribute[3:], kind[3:])
+    values = metric.compute()
+    assert values["cause"].item() == pytest.approx(1 / 2)
+    # Iso: attribute 1 has 2/2 right, attribute 2 has 1/2: mean 0.75
+    assert values["iso_per_attribute"][1:].tolist() == pytest.approx([1.0, 0.5])
+    assert values["iso"].item() == pytest.approx(0.75)
+    assert values["disentangle"].item() == pytest.approx((0.5 + 0.75) / 2)
+    assert values["change_rate"].tolist() == pytest.approx([1.0, 0.0, 1.0])
+
+
+def test_disentanglement_states_merge_like_ddp():
+    torch.manual_seed(0)
+    logits, label, base_label = torch.randn(20, 5), torch.randint(5, (20,)), torch.randint(5, (20,))
+    attribute, kind = torch.randint(3, (20,)), torch.randint(2, (20,))
+    whole, half_a, half_b = Disentanglement(3), Disentanglement(3), Disentanglement(3)
+    whole.update(logits, label, base_label, attribute, kind)
+    half_a.update(logits[:7], label[:7], base_label[:7], attribute[:7], kind[:7])
+    half_b.update(logits[7:], label[7:], base_label[7:], attribute[7:], kind[7:])
+    half_a.merge_state(half_b)
+    for key, value in whole.compute().items():
+        torch.testing.assert_close(value, half_a.compute()[key], equal_nan=True)
+
+
+def test_multitask_loss_by_hand():
+    torch.manual_seed(0)
+    logits, label = torch.randn(5, 6), torch.tensor([0, 1, 2, 3, 4])
+    attribute, kind = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([CAUSE, CAUSE, ISO, ISO, ISO])
+    ce = F.cross_entropy(logits, label, reduction="none")
+    cause = ce[:2].mean()
+    iso = (ce[2:4].mean() + ce[4]) / 2  # mean over attributes, not examples
+    assert multitask_loss(logits, label, attribute, kind, multitask=False).item() == pytest.approx(cause.item())
+    assert multitask_loss(logits, label, attribute, kind, multitask=True).item() == pytest.approx((cause + iso).item())
+
+
+def test_bad_options(tiny_lm_dir):
+    lm = tiny_lm_dir("llama")
+    with pytest.raises(ValueError, match="method='rlap' is not one of das, dbm, full_swap"):
+        DisentangleModule(lm=lm, layer=1, method="rlap")
+    with pytest.raises(ValueError, match="l1=-1"):
+        DisentangleModule(lm=lm, layer=1, method="dbm", l1=-1)
+    with pytest.raises(ValueError, match="out of range"):
+        DisentangleModule(lm=lm, layer=9)
+
+
+def _batch(tokenizer):
+    """Two Cause and two Iso examples over made-up sentences (token ids from the tiny tokenizer)."""
+    texts = ["The dog is here.", "the keys to the cabinet", "The dog is", "the author"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in ids])
+    mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids])
+    last = torch.tensor([len(seq) - 1 for seq in ids])
+    source = input_ids.flip(0)
+    return {
+        "base_input_ids": input_ids, "base_attention_mask": mask, "base_pos": last, "base_last": last,
+        "source_input_ids": source, "source_attention_mask": mask.flip(0), "source_pos": last.flip(0),
+        "source_last": last.flip(0),
+        "label": torch.tensor([5, 6, 7, 8]), "base_label": torch.tensor([9, 10, 7, 8]),
+        "attribute": torch.tensor([0, 0, 1, 2]), "kind": torch.tensor([CAUSE, CAUSE, ISO, ISO]),
+    }  # fmt: skip
+
+
+def test_full_swap_equals_vanilla_interchange_and_das_changes_output(tiny_lm_dir, tokenizer):
+    lm = tiny_lm_dir("gemma3")
+    batch = _batch(tokenizer)
+    swap = DisentangleModule(lm=lm, layer=2, method="full_swap", cache=False)  # the last block
+    assert isinstance(swap.intervention, FullVectorSwap)
+    das = DisentangleModule(lm=lm, layer=0, method="das", k=4, cache=False)
+    clean = swap.clean_logits(batch)
+    swapped, rotated = swap.intervened_logits(batch), das.intervened_logits(batch)
+    assert (swapped - clean).abs().max() > 1e-4 and (rotated - clean).abs().max() > 1e-4
+    # the site is the last token after the last block, so f* = f(s) gives exactly the source's
+    # own next-token logits
+    source_batch = {f"base_{k}": batch[f"source_{k}"] for k in ("input_ids", "attention_mask", "last")}
+    torch.testing.assert_close(swapped, swap.clean_logits(source_batch))
+
+
+@pytest.mark.parametrize("method,multitask", [("das", False), ("das", True), ("dbm", True)])
+def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask):
+    torch.manual_seed(0)
+    module = DisentangleModule(lm=tiny_lm_dir("llama"), layer=0, method=method, multitask=multitask, k=8,
+                               l1=1e-3, cache=False)  # fmt: skip
+    module.set_attributes(["A", "B", "C"])
+    batch = _batch(tokenizer)
+    optimizer = torch.optim.Adam(module.intervention.parameters(), lr=0.5 if method == "dbm" else 0.05)
+    losses = []
+    if method == "dbm":
+        module.intervention.temperature.fill_(1.0)
+    for _ in range(15):
+        logits = module.intervened_logits(batch)
+        loss = multitask_loss(logits, batch["label"], batch["attribute"], batch["kind"], multitask)
+        if method == "dbm":
+            loss = loss + 1e-3 * module.intervention.penalty()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    # a mask only mixes the two states per dimension, so it reaches less than a subspace
+    assert losses[-1] < losses[0] - (0.2 if method == "dbm" else 0.5), losses
+    module._evaluate(batch, module.val_metric)
+    values = module.val_metric.compute()
+    assert 0 <= values["cause"].item() <= 1 and module.val_metric.count.sum().item() == 4
+
+
+@pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "full_swap"])
+def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monkeypatch):
+    """Each RAVEL method's config fits (or validates) end to end on a tiny model, with the data
+    filter answered by an oracle that knows every city, and logs Cause / Iso / Disentangle."""
+    import json
+
+    import train
+    from datamodules.ravel import RavelDataModule
+
+    from tests.test_ravel_data import oracle
+
+    monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=tiny_lm_dir("llama")).data.entities)))
+    subcommand = "validate" if config == "full_swap" else "fit"
+    args = [subcommand, "--config", f"configs/ravel/{config}.yaml", f"--model.lm={tiny_lm_dir('llama')}", "--model.layer=1",
+            f"--trainer.default_root_dir={tmp_path}", "--data.train_size=32", "--data.eval_size=16",
+            "--data.max_candidates=40", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    if subcommand == "fit":
+        args += ["--trainer.max_epochs=1", "--model.k=4"] if "das" in config else ["--trainer.max_epochs=1"]
+    cli = train.main(args=args)
+    metrics = cli.trainer.callback_metrics
+    for name in ("val/cause", "val/iso", "val/disentangle", "val/iso/Continent", "val/iso/Language"):
+        assert 0.0 <= metrics[name].item() <= 1.0, name
+    assert metrics["val/disentangle"].item() == pytest.approx((metrics["val/cause"] + metrics["val/iso"]).item() / 2)
+    assert cli.datamodule.hparams.multitask == config.startswith("m")  # linked from the model
+    if subcommand == "fit":
+        card = json.loads((Path(cli.trainer.log_dir) / "intervention.json").read_text())
+        assert card["method"] == ("das" if "das" in config else "dbm") and card["data"]["target_attribute"] == "Country"

@@ -1,0 +1,161 @@
+"""The steering judge: harmonic mean, reply parsing, and the openai backend against a real
+OpenAI-compatible server on loopback serving a local LM."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+import pytest
+
+from lit_interventions.judge_server import make_server, serve_in_background
+from lit_interventions.metrics.judge import OpenAIJudge, harmonic_mean, make_judge, parse_rating
+
+
+def test_harmonic_mean_by_hand():
+    assert harmonic_mean(2, 2, 2) == pytest.approx(2.0)
+    assert harmonic_mean(1, 2, 2) == pytest.approx(3 / (1 + 0.5 + 0.5))  # 1.5
+    assert harmonic_mean(1, 1, 2) == pytest.approx(3 / 2.5)  # 1.2
+    assert harmonic_mean(0.5, 1, 2) == pytest.approx(3 / (2 + 1 + 0.5))
+    assert harmonic_mean(0, 2, 2) == 0.0 and harmonic_mean(2, 2, 0) == 0.0
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("The concept appears twice.\nRating: [[2]]", 2.0),
+    ("Rating: [[ 1 ]]", 1.0),
+    ("reason... Rating: [[0]] and later Rating: [[2]]", 0.0),  # the first rating wins
+    ("**Rating:** 1", 1.0),
+    ("Rating: 2\nmore text", 2.0),
+    ("rating of 1.5", 1.5),
+    ("2", 2.0),
+    (" 1. ", 1.0),
+    ("Rating: [[3]]", None),  # out of range
+    ("The concept is absent.", None),
+    ("", None),
+    (None, None),
+])  # fmt: skip
+def test_parse_rating(reply, expected):
+    assert parse_rating(reply) == expected
+
+
+class _Canned(OpenAIJudge):
+    def __init__(self, replies):
+        super().__init__(base_url="http://127.0.0.1:1/v1", model="x")
+        self.replies = replies
+
+    def ask(self, prompts):
+        assert len(prompts) == len(self.replies)
+        return self.replies
+
+
+def test_score_combines_three_prompts_and_unparseable_is_zero(caplog):
+    judge = _Canned(["Rating: [[2]]", "Rating: [[1]]", "Rating: [[2]]", "no idea", "Rating: [[2]]", "Rating: [[2]]"])
+    first, second = judge.score(["dogs", "dogs"], ["Write a poem.", "Write a poem."], ["a dog", "a cat"])
+    assert (first.concept_score, first.instruct_score, first.fluency_score) == (2, 1, 2)
+    assert first.overall == pytest.approx(1.5)
+    assert second.concept_score == 0 and second.overall == 0
+    assert "unparseable concept rating" in caplog.text and "no idea" in caplog.text
+
+
+def test_prompts_carry_concept_instruction_and_response():
+    seen = []
+
+    class Spy(_Canned):
+        def ask(self, prompts):
+            seen.extend(prompts)
+            return ["Rating: [[1]]"] * len(prompts)
+
+    Spy([]).score(["golden retrievers"], ["Describe Paris."], ["The Seine flows."])
+    concept, instruct, fluency = seen
+    assert "golden retrievers" in concept and "The Seine flows." in concept and "Describe Paris." not in concept
+    assert "Describe Paris." in instruct and "The Seine flows." in instruct and "golden retrievers" not in instruct
+    assert "The Seine flows." in fluency and "golden retrievers" not in fluency and "Rating: [[" in fluency
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_endpoint_fails_check_naming_the_url():
+    port = _free_port()  # nothing listens there
+    judge = make_judge("openai", base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout=5)
+    with pytest.raises(ConnectionError, match=f"http://127.0.0.1:{port}/v1/chat/completions"):
+        judge.check()
+
+
+def test_bad_judge_config_raises(monkeypatch):
+    with pytest.raises(ValueError, match="backend='gpt'"):
+        make_judge("gpt")
+    with pytest.raises(ValueError, match="base_url"):
+        make_judge("openai", base_url="127.0.0.1:8000")
+    monkeypatch.delenv("LIT_TEST_NO_SUCH_KEY", raising=False)
+    with pytest.raises(ValueError, match="LIT_TEST_NO_SUCH_KEY"):
+        make_judge("openai", api_key_env="LIT_TEST_NO_SUCH_KEY")
+    with pytest.raises(ValueError, match="bad options"):
+        make_judge("openai", temprature=0.0)
+
+
+@pytest.fixture
+def loopback(request):
+    """(base_url, lm) of a judge server on a free loopback port, serving the given LM."""
+    servers = []
+
+    def start(lm, max_new_tokens=8):
+        server = make_server(lm, "127.0.0.1", 0, max_new_tokens=max_new_tokens)
+        serve_in_background(server)
+        servers.append(server)
+        host, port = server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_openai_judge_against_loopback_server_with_tiny_lm(loopback, tiny_lm_dir, caplog):
+    lm = tiny_lm_dir("llama")
+    base_url = loopback(lm, max_new_tokens=6)
+    # the raw HTTP exchange has the OpenAI shape
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "The dog is here."}], "max_tokens": 4})
+    request = urllib.request.Request(base_url + "/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as response:
+        payload = json.loads(response.read())
+    assert payload["object"] == "chat.completion" and payload["model"] == "tiny"
+    assert isinstance(payload["choices"][0]["message"]["content"], str)
+    assert payload["usage"]["completion_tokens"] <= 4 and payload["usage"]["prompt_tokens"] > 0
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(base_url + "/chat/completions", data=b'{"messages": []}'))
+    assert err.value.code == 400
+
+    judge = make_judge("openai", base_url=base_url, model="tiny", max_tokens=6, workers=2)
+    judge.check()
+    scores = judge.score(["dogs", "dogs"], ["Write about a dog.", "Describe Paris."], ["The dog is here.", "Paris."])
+    assert len(scores) == 2
+    for score in scores:  # a random tiny model says junk: every reply reaches the parser and scores 0
+        assert set(score.replies) == {"concept", "instruct", "fluency"}
+        assert all(isinstance(r, str) for r in score.replies.values())
+        expected = [parse_rating(score.replies[a]) or 0.0 for a in ("concept", "instruct", "fluency")]
+        assert [score.concept_score, score.instruct_score, score.fluency_score] == expected
+        assert score.overall == harmonic_mean(*expected)
+    assert "unparseable" in caplog.text
+
+
+@pytest.mark.slow
+def test_openai_judge_against_loopback_smollm2(loopback, caplog):
+    base_url = loopback("smollm2-135m-instruct", max_new_tokens=40)
+    judge = make_judge("openai", base_url=base_url, model="smollm2-135m-instruct", max_tokens=40)
+    judge.check()
+    scores = judge.score(
+        ["dogs", "the ocean"],
+        ["Write a short poem about the sea."] * 2,
+        ["The waves roll in; a dog barks on the shore and a puppy runs along the sand.",
+         "The ocean is deep and blue, and its waves crash on the shore."],
+    )  # fmt: skip
+    ratings = [parse_rating(r) for s in scores for r in s.replies.values()]
+    assert sum(r is not None for r in ratings) >= 1, [s.replies for s in scores]
+    print("smollm2 ratings:", ratings)

@@ -1,0 +1,190 @@
+"""Steering evaluation end to end on a tiny llama: files, resume, validation, factor selection."""
+
+from __future__ import annotations
+
+import csv
+import json
+import socket
+
+import pytest
+import torch
+
+from lit_interventions.dictionary import Dictionary
+from lit_interventions.lm import load_lm, load_tokenizer
+from lit_interventions.metrics.judge import Judge, JudgeScore, harmonic_mean
+from lit_interventions.steer_eval import choose_and_report, generate, main, run_steer_eval
+
+INSTRUCTIONS = ["The dog is here.", "The dog is not here.", "Is the dog here?", "The dog was here."]
+
+
+@pytest.fixture
+def setup(tiny_lm_dir, tmp_path):
+    lm = tiny_lm_dir("llama")
+    torch.manual_seed(0)
+    vectors = torch.nn.functional.normalize(torch.randn(2, 32), dim=-1)
+    path = Dictionary(vectors=vectors, max_activations=torch.tensor([4.0, 8.0]), concepts=["dogs", "rivers"],
+                      model=lm, layer=1, method="diffmean").save(tmp_path / "dict")  # fmt: skip
+    (tmp_path / "instructions.json").write_text(json.dumps(INSTRUCTIONS))
+    return lm, str(path), str(tmp_path / "instructions.json")
+
+
+class ScriptedJudge(Judge):
+    """Scores by (factor, instruction): known answers, counts calls."""
+
+    name = "scripted"
+
+    def __init__(self, table):
+        self.table, self.calls = table, 0
+
+    def score(self, concepts, instructions, responses):
+        self.calls += len(responses)
+        out = []
+        for concept, instruction in zip(concepts, instructions):
+            c, i, f = self.table(concept, instruction, self.factor)
+            out.append(JudgeScore(c, i, f, harmonic_mean(c, i, f)))
+        return out
+
+
+def _run(setup, out, judge, factors=(0.5, 2.0), **kw):
+    lm, path, instructions = setup
+    return run_steer_eval(dictionary=path, factors=list(factors), instructions=2, instruction_file=instructions,
+                          max_new_tokens=4, batch_size=2, judge=judge, out=str(out), **kw)  # fmt: skip
+
+
+def test_end_to_end_writes_all_files_and_resumes(setup, tmp_path, monkeypatch, tiny_lm_dir):
+    lm = setup[0]
+    out = tmp_path / "run"
+    calls = []
+    import lit_interventions.steer_eval as steer_eval
+
+    real_generate = steer_eval.generate
+    monkeypatch.setattr(steer_eval, "generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
+    judge = {"backend": "local", "lm": lm, "max_new_tokens": 3}  # the offline backend, on the tiny model
+    summary = _run(setup, out, judge)
+    assert len(calls) == 4  # 2 concepts × 2 factors
+    lines = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 2
+    assert {(r["concept"], r["factor"], r["half"]) for r in lines} == {
+        (c, f, h) for c in ("dogs", "rivers") for f in (0.5, 2.0) for h in ("select", "report")}  # fmt: skip
+    assert all(set(r["replies"]) == {"concept", "instruct", "fluency"} and isinstance(r["response"], str) for r in lines)
+    with (out / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["method", "concept", "factor", "concept_score", "instruct_score", "fluency_score", "overall"]
+    assert [r["concept"] for r in rows] == ["dogs", "rivers"] and rows[0]["method"] == "diffmean"
+    assert len(summary) == 2
+    with (out / "factors.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2 * 2 * 2
+    assert (out / "steering.png").stat().st_size > 1000
+    # resume: nothing is generated again; a new factor generates only its own cells
+    _run(setup, out, judge)
+    assert len(calls) == 4
+    _run(setup, out, judge, factors=(0.5, 2.0, 3.0))
+    assert len(calls) == 6
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 12
+    # the same directory with other settings is refused
+    with pytest.raises(ValueError, match="seed"):
+        _run(setup, out, judge, seed=1)
+
+
+def test_steering_changes_generation(setup):
+    lm, path, _ = setup
+    model, tokenizer = load_lm(lm), load_tokenizer(lm)
+    dictionary = Dictionary.load(path)
+    plain = generate(model, tokenizer, INSTRUCTIONS[:2], 6, 0.0, 2, seed=0)
+    with dictionary.steer(model, "rivers", 5.0):
+        steered = generate(model, tokenizer, INSTRUCTIONS[:2], 6, 0.0, 2, seed=0)
+    assert plain != steered
+    # left padding: a prompt's reply does not depend on its batch mates
+    alone = generate(model, tokenizer, INSTRUCTIONS[1:2], 6, 0.0, 1, seed=0)
+    assert alone[0] == plain[1]
+
+
+def test_factor_chosen_on_select_half_and_reported_on_the_other(setup, tmp_path, monkeypatch):
+    """Select half (instruction 0) is best at factor 2.0; the report half (instruction 1) is best at
+    0.5. The summary must pick 2.0 and report instruction 1's scores at 2.0."""
+    import random
+
+    import lit_interventions.steer_eval as steer_eval
+
+    order = {c: random.Random(f"0:{c}").sample(INSTRUCTIONS, 2) for c in ("dogs", "rivers")}  # run_steer_eval's draw
+    scores = {(0, 0.5): (1, 1, 1), (0, 2.0): (2, 2, 2), (1, 0.5): (2, 2, 2), (1, 2.0): (1, 2, 2)}
+    judge = ScriptedJudge(lambda concept, instruction, factor: scores[(order[concept].index(instruction), factor)])
+
+    class Spy(steer_eval.DictionarySteerer):  # tells the judge which factor it is scoring
+        def steer(self, lm, concept, factor):
+            judge.factor = factor
+            return super().steer(lm, concept, factor)
+
+    monkeypatch.setattr(steer_eval, "DictionarySteerer", Spy)
+    summary = _run(setup, tmp_path / "sel", judge)
+    assert [(r["concept"], r["factor"]) for r in summary] == [("dogs", 2.0), ("rivers", 2.0)]
+    for row in summary:
+        assert (row["concept_score"], row["instruct_score"], row["fluency_score"]) == (1, 2, 2)
+        assert row["overall"] == pytest.approx(1.5)
+    lines = [json.loads(x) for x in (tmp_path / "sel" / "generations.jsonl").read_text().splitlines()]
+    for line in lines:  # the order in the file is the order assumed above
+        assert order[line["concept"]][line["instruction_index"]] == line["instruction"]
+
+
+def test_choose_and_report_by_hand():
+    def row(concept, factor, half, overall):
+        return {"method": "m", "concept": concept, "factor": factor, "half": half, "concept_score": overall,
+                "instruct_score": overall, "fluency_score": overall, "overall": overall}  # fmt: skip
+
+    rows = [row("a", 1.0, "select", 1.0), row("a", 1.0, "select", 2.0), row("a", 1.0, "report", 0.0),
+            row("a", 2.0, "select", 1.0), row("a", 2.0, "report", 2.0),  # best on report, not on select
+            row("b", 1.0, "select", 1.0), row("b", 3.0, "select", 1.0), row("b", 1.0, "report", 0.5),
+            row("b", 3.0, "report", 2.0)]  # fmt: skip
+    summary, factors = choose_and_report(rows)
+    assert [(r["concept"], r["factor"], r["overall"]) for r in summary] == [("a", 1.0, 0.0), ("b", 1.0, 0.5)]  # tie: smaller
+    a_select = next(r for r in factors if r["concept"] == "a" and r["factor"] == 1.0 and r["half"] == "select")
+    assert a_select["overall"] == 1.5 and a_select["n"] == 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_validation_before_generation(setup, tmp_path, monkeypatch, tiny_lm_dir):
+    import lit_interventions.steer_eval as steer_eval
+
+    monkeypatch.setattr(steer_eval, "generate", lambda *a, **k: pytest.fail("generated before validating"))
+    judge = ScriptedJudge(lambda *a: (2, 2, 2))
+    with pytest.raises(ValueError, match="Unknown concept 'cats'"):
+        _run(setup, tmp_path / "a", judge, concepts=["cats"])
+    with pytest.raises(ValueError, match="out of range"):
+        _run(setup, tmp_path / "a", judge, concepts=[5])
+    port = _free_port()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        _run(setup, tmp_path / "a", {"backend": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"})
+    with pytest.raises(ValueError, match="differs from the model"):
+        _run(setup, tmp_path / "a", judge, lm=tiny_lm_dir("gpt2"))
+    with pytest.raises(ValueError, match="only 4 instructions"):
+        run_steer_eval(dictionary=setup[1], instructions=6, instruction_file=setup[2], judge=judge, out=str(tmp_path))
+    with pytest.raises(ValueError, match="exactly one"):
+        run_steer_eval(judge=judge, out=str(tmp_path))
+    assert not (tmp_path / "a" / "generations.jsonl").exists()
+
+
+def test_cli_reports_bad_input_in_one_line(setup, tmp_path, capsys):
+    lm, path, instructions = setup
+    with pytest.raises(SystemExit) as err:
+        main(["--dictionary", path, "--concepts", "[cats]", "--instruction_file", instructions,
+              "--judge", '{"backend": "local", "lm": "' + lm + '"}', "--out", str(tmp_path / "cli")])  # fmt: skip
+    assert err.value.code == 2 and "Unknown concept 'cats'" in capsys.readouterr().err
+
+
+def test_checkpoint_steering_end_to_end(tiny_lm_dir, tmp_path, setup):
+    from lit_interventions.modules.steering_baselines import LoReFTModule
+
+    lm = tiny_lm_dir("llama")
+    module = LoReFTModule(lm=lm, layer=1, rank=2, concept="dogs")
+    module.save(tmp_path / "loreft")
+    judge = ScriptedJudge(lambda *a: (2, 1, 2))
+    judge.factor = None
+    summary = run_steer_eval(checkpoint=str(tmp_path / "loreft"), instructions=2, instruction_file=setup[2],
+                             max_new_tokens=3, judge=judge, out=str(tmp_path / "ck"))  # fmt: skip
+    assert [(r["method"], r["concept"], r["factor"]) for r in summary] == [("loreft", "dogs", 1.0)]
+    assert summary[0]["overall"] == pytest.approx(1.5) and judge.calls == 2
