@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import sys
 import logging
 import math
 import warnings
@@ -29,6 +30,7 @@ import lightning as L
 import numpy as np
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
+import yaml
 from tqdm import tqdm
 
 from datamodules.causalgym import CausalGymDataModule
@@ -254,7 +256,23 @@ def run_sweep(
     return summarise(results, accuracy, regions, out)
 
 
+def _benchmark(args) -> str:
+    """The `benchmark:` key of the --config file (causalgym unless it says ravel)."""
+    args = list(sys.argv[1:] if args is None else args)
+    for i, arg in enumerate(args):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else (args[i + 1] if arg == "--config" and i + 1 < len(args) else None)
+        if path and Path(path).is_file():
+            config = yaml.safe_load(Path(path).read_text()) or {}
+            if config.get("benchmark", "causalgym") != "causalgym":
+                return config["benchmark"]
+    return "causalgym"
+
+
 def main(args=None) -> None:
+    if _benchmark(args) == "ravel":  # configs/sweep_ravel.yaml
+        from lit_interventions.ravel_sweep import main as ravel_main
+
+        return ravel_main(args)
     for name in ("lightning.pytorch", "lightning.fabric"):  # one Trainer per DAS site: keep its banner quiet
         logging.getLogger(name).setLevel(logging.ERROR)
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], default_config_files=[])

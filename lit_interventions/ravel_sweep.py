@@ -1,0 +1,185 @@
+"""The RAVEL study: train and evaluate each method for every attribute of an entity type.
+
+    python -m lit_interventions.sweep --config configs/sweep_ravel.yaml --out DIR
+
+Each method is one config (`configs/ravel/<method>.yaml`: its model options and epochs); the sweep
+sets the model, layer, data and target attribute, fits on train, selects nothing on dev (the
+method configs are fixed) and scores the test split with the validation metric
+(`metrics.disentangle.Disentanglement`). It writes
+
+- `DIR/summary.csv`: method, attribute, cause, iso, disentangle (one row per target attribute,
+  plus an `average` row per method: RAVEL's Disentangle is averaged over attributes);
+- `DIR/changes.csv` and `DIR/<method>_changes.png`: how often intervening on attribute A (row)
+  changes the model's answer about attribute B (column), the paper's Figure 3a;
+
+and resumes: a rerun skips the (method, attribute) cells already in summary.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import warnings
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
+from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
+from lit_interventions.modules.disentangle import DisentangleModule
+from lit_interventions.plots import attribute_heatmap
+from lit_interventions.sweep import _check_out_dir, _layers, _names, _read_results
+
+METHODS = ["das", "mdas", "dbm", "mdbm", "full_swap"]
+SUMMARY_COLUMNS = ["method", "attribute", "cause", "iso", "disentangle"]
+CHANGE_COLUMNS = ["method", "intervened", "queried", "change_rate"]
+
+
+def _append(path: Path, columns: list[str], rows: list[dict]) -> None:
+    new = not path.is_file()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def method_config(configs: Path, method: str) -> tuple[dict, int]:
+    """The model options and epochs of `configs/<method>.yaml`."""
+    path = configs / f"{method}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"No config for method {method!r}: {path} does not exist")
+    config = yaml.safe_load(path.read_text())
+    options = dict(config["model"]["init_args"])
+    return options, int(config.get("trainer", {}).get("max_epochs", 1) or 1)
+
+
+def run_cell(method: str, attribute: str, options: dict, epochs: int, data_options: dict, seed: int) -> dict:
+    """Fit one method for one target attribute and score it on the test split."""
+    L.seed_everything(seed, verbose=False)
+    model = DisentangleModule(**options)
+    data = RavelDataModule(target_attribute=attribute, multitask=model.hparams.multitask, **data_options)
+    trainer = L.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="auto", devices=1)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. Lightning's "no optimizer" for the full swap
+        if model.hparams.method in ("das", "dbm"):
+            trainer.fit(model, data)
+        trainer.test(model, data, verbose=False)
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    return metrics
+
+
+def run_ravel_sweep(
+    methods: str | list[str] = "all",
+    entity_type: str = "city",
+    attributes: str | list[str] = "all",
+    ravel_dir: str | None = None,
+    split: str = "entity",
+    source: str = "attribute",
+    lm: str = DEFAULT_LM,
+    layer: int | None = None,
+    k: int | None = None,
+    configs: str = "configs/ravel",
+    train_size: int = 1000,
+    eval_size: int = 200,
+    max_candidates: int = 200,
+    out: str = "runs/sweep_ravel",
+    seed: int = 0,
+) -> list[dict]:
+    """Run (or resume) the RAVEL sweep; returns the summary rows.
+
+    Args:
+        methods: from das, mdas, dbm, mdbm, full_swap; or 'all'.
+        entity_type: an entity type of the data (built-in: city, physical_object).
+        attributes: target attributes, or 'all' (every attribute but latitude/longitude).
+        ravel_dir: the published RAVEL directory (default: our built-in data).
+        split: entity or context.
+        source: attribute, wikipedia or mixed (where source prompts come from).
+        lm: the LM; layer: the site's layer (default: each method config's layer).
+        k: the DAS / MDAS rank (default: the method configs').
+        configs: the directory of the method configs.
+        train_size, eval_size, max_candidates: as in RavelDataModule.
+        out: output directory. seed: data and training seed.
+    """
+    methods = _names(methods, METHODS, "methods")
+    data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
+    valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
+    attributes = _names(attributes, valid, "attributes")
+    if layer is not None:
+        _layers([layer], num_layers(load_config(lm)))
+    configs = Path(configs)
+    method_options = {}
+    for method in methods:
+        options, epochs = method_config(configs, method)
+        options.update(lm=lm, **({"layer": layer} if layer is not None else {}))
+        if k is not None and "k" in options:
+            options["k"] = k
+        method_options[method] = (options, epochs)
+    out = Path(out)
+    data_options = {"lm": lm, "ravel_dir": ravel_dir, "entity_type": entity_type, "split": split, "source": source,
+                    "train_size": train_size, "eval_size": eval_size, "max_candidates": max_candidates, "seed": seed}  # fmt: skip
+    _check_out_dir(out, {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k})
+    summary_path, changes_path = out / "summary.csv", out / "changes.csv"
+    done = {(r["method"], r["attribute"]) for r in _read_results(summary_path)}
+    cells = [(m, a) for m in methods for a in attributes if (m, a) not in done]
+    for method, attribute in tqdm(cells, desc="RAVEL cells", unit="cell"):
+        options, epochs = method_options[method]
+        metrics = run_cell(method, attribute, options, epochs, data_options, seed)
+        changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
+                   for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
+        _append(changes_path, CHANGE_COLUMNS, changes)  # before the summary row: a cell is done once both are in
+        _append(summary_path, SUMMARY_COLUMNS, [{"method": method, "attribute": attribute,
+                **{k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}}])  # fmt: skip
+    return summarise(out, methods, attributes, data.attributes)
+
+
+def summarise(out: Path, methods: list[str], attributes: list[str], all_attributes: list[str]) -> list[dict]:
+    """Per-method averages over the attributes, and one change heatmap per method."""
+    rows = [r for r in _read_results(out / "summary.csv") if r["method"] in methods and r["attribute"] in attributes]
+    changes = _read_results(out / "changes.csv")
+    lines = []
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method]
+        for r in mine:
+            lines.append({k: (float(v) if k in ("cause", "iso", "disentangle") else v) for k, v in r.items()})
+        if mine:
+            average = {k: float(np.mean([float(r[k]) for r in mine])) for k in ("cause", "iso", "disentangle")}
+            lines.append({"method": method, "attribute": "average", **average})
+        matrix = np.full((len(attributes), len(all_attributes)), np.nan)
+        for c in changes:
+            if c["method"] == method and c["intervened"] in attributes and c["queried"] in all_attributes:
+                matrix[attributes.index(c["intervened"]), all_attributes.index(c["queried"])] = float(c["change_rate"])
+        if not np.isnan(matrix).all():
+            attribute_heatmap(matrix, attributes, all_attributes, f"{method}: P(answer changes)", out / f"{method}_changes.png")
+    with (out / "table.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
+        writer.writeheader()
+        writer.writerows([r for r in lines if r["attribute"] == "average"])
+    return lines
+
+
+def main(args=None) -> None:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], default_config_files=[])
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_argument("--benchmark", choices=["ravel"], default="ravel")
+    parser.add_function_arguments(run_ravel_sweep, as_positional=False)
+    config = parser.parse_args(args)
+    kwargs = {k: v for k, v in config.as_dict().items() if k not in ("config", "benchmark") and not k.startswith("__")}
+    try:
+        lines = run_ravel_sweep(**kwargs)
+    except (ValueError, FileNotFoundError) as err:
+        parser.exit(2, f"error: {err}\n")
+    for line in lines:
+        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+
+
+if __name__ == "__main__":
+    main()
