@@ -21,9 +21,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 from lightning import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
+from datamodules.loaders import split_loader
 from lit_interventions.lm import load_tokenizer
 from lit_interventions.surprisal import bos_prefix
 
@@ -314,23 +314,8 @@ class AxBenchDataModule(LightningDataModule):
                 warnings.warn(f"{split}: {truncated} of {len(examples)} responses truncated to max_length={hp.max_length}", stacklevel=2)
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
-        sampler, generator = None, None
-        if shuffle:
-            generator = torch.Generator().manual_seed(self.hparams.seed)
-        elif self.trainer is not None and self.trainer.world_size > 1:
-            # Evaluation under DDP: every example exactly once (Lightning's default sampler pads
-            # uneven shards with repeats, which would bias the synced metrics).
-            sampler = UnrepeatedDistributedSampler(
-                self.splits[split], num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
-            )
-        return DataLoader(
-            self.splits[split],
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            generator=generator,
-            collate_fn=partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side),
-        )
+        collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side)
+        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle, seed=self.hparams.seed)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", self.hparams.batch_size, shuffle=True)

@@ -13,9 +13,9 @@ from functools import partial
 
 import torch
 from lightning import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
+from datamodules.loaders import split_loader
 from datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from lit_interventions.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.surprisal import bos_prefix
@@ -212,21 +212,9 @@ class CausalGymDataModule(LightningDataModule):
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
         """Batches of one split ("train", "dev" or "eval"), collated for this region."""
-        pad_id = self.tokenizer.pad_token_id
-        sampler = None
-        if not shuffle and self.trainer is not None and self.trainer.world_size > 1:
-            # Evaluation under DDP: every example exactly once (Lightning's default sampler pads
-            # uneven shards with repeats, which would bias the synced metrics).
-            sampler = UnrepeatedDistributedSampler(
-                self.splits[split], num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
-            )
-        return DataLoader(
-            self.splits[split],
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            collate_fn=partial(collate, region=self.region, pad_id=pad_id, padding_side=self.hparams.padding_side),
-        )
+        collate_fn = partial(collate, region=self.region, pad_id=self.tokenizer.pad_token_id,
+                             padding_side=self.hparams.padding_side)  # fmt: skip
+        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", self.hparams.batch_size, shuffle=True)

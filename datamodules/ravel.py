@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 from lightning import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
 from datamodules.causalgym import collate as causalgym_collate
+from datamodules.loaders import split_loader
 from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
 from lit_interventions.sites import logits_at
 from lit_interventions.surprisal import bos_prefix
@@ -415,19 +415,8 @@ class RavelDataModule(LightningDataModule):
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
         """Batches of one split (train, val or test)."""
-        sampler = None
-        if not shuffle and self.trainer is not None and self.trainer.world_size > 1:
-            # Evaluation under DDP: every example exactly once (as in CausalGymDataModule).
-            sampler = UnrepeatedDistributedSampler(
-                self.splits[split], num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
-            )
-        return DataLoader(
-            self.splits[split],
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            collate_fn=partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side),
-        )
+        collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side)
+        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", self.hparams.batch_size, shuffle=True)

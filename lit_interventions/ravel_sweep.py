@@ -83,6 +83,7 @@ def run_ravel_sweep(
     lm: str = DEFAULT_LM,
     layer: int | None = None,
     k: int | None = None,
+    epochs: int | None = None,
     configs: str = "configs/ravel",
     train_size: int = 1000,
     eval_size: int = 200,
@@ -100,7 +101,7 @@ def run_ravel_sweep(
         split: entity or context.
         source: attribute, wikipedia or mixed (where source prompts come from).
         lm: the LM; layer: the site's layer (default: each method config's layer).
-        k: the DAS / MDAS rank (default: the method configs').
+        k: the DAS / MDAS rank; epochs: training epochs (default: the method configs').
         configs: the directory of the method configs.
         train_size, eval_size, max_candidates: as in RavelDataModule.
         out: output directory. seed: data and training seed.
@@ -114,21 +115,21 @@ def run_ravel_sweep(
     configs = Path(configs)
     method_options = {}
     for method in methods:
-        options, epochs = method_config(configs, method)
+        options, config_epochs = method_config(configs, method)
         options.update(lm=lm, **({"layer": layer} if layer is not None else {}))
         if k is not None and "k" in options:
             options["k"] = k
-        method_options[method] = (options, epochs)
+        method_options[method] = (options, epochs or config_epochs)
     out = Path(out)
     data_options = {"lm": lm, "ravel_dir": ravel_dir, "entity_type": entity_type, "split": split, "source": source,
                     "train_size": train_size, "eval_size": eval_size, "max_candidates": max_candidates, "seed": seed}  # fmt: skip
-    _check_out_dir(out, {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k})
+    _check_out_dir(out, {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs})
     summary_path, changes_path = out / "summary.csv", out / "changes.csv"
     done = {(r["method"], r["attribute"]) for r in _read_results(summary_path)}
     cells = [(m, a) for m in methods for a in attributes if (m, a) not in done]
     for method, attribute in tqdm(cells, desc="RAVEL cells", unit="cell"):
-        options, epochs = method_options[method]
-        metrics = run_cell(method, attribute, options, epochs, data_options, seed)
+        options, n_epochs = method_options[method]
+        metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
         changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
                    for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
         _append(changes_path, CHANGE_COLUMNS, changes)  # before the summary row: a cell is done once both are in

@@ -16,23 +16,14 @@ from lit_interventions.lm import load_config, load_lm, num_layers
 from lit_interventions.sites import check_layer, logits_at, read_site
 
 
-class SiteModule(LightningModule):
-    """Base of the interchange modules. Subclasses set `self.intervention` and save `lm`, `layer`,
-    `dtype` and `cache` as hyperparameters (call `self._check_site(lm, layer)` first)."""
-
-    intervention: torch.nn.Module
+class FrozenLMModule(LightningModule):
+    """A LightningModule around a frozen LM that is not a submodule: it is loaded on first use
+    (from the `lm` and `dtype` hyperparameters), moved to the module's device, and never saved in
+    a checkpoint or wrapped by DDP. Only the module's own parameters train."""
 
     def __init__(self):
         super().__init__()
-        self._frozen: dict[str, object] = {}  # the LM and its cache, kept out of state_dict and DDP
-
-    def _check_site(self, lm: str, layer: int | None) -> int:
-        """The layer, defaulting to the middle one, checked against the config (no weights loaded)."""
-        config = load_config(lm)
-        if layer is None:
-            layer = num_layers(config) // 2
-        check_layer(layer, num_layers(config))
-        return layer
+        self._frozen: dict[str, object] = {}  # the LM (and caches), kept out of state_dict and DDP
 
     @property
     def lm(self) -> torch.nn.Module:
@@ -42,6 +33,21 @@ class SiteModule(LightningModule):
         if model.device != self.device:
             model.to(self.device)
         return model
+
+
+class SiteModule(FrozenLMModule):
+    """Base of the interchange modules. Subclasses set `self.intervention` and save `lm`, `layer`,
+    `dtype` and `cache` as hyperparameters (call `self._check_site(lm, layer)` first)."""
+
+    intervention: torch.nn.Module
+
+    def _check_site(self, lm: str, layer: int | None) -> int:
+        """The layer, defaulting to the middle one, checked against the config (no weights loaded)."""
+        config = load_config(lm)
+        if layer is None:
+            layer = num_layers(config) // 2
+        check_layer(layer, num_layers(config))
+        return layer
 
     @property
     def activations(self) -> ActivationCache | None:

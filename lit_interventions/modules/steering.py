@@ -45,7 +45,6 @@ import re
 import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning import LightningModule
 from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.dictionary import RELU_METHODS, Dictionary
@@ -57,7 +56,8 @@ from lit_interventions.interventions.additive import (
 )
 from lit_interventions.interventions.directions import METHODS as DIRECTIONS
 from lit_interventions.interventions.directions import PCADirection
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
+from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.metrics.detection import ConceptAUROC
 from lit_interventions.sites import _hook, _run_body, check_layer, final_logits, read_layers
 
@@ -90,7 +90,7 @@ def fit_concept_direction(method: str, positives: torch.Tensor, negatives: torch
     return DIRECTIONS[method](**seeded, **kwargs).fit(X, y).direction_
 
 
-class SteeringModule(LightningModule):
+class SteeringModule(FrozenLMModule):
     """A concept dictionary (concepts × d) at one layer of a frozen LM, by one AxBench method.
 
     Args:
@@ -171,15 +171,6 @@ class SteeringModule(LightningModule):
     @property
     def concepts(self) -> list[str]:
         return list(self.hparams.concept_names or [])
-
-    @property
-    def lm(self) -> torch.nn.Module:
-        model = self._frozen.get("lm")
-        if model is None:
-            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
-        if model.device != self.device:
-            model.to(self.device)
-        return model
 
     # --- detection ----------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lightning import LightningModule
 from torch import nn
 from torchmetrics import MeanMetric
 from transformers import get_linear_schedule_with_warmup
@@ -33,6 +32,7 @@ from transformers import get_linear_schedule_with_warmup
 from lit_interventions.callbacks.export import CARD, load_intervention, save_intervention
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.sites import _hook, check_layer, final_logits, position_ids
 
 # Attention output projections by architecture, in the order they are tried.
@@ -54,7 +54,7 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(logits.float(), ids[:, 1:][predict])
 
 
-class _SteeringModule(LightningModule):
+class _SteeringModule(FrozenLMModule):
     """Shared loop: filter the batch to one concept, LM loss, AdamW with a linear schedule."""
 
     method = ""
@@ -164,15 +164,6 @@ class LoReFTModule(_SteeringModule):
         self.save_hyperparameters()
         self.hparams.layer = layer
         self.intervention = LoReFTIntervention(hidden_size(config), rank)
-
-    @property
-    def lm(self) -> nn.Module:
-        model = self._frozen.get("lm")
-        if model is None:
-            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
-        if model.device != self.device:
-            model.to(self.device)
-        return model
 
     @contextmanager
     def steer(self, model: nn.Module | None = None, factor: float = 1.0):
