@@ -27,16 +27,20 @@ class DumpMetrics(L.Callback):
         self._dump(trainer)
 
 
-def _run(tmp_path, name, lm_dir, subcommand, devices, *extra):
+CAUSALGYM = ("configs/das.yaml", "--data.train_pairs=16", "--data.eval_pairs=7", "--data.eval_batch_size=4",
+             "--trainer.val_check_interval=1.0")  # fmt: skip
+
+
+def _run(tmp_path, name, lm_dir, subcommand, devices, *extra, setup=CAUSALGYM, env=None):
     out = tmp_path / f"{name}.json"
-    args = [sys.executable, "train.py", subcommand, "--config", "configs/das.yaml", f"--model.lm={lm_dir}",
-            "--model.layer=1", f"--trainer.default_root_dir={tmp_path / name}", "--data.train_pairs=16",
-            "--data.eval_pairs=7", "--data.eval_batch_size=4", "--trainer.accelerator=cpu",
-            f"--trainer.devices={devices}", "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false",
+    config, *options = setup
+    args = [sys.executable, "train.py", subcommand, "--config", config, *options, f"--model.lm={lm_dir}",
+            "--model.layer=1", f"--trainer.default_root_dir={tmp_path / name}", "--trainer.accelerator=cpu",
+            f"--trainer.devices={devices}", "--trainer.enable_progress_bar=false",
             "--trainer.callbacks+=tests.test_ddp.DumpMetrics", *extra]  # fmt: skip
     if devices > 1:
         args.append("--trainer.strategy=ddp")
-    env = {**os.environ, "DUMP_METRICS": str(out), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **(env or {}), "DUMP_METRICS": str(out), "PYTHONPATH": str(ROOT)}
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()), tmp_path / name
@@ -52,3 +56,49 @@ def test_ddp_validation_equals_single_process(tmp_path, tiny_lm_dir):
     double, _ = _run(tmp_path, "double", lm_dir, "validate", 2, f"--ckpt_path={checkpoint}")
     for name in ("val/odds", "val/iia"):
         assert double[name] == pytest.approx(single[name], rel=1e-5, abs=1e-6), name
+
+
+def _fit_then_validate(tmp_path, lm_dir, setup, env=None):
+    """A 2-process DDP fit, then its checkpoint validated by 1 and by 2 processes."""
+    _, fit_dir = _run(tmp_path, "fit", lm_dir, "fit", 2, setup=setup, env=env)
+    (checkpoint,) = fit_dir.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    single, _ = _run(tmp_path, "single", lm_dir, "validate", 1, f"--ckpt_path={checkpoint}", setup=setup, env=env)
+    double, _ = _run(tmp_path, "double", lm_dir, "validate", 2, f"--ckpt_path={checkpoint}", setup=setup, env=env)
+    return single, double, checkpoint
+
+
+@pytest.mark.slow
+def test_ddp_ravel_cause_iso_equal_single_process(tmp_path, tiny_lm_dir, monkeypatch):
+    """Cause / Iso / Disentangle (and per attribute) under DDP. The data filter's model answers are
+    written to the on-disk answer cache first (an oracle that knows every city), so the
+    subprocesses read them instead of asking the random tiny model."""
+    from datamodules.ravel import RavelDataModule
+    from tests.test_ravel_data import oracle
+
+    lm_dir = tiny_lm_dir("llama")
+    env = {"LIT_INTERVENTIONS_CACHE": str(tmp_path / "cache")}
+    monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", env["LIT_INTERVENTIONS_CACHE"])
+    sizes = {"train_size": 24, "eval_size": 11, "max_candidates": 40, "eval_batch_size": 4}
+    monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=lm_dir).data.entities)))
+    RavelDataModule(lm=lm_dir, **sizes).setup()
+    setup = ("configs/ravel/das.yaml", "--model.k=4", "--trainer.max_epochs=1",
+             *(f"--data.{k}={v}" for k, v in sizes.items()))  # fmt: skip
+    single, double, _ = _fit_then_validate(tmp_path, lm_dir, setup, env)
+    names = [k for k in single if k.startswith(("val/cause", "val/iso", "val/disentangle", "val/change"))]
+    assert {"val/cause", "val/iso", "val/disentangle", "val/iso/Continent", "val/change/Country"} <= set(names)
+    for name in names:
+        assert double[name] == pytest.approx(single[name], rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow
+def test_ddp_axbench_auroc_equals_single_process(tmp_path, tiny_lm_dir):
+    """AUROC (max-pooled, min-max normalised per concept) of a ReFT-r1 dictionary trained under
+    DDP, validated by 1 and 2 processes."""
+    setup = ("configs/reft_r1.yaml", "--data.max_length=96", "--data.concepts=[0, 5, 8]", "--data.eval_batch_size=7",
+             "--trainer.max_epochs=1")  # fmt: skip
+    single, double, checkpoint = _fit_then_validate(tmp_path, tiny_lm_dir("llama"), setup)
+    names = [k for k in single if k.startswith("val/auroc")]
+    assert "val/auroc" in names and len(names) == 4, names
+    for name in names:
+        assert double[name] == pytest.approx(single[name], rel=1e-5, abs=1e-6), name
+    assert (checkpoint.parents[1] / "dictionary.safetensors").is_file()  # rank 0 exported
