@@ -413,10 +413,10 @@ class RavelDataModule(LightningDataModule):
 
     # -- loaders ------------------------------------------------------------------------------
 
-    def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
-        """Batches of one split (train, val or test)."""
+    def loader(self, split: str, batch_size: int, shuffle: bool = False, shard: bool = True) -> DataLoader:
+        """Batches of one split (train, val or test); `shard=False`: all of it on every process."""
         collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side)
-        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle)
+        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer if shard else None, shuffle)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", self.hparams.batch_size, shuffle=True)

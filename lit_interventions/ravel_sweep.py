@@ -33,7 +33,8 @@ from lit_interventions.modules.disentangle import DisentangleModule
 from lit_interventions.plots import attribute_heatmap
 from lit_interventions.sweep import _check_out_dir, _layers, _names, _read_results
 
-METHODS = ["das", "mdas", "dbm", "mdbm", "full_swap"]
+METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
+ALL = [m for m in METHODS if m != "sae"]  # `all`: sae needs a trained SAE named in its config
 SUMMARY_COLUMNS = ["method", "attribute", "cause", "iso", "disentangle"]
 CHANGE_COLUMNS = ["method", "intervened", "queried", "change_rate"]
 
@@ -66,7 +67,7 @@ def run_cell(method: str, attribute: str, options: dict, epochs: int, data_optio
                         enable_model_summary=False, num_sanity_val_steps=0, accelerator="auto", devices=1)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. Lightning's "no optimizer" for the full swap
-        if model.hparams.method in ("das", "dbm"):
+        if model.hparams.method != "full_swap":  # train, or fit the featurizer
             trainer.fit(model, data)
         trainer.test(model, data, verbose=False)
     metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
@@ -94,7 +95,8 @@ def run_ravel_sweep(
     """Run (or resume) the RAVEL sweep; returns the summary rows.
 
     Args:
-        methods: from das, mdas, dbm, mdbm, full_swap; or 'all'.
+        methods: from das, mdas, dbm, mdbm, pca, sae, full_swap; or 'all' (sae needs a trained
+            SAE in its config).
         entity_type: an entity type of the data (built-in: city, physical_object).
         attributes: target attributes, or 'all' (every attribute but latitude/longitude).
         ravel_dir: the published RAVEL directory (default: our built-in data).
@@ -106,7 +108,7 @@ def run_ravel_sweep(
         train_size, eval_size, max_candidates: as in RavelDataModule.
         out: output directory. seed: data and training seed.
     """
-    methods = _names(methods, METHODS, "methods")
+    methods = _names(ALL if methods in ("all", ["all"]) else methods, METHODS, "methods")
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
     attributes = _names(attributes, valid, "attributes")

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from lit_interventions.interventions.mask import SigmoidMaskIntervention, linear_temperature
 from lit_interventions.metrics.disentangle import CAUSE, ISO, Disentanglement
-from lit_interventions.modules.disentangle import DisentangleModule, FullVectorSwap, multitask_loss
+from lit_interventions.interventions.featurizers import FeatureInterchange, FullVectorSwap
+from lit_interventions.modules.disentangle import DisentangleModule, multitask_loss
 
 
 def test_mask_matches_pyvene_sigmoid_mask():
@@ -85,7 +86,9 @@ def test_multitask_loss_by_hand():
 
 def test_bad_options(tiny_lm_dir):
     lm = tiny_lm_dir("llama")
-    with pytest.raises(ValueError, match="method='rlap' is not one of das, dbm, full_swap"):
+    with pytest.raises(ValueError, match="method='sae' needs --model.sae PATH"):
+        DisentangleModule(lm=lm, layer=1, method="sae")
+    with pytest.raises(ValueError, match="method='rlap' is not one of das, dbm, pca, sae, full_swap"):
         DisentangleModule(lm=lm, layer=1, method="rlap")
     with pytest.raises(ValueError, match="l1=-1"):
         DisentangleModule(lm=lm, layer=1, method="dbm", l1=-1)
@@ -153,7 +156,7 @@ def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask
     assert 0 <= values["cause"].item() <= 1 and module.val_metric.count.sum().item() == 4
 
 
-@pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "full_swap"])
+@pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "pca", "full_swap"])
 def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monkeypatch):
     """Each RAVEL method's config fits (or validates) end to end on a tiny model, with the data
     filter answered by an oracle that knows every city, and logs Cause / Iso / Disentangle."""
@@ -178,6 +181,11 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
         assert 0.0 <= metrics[name].item() <= 1.0, name
     assert metrics["val/disentangle"].item() == pytest.approx((metrics["val/cause"] + metrics["val/iso"]).item() / 2)
     assert cli.datamodule.hparams.multitask == config.startswith("m")  # linked from the model
-    if subcommand == "fit":
+    if config == "pca":  # fitted on the train states (a random tiny model's states may predict nothing:
+        # then the selection is empty and the swap is the identity)
+        fitted = cli.model.intervention
+        assert isinstance(fitted, FeatureInterchange) and fitted.featurizer.n_features == 32
+        assert len(fitted.selected) <= 32 and fitted.selection.sweep
+    elif subcommand == "fit":
         card = json.loads((Path(cli.trainer.log_dir) / "intervention.json").read_text())
         assert card["method"] == ("das" if "das" in config else "dbm") and card["data"]["target_attribute"] == "Country"

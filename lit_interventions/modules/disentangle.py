@@ -8,6 +8,9 @@ attribute A; the label is A(E): the answer must not change).
 Methods (one intervention each):
 - das:  f* = (I − WᵀW) f(b) + WᵀW f(s), W (k × d) with orthonormal rows; loss CE on Cause.
 - dbm:  f* = (1 − σ(m/T)) ∘ f(b) + σ(m/T) ∘ f(s); loss CE + λ‖σ(m/T)‖₁, T annealed 1e-2 → 1e-7.
+- pca, sae: featurizers (PCA of the site's train states, or a trained SAE); the features that an
+  L1 logistic regression uses to predict the target attribute are swapped, f* = f(b) +
+  dec(z_mix) − dec(z(b)) (`interventions/featurizers.py`); fitted when `fit` starts, not trained.
 - full_swap: f* = f(s), the baseline; nothing to train.
 With `multitask` (MDAS, MDBM): loss = L_Cause + mean over the other attributes of L_Iso.
 """
@@ -16,8 +19,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from lit_interventions.interventions.featurizers import (
+    FeatureInterchange,
+    FullVectorSwap,
+    SAEFeaturizer,
+    fit_feature_interchange,
+)
 from lit_interventions.interventions.mask import SigmoidMaskIntervention, linear_temperature
 from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config
@@ -25,14 +33,8 @@ from lit_interventions.metrics.disentangle import CAUSE, ISO, Disentanglement
 from lit_interventions.modules.site import SiteModule
 
 TRAINED = ("das", "dbm")
-METHODS = TRAINED + ("full_swap",)
-
-
-class FullVectorSwap(nn.Module):
-    """f* = f(s): the whole residual vector comes from the source."""
-
-    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        return source.to(base.dtype)
+FITTED = ("pca", "sae")
+METHODS = TRAINED + FITTED + ("full_swap",)
 
 
 def multitask_loss(logits: torch.Tensor, label: torch.Tensor, attribute: torch.Tensor, kind: torch.Tensor,
@@ -59,12 +61,15 @@ class DisentangleModule(SiteModule):
     Args:
         lm: embedded name, .gguf file, local directory or hub id (linked to the data module's lm).
         layer: residual stream after this block (default: the middle layer).
-        method: das, dbm or full_swap (see the module docstring).
+        method: das, dbm, pca, sae or full_swap (see the module docstring).
         multitask: add the Iso loss of the other attributes (MDAS / MDBM). Linked to the data
             module's `multitask`, which then puts Iso examples in the training batches.
         k: rank of the DAS subspace.
         l1: DBM's λ for ‖σ(m/T)‖₁ (the paper: about 1e-3 for DBM, 0 for MDBM).
         temperature_start, temperature_end: DBM's T, linear over the training steps.
+        sae: the trained SAE (`sae.safetensors`, `python -m lit_interventions.modules.sae`) for
+            method sae.
+        max_features: at most this many features selected (pca, sae; default: no cap).
         lr, warmup_ratio: Adam, linear warmup then linear decay to 0.
         dtype, cache: as for `InterchangeModule`.
     """
@@ -79,6 +84,8 @@ class DisentangleModule(SiteModule):
         l1: float = 0.0,
         temperature_start: float = 1e-2,
         temperature_end: float = 1e-7,
+        sae: str | None = None,
+        max_features: int | None = None,
         lr: float = 1e-3,
         warmup_ratio: float = 0.1,
         dtype: str = "float32",
@@ -93,6 +100,8 @@ class DisentangleModule(SiteModule):
             raise ValueError(f"temperatures must satisfy start >= end > 0, got {temperature_start!r}, {temperature_end!r}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        if method == "sae" and not sae:
+            raise ValueError("method='sae' needs --model.sae PATH (a trained sae.safetensors)")
         layer = self._check_site(lm, layer)
         self.save_hyperparameters()
         self.hparams.layer = layer
@@ -101,8 +110,10 @@ class DisentangleModule(SiteModule):
             self.intervention = RotatedSpaceIntervention(d, k)
         elif method == "dbm":
             self.intervention = SigmoidMaskIntervention(d, temperature_start)
-        else:
+        elif method == "full_swap":
             self.intervention = FullVectorSwap()
+        else:
+            self.intervention = None  # fitted from the training data when fit starts
         self.attributes: list[str] = []
         self.val_metric: Disentanglement | None = None
         self.test_metric: Disentanglement | None = None
@@ -120,6 +131,30 @@ class DisentangleModule(SiteModule):
             self.test_metric = Disentanglement(len(attributes)).to(self.device)
 
     # training
+
+    def on_fit_start(self):
+        if self.hparams.method in FITTED:
+            self.intervention = self.fit_featurizer(self.trainer.datamodule)
+
+    @torch.no_grad()
+    def fit_featurizer(self, data) -> FeatureInterchange:
+        """PCA (or the given SAE) on the site's states of the train split (base and source sides,
+        every process the whole split), and the features an L1 logistic regression uses to
+        predict the target attribute of each state's entity (held-out entities choose C)."""
+        values = data.values(data.target_attribute)
+        states, labels, entities = [], [], []
+        for batch in data.loader("train", data.hparams.eval_batch_size, shard=False):
+            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            for side in ("base", "source"):
+                states.append(self.site_representation(batch, side).float().cpu())
+                entities += batch[f"{side}_entity"].tolist()
+        labels = [values[e] for e in entities]
+        featurizer = "pca" if self.hparams.method == "pca" else SAEFeaturizer.load(self.hparams.sae)
+        fitted = fit_feature_interchange(torch.cat(states), labels, featurizer=featurizer, groups=entities,
+                                         max_features=self.hparams.max_features)  # fmt: skip
+        self.print(f"{self.hparams.method}: {len(fitted.selected)} of {fitted.featurizer.n_features} features "
+                   f"selected (C={fitted.selection.C})")  # fmt: skip
+        return fitted.to(self.device)
 
     def on_train_batch_start(self, batch, batch_idx):
         if self.hparams.method == "dbm":
@@ -149,6 +184,9 @@ class DisentangleModule(SiteModule):
     # evaluation
 
     def _evaluate(self, batch, metric: Disentanglement) -> None:
+        if self.intervention is None:
+            raise ValueError(f"method={self.hparams.method!r} is fitted from the training data: run `fit`, not "
+                             "`validate` or `test` alone")  # fmt: skip
         metric.update(self.intervened_logits(batch), batch["label"], batch["base_label"], batch["attribute"], batch["kind"])
 
     def validation_step(self, batch, batch_idx):

@@ -1,0 +1,389 @@
+"""PCA and SAE featurizers with L1-logistic feature selection: RAVEL's baselines (Huang et al. 2024, §4).
+
+A featurizer maps a site representation x (d,) to features z (m,) and back. An interchange on a
+set S of selected features swaps those features of the source into the base:
+
+    z_mix = z(b) with z_S replaced by z(s)_S
+    f*    = f(b) + dec(z_mix) − dec(z(b))
+
+so the base keeps its own reconstruction error (what the featurizer cannot express is never
+lost). Hence an empty S is exactly the identity, and with a full-rank PCA (m = d) and S = all
+features f* = f(s), the full-vector swap.
+
+Featurizers:
+- `PCAFeaturizer`: z = V (x − μ), x = Vᵀ z + μ, V the principal axes (m × d, orthonormal rows).
+- `SAEFeaturizer`: f = ReLU(W1 (x − b2) + b1), decoder W2 f + b2 (a trained
+  `lit_interventions.modules.sae.SparseAutoencoder`, latent size 4d).
+
+Feature selection (`select_features`): for each C of a grid, an L1-penalised logistic regression
+(liblinear, one-vs-rest over the target attribute's values) on the features; the selected features
+are those with a nonzero coefficient for any value. C is the smallest
+whose held-out accuracy is within a tolerance of the best (see there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import sklearn
+import torch
+from sklearn.decomposition import PCA
+from sklearn.linear_model import LogisticRegression
+from sklearn.multiclass import OneVsRestClassifier
+from sklearn.preprocessing import StandardScaler
+from torch import nn
+
+DEFAULT_C_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def _to_numpy(value) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return (value.double() if value.is_floating_point() else value).numpy()
+    return np.asarray(value)
+
+
+def _check_representations(X, name: str = "representations") -> np.ndarray:
+    X = _to_numpy(X)
+    if X.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (n_examples, size); got shape {X.shape}")
+    if X.shape[0] == 0 or X.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {X.shape}); at least one row and one column are required")
+    if not np.issubdtype(X.dtype, np.number) or np.iscomplexobj(X):
+        raise ValueError(f"{name} must be real numbers; got dtype {X.dtype}")
+    X = X.astype(np.float64)
+    if not np.isfinite(X).all():
+        raise ValueError(f"{name} contains {int((~np.isfinite(X)).sum())} NaN or infinite value(s)")
+    return X
+
+
+def _check_labels(y, n: int, name: str = "labels") -> np.ndarray:
+    y = _to_numpy(y)
+    if y.ndim != 1 or y.shape[0] != n:
+        raise ValueError(f"{name} must be 1-D with one label per example ({n}); got shape {y.shape}")
+    classes = np.unique(y)
+    if len(classes) < 2:
+        raise ValueError(
+            f"{name} has {len(classes)} distinct value(s) ({classes.tolist()}); selecting features for an "
+            "attribute needs at least 2"
+        )
+    return y
+
+
+def _check_C(C) -> tuple[float, ...]:
+    grid = tuple(np.atleast_1d(np.asarray(C, dtype=np.float64)).tolist())
+    if not grid:
+        raise ValueError("C is an empty grid; give a positive number or a non-empty list of them")
+    bad = [c for c in grid if not np.isfinite(c) or c <= 0]
+    if bad:
+        raise ValueError(f"C must be finite and > 0 (inverse L1 strength); got {bad}")
+    return grid
+
+
+# --------------------------------------------------------------------------------------------
+# Featurizers
+
+
+class PCAFeaturizer(nn.Module):
+    """z = V (x − μ), x̂ = Vᵀ z + μ; V (m × d) the principal axes of the site representations."""
+
+    def __init__(self, mean: torch.Tensor, components: torch.Tensor):
+        super().__init__()
+        components = torch.as_tensor(components, dtype=torch.float32)
+        mean = torch.as_tensor(mean, dtype=torch.float32)
+        if components.ndim != 2 or mean.shape != (components.shape[1],):
+            raise ValueError(f"components must be (m, d) and mean (d,); got {tuple(components.shape)}, {tuple(mean.shape)}")
+        self.register_buffer("mean", mean)  # (d,)
+        self.register_buffer("components", components)  # (m, d), orthonormal rows
+
+    @classmethod
+    def fit(cls, representations, n_components: int | None = None) -> PCAFeaturizer:
+        """sklearn PCA on (N, d) representations; n_components ≤ min(N, d) (default: min(N, d))."""
+        X = _check_representations(representations)
+        limit = min(X.shape)
+        if n_components is None:
+            n_components = limit
+        if not isinstance(n_components, int) or not 1 <= n_components <= limit:
+            raise ValueError(f"n_components={n_components!r} must be an integer in 1..{limit} (min(N, d))")
+        pca = PCA(n_components=n_components, svd_solver="full").fit(X)
+        return cls(torch.from_numpy(pca.mean_), torch.from_numpy(pca.components_))
+
+    @property
+    def n_features(self) -> int:
+        return self.components.shape[0]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., m)
+        return (x - self.mean) @ self.components.T
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:  # (..., m) -> (..., d)
+        return z @ self.components + self.mean
+
+
+class SAEFeaturizer(nn.Module):
+    """f = ReLU(W1 (x − b2) + b1), x̂ = W2 f + b2.  W1: (m, d), b1: (m,), W2: (d, m), b2: (d,)."""
+
+    def __init__(self, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor):
+        super().__init__()
+        W1, b1, W2, b2 = (torch.as_tensor(t, dtype=torch.float32).detach().clone() for t in (W1, b1, W2, b2))
+        m, d = W1.shape
+        if b1.shape != (m,) or W2.shape != (d, m) or b2.shape != (d,):
+            raise ValueError(
+                f"SAE shapes must be W1 (m, d), b1 (m,), W2 (d, m), b2 (d,); got {tuple(W1.shape)}, "
+                f"{tuple(b1.shape)}, {tuple(W2.shape)}, {tuple(b2.shape)}"
+            )
+        for name, t in (("W1", W1), ("b1", b1), ("W2", W2), ("b2", b2)):
+            self.register_buffer(name, t)
+
+    @classmethod
+    def from_sae(cls, sae: nn.Module) -> SAEFeaturizer:
+        """From a `SparseAutoencoder` (or anything with `export_weights()` -> {W1, b1, W2, b2})."""
+        return cls(**sae.export_weights())
+
+    @classmethod
+    def load(cls, path: str | Path) -> SAEFeaturizer:
+        """From a safetensors file holding W1, b1, W2, b2 (as `modules/sae.py` writes it)."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        missing = {"W1", "b1", "W2", "b2"} - set(tensors)
+        if missing:
+            raise ValueError(f"{path} lacks the SAE tensor(s) {sorted(missing)}; it holds {sorted(tensors)}")
+        return cls(**{k: tensors[k] for k in ("W1", "b1", "W2", "b2")})
+
+    @property
+    def n_features(self) -> int:
+        return self.W1.shape[0]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., m)
+        return torch.relu((x - self.b2) @ self.W1.T + self.b1)
+
+    def decode(self, f: torch.Tensor) -> torch.Tensor:  # (..., m) -> (..., d)
+        return f @ self.W2.T + self.b2
+
+
+@torch.no_grad()
+def featurize(featurizer: nn.Module, representations, batch_size: int = 4096) -> torch.Tensor:
+    """z(x) for (N, d) representations, float32 on CPU, in batches."""
+    X = torch.as_tensor(_check_representations(representations), dtype=torch.float32)
+    device = next(iter(featurizer.buffers()), X).device
+    return torch.cat([featurizer.encode(chunk.to(device)).cpu() for chunk in X.split(batch_size)])
+
+
+# --------------------------------------------------------------------------------------------
+# Interventions
+
+
+class FeatureInterchange(nn.Module):
+    """f* = f(b) + dec(z_mix) − dec(z(b)), z_mix = z(b) with the selected features taken from z(s).
+
+    `selected`: feature indices (any iterable of ints in 0..m−1, possibly empty).
+    keep_error=False gives f* = dec(z_mix) instead: the base's reconstruction error is dropped
+    (then an empty selection is dec(z(b)), not f(b)); an option for comparison, not the default.
+    """
+
+    def __init__(self, featurizer: nn.Module, selected, keep_error: bool = True):
+        super().__init__()
+        self.keep_error = keep_error
+        m = featurizer.n_features
+        selected = torch.as_tensor(list(selected), dtype=torch.long).reshape(-1)
+        if len(selected) and (selected.min() < 0 or selected.max() >= m):
+            raise ValueError(f"selected feature indices must be in 0..{m - 1}; got {selected.tolist()}")
+        mask = torch.zeros(m, dtype=torch.bool)
+        mask[selected] = True
+        self.featurizer = featurizer
+        self.register_buffer("mask", mask)  # (m,)
+
+    @property
+    def selected(self) -> torch.Tensor:
+        return self.mask.nonzero().flatten()
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:  # (B, d), (B, d) -> (B, d)
+        dtype = base.dtype
+        base32, source32 = base.float(), source.float()
+        z_base = self.featurizer.encode(base32)  # (B, m)
+        z_mix = torch.where(self.mask, self.featurizer.encode(source32), z_base)
+        if not self.keep_error:
+            return self.featurizer.decode(z_mix).to(dtype)
+        delta = self.featurizer.decode(z_mix) - self.featurizer.decode(z_base)  # exactly 0 where z_mix == z(b)
+        return (base32 + delta).to(dtype)
+
+
+class FullVectorSwap(nn.Module):
+    """The full-vector swap baseline: f* = f(s)."""
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return source.to(base.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Feature selection
+
+
+def _l1_logistic(C: float, max_iter: int) -> OneVsRestClassifier:
+    """L1 logistic regression, one binary liblinear fit per class (one in all for two classes)."""
+    if tuple(int(p) for p in sklearn.__version__.split(".")[:2]) >= (1, 8):
+        penalty = {"l1_ratio": 1.0}  # `penalty=` is deprecated from 1.8
+    else:
+        penalty = {"penalty": "l1"}
+    return OneVsRestClassifier(
+        LogisticRegression(solver="liblinear", C=C, max_iter=max_iter, random_state=0, **penalty)
+    )
+
+
+def _used_features(classifier: OneVsRestClassifier) -> np.ndarray:
+    """Feature indices with a nonzero coefficient for any class."""
+    coef = np.concatenate([est.coef_ for est in classifier.estimators_])  # (classes or 1, m)
+    return np.flatnonzero(np.abs(coef).max(0) > 0)
+
+
+@dataclass
+class FeatureSelection:
+    """Result of `select_features`: the chosen C, its features, and the whole sweep."""
+
+    selected: np.ndarray  # feature indices (sorted)
+    C: float
+    dev_accuracy: float
+    sweep: list[dict] = field(default_factory=list)  # per C: {"C", "n_features", "dev_accuracy", "selected"}
+
+
+def _holdout(n: int, fraction: float, seed: int, groups=None) -> tuple[np.ndarray, np.ndarray]:
+    """(fit rows, dev rows): a random `fraction` of the rows, or of the groups when given."""
+    rng = np.random.default_rng(seed)
+    if groups is None:
+        order = rng.permutation(n)
+        n_dev = min(n - 2, max(1, int(round(fraction * n))))
+        return order[n_dev:], order[:n_dev]
+    names = np.unique(groups)
+    if len(names) < 2:
+        raise ValueError(f"groups has {len(names)} distinct value(s); a grouped holdout needs at least 2")
+    dev_groups = rng.permutation(names)[: min(len(names) - 1, max(1, int(round(fraction * len(names)))))]
+    dev = np.isin(groups, dev_groups)
+    return np.flatnonzero(~dev), np.flatnonzero(dev)
+
+
+def select_features(
+    features,
+    labels,
+    C=DEFAULT_C_GRID,
+    dev_features=None,
+    dev_labels=None,
+    max_features: int | None = None,
+    tolerance: float = 0.01,
+    dev_fraction: float = 0.2,
+    groups=None,
+    standardize: bool = True,
+    max_iter: int = 1000,
+    seed: int = 0,
+) -> FeatureSelection:
+    """Features with a nonzero coefficient in an L1 logistic regression of `labels` on `features`.
+
+    features: (N, m); labels: (N,), the target attribute's values (any hashable labels, ≥ 2 classes).
+    C: one value or a grid (sklearn's inverse L1 strength: smaller C, fewer features).
+
+    How C is chosen:
+    - each C is fitted on the train rows and scored (accuracy) on the dev rows: `dev_features` /
+      `dev_labels` if given, else a random `dev_fraction` of the rows held out (of the `groups`,
+      (N,) ids such as the entity of each row, when given: then no entity is on both sides) and
+      the selection refitted on all rows at the chosen C;
+    - default: the smallest C (fewest features) whose dev accuracy is within `tolerance` of the
+      best dev accuracy of the sweep (tolerance=0: the best, ties to the smaller C). Accuracy
+      alone creeps up with every noise feature a larger C admits, so some slack is needed;
+    - with `max_features`: only Cs whose selection has at most that many features compete.
+    With standardize=True each feature is scaled to unit variance for the fit, so the penalty
+    does not favour high-variance features (PCA's first axes, frequent SAE latents).
+    """
+    X = _check_representations(features, "features")
+    y = _check_labels(labels, X.shape[0])
+    grid = sorted(_check_C(C))
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance={tolerance!r} must be in [0, 1) (an accuracy difference)")
+    if max_features is not None and (not isinstance(max_features, int) or max_features < 1):
+        raise ValueError(f"max_features={max_features!r} must be a positive integer or None")
+    if dev_features is not None or dev_labels is not None:
+        if dev_features is None or dev_labels is None:
+            raise ValueError("give both dev_features and dev_labels, or neither")
+        X_dev = _check_representations(dev_features, "dev_features")
+        if X_dev.shape[1] != X.shape[1]:
+            raise ValueError(f"dev_features has {X_dev.shape[1]} columns; features has {X.shape[1]}")
+        y_dev = _to_numpy(dev_labels)
+        if y_dev.shape != (X_dev.shape[0],):
+            raise ValueError(f"dev_labels must have shape ({X_dev.shape[0]},); got {y_dev.shape}")
+        X_fit, y_fit, refit = X, y, False
+    else:
+        if not 0 < dev_fraction < 1:
+            raise ValueError(f"dev_fraction={dev_fraction!r} must be in (0, 1)")
+        if X.shape[0] < 3:
+            raise ValueError(f"need at least 3 examples to hold out a dev part; got {X.shape[0]}")
+        if groups is not None:
+            groups = _to_numpy(groups)
+            if groups.shape != (X.shape[0],):
+                raise ValueError(f"groups must have shape ({X.shape[0]},), one id per example; got {groups.shape}")
+        fit_rows, dev_rows = _holdout(X.shape[0], dev_fraction, seed, groups)
+        X_fit, y_fit, X_dev, y_dev, refit = X[fit_rows], y[fit_rows], X[dev_rows], y[dev_rows], True
+        if len(np.unique(y_fit)) < 2:
+            raise ValueError("the train part of the holdout has one class only; give dev_features/dev_labels")
+    scaler = StandardScaler(with_mean=True, with_std=standardize).fit(X_fit)
+    sweep = []
+    for c in grid:
+        classifier = _l1_logistic(c, max_iter).fit(scaler.transform(X_fit), y_fit)
+        used = _used_features(classifier)
+        accuracy = float(classifier.score(scaler.transform(X_dev), y_dev))
+        sweep.append({"C": c, "n_features": len(used), "dev_accuracy": accuracy, "selected": used})
+    candidates = [r for r in sweep if max_features is None or r["n_features"] <= max_features]
+    if not candidates:
+        raise ValueError(
+            f"no C in {grid} selects at most max_features={max_features} features (fewest: "
+            f"{min(r['n_features'] for r in sweep)}); add smaller Cs"
+        )
+    top = max(r["dev_accuracy"] for r in candidates)
+    best = min((r for r in candidates if r["dev_accuracy"] >= top - tolerance), key=lambda r: r["C"])
+    selected = best["selected"]
+    if refit:
+        scaler = StandardScaler(with_mean=True, with_std=standardize).fit(X)
+        selected = _used_features(_l1_logistic(best["C"], max_iter).fit(scaler.transform(X), y))
+    return FeatureSelection(selected=np.sort(selected), C=best["C"], dev_accuracy=best["dev_accuracy"], sweep=sweep)
+
+
+def fit_feature_interchange(
+    representations,
+    labels,
+    featurizer: str | nn.Module = "pca",
+    C=DEFAULT_C_GRID,
+    other_labels: dict | None = None,
+    n_components: int | None = None,
+    **selection_kwargs,
+) -> FeatureInterchange:
+    """Fit a featurizer (or take a given one) and select the target attribute's features.
+
+    representations: (N, d) site representations; labels: (N,) values of the target attribute.
+    featurizer: "pca" (fitted here on `representations`, `n_components` axes) or a fitted
+        featurizer module with encode / decode / n_features (e.g. `SAEFeaturizer`).
+    other_labels: optional {attribute: (N,) values}. As in the paper, selection is for the target
+        only by default (None). When given, the features an L1 classifier uses (at the target's
+        chosen C) to predict any other attribute are dropped from the target's selection, a
+        stricter variant that trades Cause for Iso.
+    Other keyword arguments go to `select_features` (dev_features, dev_labels, max_features, ...);
+    dev_features are representations (N_dev, d): they are featurized here.
+    Returns the FeatureInterchange; its `selection` attribute is the `FeatureSelection`.
+    """
+    X = _check_representations(representations)
+    if isinstance(featurizer, str):
+        if featurizer != "pca":
+            raise ValueError(f"featurizer={featurizer!r}: give 'pca' or a fitted featurizer module (e.g. SAEFeaturizer)")
+        featurizer = PCAFeaturizer.fit(X, n_components)
+    Z = featurize(featurizer, X).double().numpy()
+    if selection_kwargs.get("dev_features") is not None:
+        selection_kwargs["dev_features"] = featurize(featurizer, selection_kwargs["dev_features"]).double().numpy()
+    selection = select_features(Z, labels, C=C, **selection_kwargs)
+    selected = selection.selected
+    if other_labels:
+        scaler = StandardScaler(with_std=selection_kwargs.get("standardize", True)).fit(Z)
+        for attribute, values in other_labels.items():
+            values = _check_labels(values, Z.shape[0], f"other_labels[{attribute!r}]")
+            used = _used_features(_l1_logistic(selection.C, selection_kwargs.get("max_iter", 1000)).fit(scaler.transform(Z), values))
+            selected = np.setdiff1d(selected, used)
+    intervention = FeatureInterchange(featurizer, selected.tolist())
+    intervention.selection = selection
+    return intervention
