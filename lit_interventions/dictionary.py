@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from lit_interventions.interventions.additive import add_vector
 from lit_interventions.lm import hidden_size, load_lm, load_tokenizer, num_layers
 from lit_interventions.sites import _hook, check_layer, read_layers
+from lit_interventions.surprisal import bos_prefix
 
 FORMAT = "lit-interventions/concept-dictionary/v1"
 RELU_METHODS = ("reft_r1", "ssv")
@@ -168,8 +169,10 @@ class Dictionary:
     def detect(self, texts: list[str], lm=None, tokenizer=None, batch_size: int = 16, max_length: int = 256,
                dtype: str = "float32") -> torch.Tensor:  # fmt: skip
         """Per-concept scores of each text, (N, C): the max over its tokens of each concept's
-        latent (AxBench eq. 2, unnormalised). Texts are tokenized as they are (no chat template),
-        truncated to `max_length`; special tokens (BOS) are not scored.
+        latent (AxBench eq. 2, unnormalised). Texts are tokenized as they are (no chat template)
+        after a BOS (`bos_prefix`), truncated to `max_length`. The first position (the BOS) is
+        never scored: it is the attention sink, whose state is huge (smollm2: norm about 22,700
+        against about 200) and would score the same for every text.
 
         lm: None (the card's model), the same name, or a loaded model; tokenizer: None loads the
         card model's tokenizer (pass one with a model of your own).
@@ -178,12 +181,15 @@ class Dictionary:
             raise ValueError("texts must be a list of strings")
         model = self._model(self.model if lm is None else lm, dtype)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model)
-        out = []
+        prefix, out = bos_prefix(tokenizer), []
         for start in range(0, len(texts), batch_size):
-            enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, truncation=True,
-                            max_length=max_length, return_special_tokens_mask=True).to(model.device)  # fmt: skip
+            batch = [prefix + text for text in texts[start : start + batch_size]]
+            enc = tokenizer(batch, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
+                            return_special_tokens_mask=True).to(model.device)  # fmt: skip
             hidden = read_layers(model, [self.layer], enc["input_ids"], enc["attention_mask"])[self.layer]
             scored = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()  # (batch, seq)
+            first = enc["attention_mask"].int().argmax(1)  # the first real position (either padding side)
+            scored[torch.arange(len(batch), device=scored.device), first] = False
             latents = self.latents(hidden).masked_fill(~scored[..., None], float("-inf"))  # (batch, seq, C)
             out.append(latents.amax(1).cpu())
         return torch.cat(out) if out else torch.zeros(0, len(self.concepts))

@@ -71,8 +71,9 @@ def test_detect_is_the_max_latent_over_tokens(tiny_lm_dir, tiny_lm, tokenizer, m
     assert scores.shape == (2, 3)
     model = tiny_lm("llama")
     for i, text in enumerate(texts):
-        ids = torch.tensor([tokenizer(text)["input_ids"]])
-        hidden = read_layers(model, [1], ids, torch.ones_like(ids))[1][0]  # (seq, d)
+        ids = torch.tensor([tokenizer("<bos>" + text)["input_ids"]])  # the tiny tokenizer adds no BOS itself
+        assert ids[0, 0] == tokenizer.bos_token_id
+        hidden = read_layers(model, [1], ids, torch.ones_like(ids))[1][0, 1:]  # (seq - 1, d): the BOS is not scored
         latents = hidden @ d.vectors.T
         if method == "reft_r1":
             latents = latents.relu()

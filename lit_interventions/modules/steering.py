@@ -7,11 +7,11 @@ Trained by gradient (automatic optimization, AdamW + linear schedule):
 - `reft_r1`: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at every token of a positive example,
   loss −log p(response) + λ·Σ_{non-top-k}|latent| (AxBench eqs. 9–10). The top k compete over
   all (non-padding) tokens of the sequence; the L1 term is a per-sequence token mean (AxBench's
-  code; λ is on that scale). Negatives (the shared pool, concept_id −1) are *our choice*: they
-  get no intervention and no LM loss, only the L1 term on *every* concept's latents at all their
-  tokens (none is exempt: no concept is present), pushing all latents towards 0 off-concept. So
-  each row sees the gradient it would get if its concept were trained alone on its positives plus
-  the negative pool (AxBench trains on positives only; `negative_l1: false` does that).
+  code; λ is on that scale). Negatives (the shared pool, concept_id −1) get no intervention and
+  no LM loss; by default they are not used (AxBench trains on positives only). With
+  `negative_l1: true` they get the L1 term on *every* concept's latents at all their tokens,
+  pushing latents towards 0 off-concept; on smollm2 that killed 5 of 10 rows (ReLU(h·w) = 0 on
+  every token, so no gradient again), hence the default.
   w_c stays unit norm: the gradient component parallel to w_c is removed before each step and
   the rows are renormalised after it.
 - `ssv`: Φ(h_i) = h_i + w_c at every token of a positive example; loss −log p(response); w free
@@ -116,7 +116,7 @@ class SteeringModule(FrozenLMModule):
         concept_names: list[str] | None = None,
         topk: int = 8,
         l1: float = 5e-3,
-        negative_l1: bool = True,
+        negative_l1: bool = False,
         lr: float = 1e-2,
         weight_decay: float = 0.0,
         warmup_ratio: float = 0.0,

@@ -1,0 +1,66 @@
+"""The released AxBench concept dictionaries in checkpoints/axbench/ (smollm2-135m-instruct, layer 15).
+
+Fast tests read the files only (shape, card, unit norm, max activations); the slow test runs the
+LM and checks that each dictionary scores a text about one of its concepts above an unrelated one.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_interventions.dictionary import Dictionary
+
+RELEASED = Path(__file__).resolve().parents[1] / "checkpoints" / "axbench"
+MODEL, LAYER, HIDDEN = "smollm2-135m-instruct", 15, 576
+DATASETS = {"builtin": "builtin", "concept10": "concept10_2b_l20"}  # name -> what the card's training_data ends with
+METHODS = ("reft_r1", "diffmean")
+RUNS = [(data, method) for data in DATASETS for method in METHODS]
+
+# (concept, a text about it, an unrelated text), written for these tests
+PAIRS = {
+    "builtin": ("references to music and musical instruments",
+                "She played the violin while her brother kept the rhythm on the drums.",
+                "The cake needs two cups of flour, three eggs and a pinch of salt."),
+    "concept10": ("references to academic papers and their formatting",
+                  "Smith et al. (2019), Journal of Applied Physics, vol. 12, pp. 45-67, doi:10.1000/xyz123.",
+                  "The cake needs two cups of flour, three eggs and a pinch of salt."),
+}
+
+
+def _load(data: str, method: str) -> Dictionary:
+    return Dictionary.load(RELEASED / f"{data}-{method}" / "dictionary.safetensors")
+
+
+@pytest.mark.parametrize("data,method", RUNS)
+def test_card_and_vectors(data, method):
+    d = _load(data, method)
+    assert d.model == MODEL and d.layer == LAYER and d.method == method
+    assert d.vectors.shape == (10, HIDDEN) and d.max_activations.shape == (10,)
+    assert len(d.concepts) == 10 and PAIRS[data][0] in d.concepts
+    assert d.training_data is not None and d.training_data.rstrip("/").endswith(DATASETS[data])
+    assert torch.allclose(d.vectors.norm(dim=1), torch.ones(10), atol=1e-4)  # both methods are unit norm
+    assert torch.isfinite(d.max_activations).all() and (d.max_activations >= 0).all()
+    # a ReFT-r1 row can die (ReLU(h·w) = 0 on every eval token): builtin's "SQL queries" row did
+    assert (d.max_activations > 0).sum() >= 9
+    assert set(d.auroc["per_concept"]) == set(d.concepts)
+    assert 0.5 < d.auroc["mean"] <= 1.0  # better than chance on the held-out eval set
+
+
+@pytest.mark.parametrize("data", list(DATASETS))
+def test_concept10_and_builtin_differ(data):
+    """The two datasets' dictionaries name different concepts (no file copied twice)."""
+    other = next(name for name in DATASETS if name != data)
+    assert set(_load(data, "diffmean").concepts).isdisjoint(_load(other, "diffmean").concepts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data,method", RUNS)
+def test_detects_its_concept(data, method):
+    concept, positive, negative = PAIRS[data]
+    d = _load(data, method)
+    # the same first word: the comparison is decided by the concept, not by how the text starts
+    scores = d.detect(["Note: " + positive, "Note: " + negative])  # (2, concepts), loads smollm2-135m-instruct
+    row = d.index(concept)
+    assert scores.shape == (2, 10)
+    assert scores[0, row] > scores[1, row], scores[:, row]
