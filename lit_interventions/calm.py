@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import math
 import random
 from collections import Counter
@@ -36,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
 
 from datamodules.ravel import RavelData, load_ravel
+from lit_interventions.cli import run_cli
 from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer, num_layers
 from lit_interventions.metrics.competence import Competence, competence_scores
@@ -446,20 +445,7 @@ def _write(out_dir: Path, results: list[dict], summary: list[dict], config: dict
 
 
 def main(args=None) -> None:
-    for name in ("lightning.pytorch", "lightning.fabric"):  # one Trainer per probe: keep its banner quiet
-        logging.getLogger(name).setLevel(logging.ERROR)
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], default_config_files=[])
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_function_arguments(run_calm, as_positional=False)
-    config = parser.parse_args(args)
-    config.pop("config", None)
-    kwargs = {k: v for k, v in config.as_dict().items() if not k.startswith("__")}
-    try:
-        summary = run_calm(**kwargs)
-    except (ValueError, FileNotFoundError) as err:
-        parser.exit(2, f"error: {err}\n")
-    for line in summary:
-        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+    run_cli(run_calm, __doc__, args)
 
 
 if __name__ == "__main__":

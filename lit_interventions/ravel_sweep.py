@@ -18,7 +18,6 @@ and resumes: a rerun skips the (method, attribute) cells already in summary.csv.
 from __future__ import annotations
 
 import csv
-import logging
 import warnings
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import yaml
 from tqdm import tqdm
 
 from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
+from lit_interventions.cli import run_cli
 from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.modules.disentangle import DisentangleModule
 from lit_interventions.plots import attribute_heatmap
@@ -166,22 +166,11 @@ def summarise(out: Path, methods: list[str], attributes: list[str], all_attribut
 
 
 def main(args=None) -> None:
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    def customize(parser):
+        parser.add_argument("--benchmark", choices=["ravel"], default="ravel")  # the config's dispatch key
+        parser.add_function_arguments(run_ravel_sweep, as_positional=False)
 
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], default_config_files=[])
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_argument("--benchmark", choices=["ravel"], default="ravel")
-    parser.add_function_arguments(run_ravel_sweep, as_positional=False)
-    config = parser.parse_args(args)
-    kwargs = {k: v for k, v in config.as_dict().items() if k not in ("config", "benchmark") and not k.startswith("__")}
-    try:
-        lines = run_ravel_sweep(**kwargs)
-    except (ValueError, FileNotFoundError) as err:
-        parser.exit(2, f"error: {err}\n")
-    for line in lines:
-        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+    run_cli(run_ravel_sweep, __doc__, args, customize, ignore=("benchmark",))
 
 
 if __name__ == "__main__":

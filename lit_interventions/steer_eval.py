@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
 from tqdm import tqdm
 
+from lit_interventions.cli import run_cli
 from lit_interventions.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.metrics.judge import Judge, chat_prompt, make_judge
 
@@ -340,20 +340,12 @@ def run_steer_eval(
 
 
 def main(args=None) -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], default_config_files=[])
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_function_arguments(run_steer_eval, as_positional=False, skip={"judge"})
-    parser.add_argument("--judge", type=dict, default={"backend": "openai"},
-                        help="judge backend and options, e.g. {backend: openai, base_url: ..., model: ..., api_key_env: ...}")
-    config = parser.parse_args(args)
-    config.pop("config", None)
-    kwargs = {k: v for k, v in config.as_dict().items() if not k.startswith("__")}
-    try:
-        summary = run_steer_eval(**kwargs)
-    except (ValueError, FileNotFoundError, ConnectionError) as err:
-        parser.exit(2, f"error: {err}\n")
-    for line in summary:
-        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+    def customize(parser):
+        parser.add_function_arguments(run_steer_eval, as_positional=False, skip={"judge"})
+        parser.add_argument("--judge", type=dict, default={"backend": "openai"},
+                            help="judge backend and options, e.g. {backend: openai, base_url: ..., model: ..., api_key_env: ...}")
+
+    summary = run_cli(run_steer_eval, __doc__, args, customize, errors=(ValueError, FileNotFoundError, ConnectionError))
     if summary:
         print(f"mean overall over {len(summary)} concepts: {np.mean([r['overall'] for r in summary]):.3f}")
 

@@ -20,7 +20,6 @@ import csv
 import hashlib
 import json
 import sys
-import logging
 import math
 import warnings
 from collections import defaultdict
@@ -29,13 +28,13 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
 import yaml
 from tqdm import tqdm
 
 from datamodules.causalgym import CausalGymDataModule
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.cache import ActivationCache
+from lit_interventions.cli import run_cli
 from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
@@ -273,20 +272,7 @@ def main(args=None) -> None:
         from lit_interventions.ravel_sweep import main as ravel_main
 
         return ravel_main(args)
-    for name in ("lightning.pytorch", "lightning.fabric"):  # one Trainer per DAS site: keep its banner quiet
-        logging.getLogger(name).setLevel(logging.ERROR)
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], default_config_files=[])
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_function_arguments(run_sweep, as_positional=False)
-    config = parser.parse_args(args)
-    config.pop("config", None)
-    kwargs = {k: v for k, v in config.as_dict().items() if not k.startswith("__")}
-    try:
-        summary = run_sweep(**kwargs)
-    except (ValueError, FileNotFoundError) as err:
-        parser.exit(2, f"error: {err}\n")
-    for line in summary:
-        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+    run_cli(run_sweep, __doc__, args)
 
 
 if __name__ == "__main__":
