@@ -27,25 +27,16 @@ import yaml
 from tqdm import tqdm
 
 from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
-from lit_interventions.cli import run_cli
+from lit_interventions.cli import append_rows, claim_out_dir, read_rows, run_cli
 from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.modules.disentangle import DisentangleModule
 from lit_interventions.plots import attribute_heatmap
-from lit_interventions.sweep import _check_out_dir, _layers, _names, _read_results
+from lit_interventions.sweep import _layers, _names
 
 METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
 ALL = [m for m in METHODS if m != "sae"]  # `all`: sae needs a trained SAE named in its config
 SUMMARY_COLUMNS = ["method", "attribute", "cause", "iso", "disentangle"]
 CHANGE_COLUMNS = ["method", "intervened", "queried", "change_rate"]
-
-
-def _append(path: Path, columns: list[str], rows: list[dict]) -> None:
-    new = not path.is_file()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
 
 
 def method_config(configs: Path, method: str) -> tuple[dict, int]:
@@ -125,25 +116,25 @@ def run_ravel_sweep(
     out = Path(out)
     data_options = {"lm": lm, "ravel_dir": ravel_dir, "entity_type": entity_type, "split": split, "source": source,
                     "train_size": train_size, "eval_size": eval_size, "max_candidates": max_candidates, "seed": seed}  # fmt: skip
-    _check_out_dir(out, {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs})
+    claim_out_dir(out, {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs})
     summary_path, changes_path = out / "summary.csv", out / "changes.csv"
-    done = {(r["method"], r["attribute"]) for r in _read_results(summary_path)}
+    done = {(r["method"], r["attribute"]) for r in read_rows(summary_path)}
     cells = [(m, a) for m in methods for a in attributes if (m, a) not in done]
     for method, attribute in tqdm(cells, desc="RAVEL cells", unit="cell"):
         options, n_epochs = method_options[method]
         metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
         changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
                    for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
-        _append(changes_path, CHANGE_COLUMNS, changes)  # before the summary row: a cell is done once both are in
-        _append(summary_path, SUMMARY_COLUMNS, [{"method": method, "attribute": attribute,
+        append_rows(changes_path, CHANGE_COLUMNS, changes)  # before the summary row: a cell is done once both are in
+        append_rows(summary_path, SUMMARY_COLUMNS, [{"method": method, "attribute": attribute,
                 **{k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}}])  # fmt: skip
     return summarise(out, methods, attributes, data.attributes)
 
 
 def summarise(out: Path, methods: list[str], attributes: list[str], all_attributes: list[str]) -> list[dict]:
     """Per-method averages over the attributes, and one change heatmap per method."""
-    rows = [r for r in _read_results(out / "summary.csv") if r["method"] in methods and r["attribute"] in attributes]
-    changes = _read_results(out / "changes.csv")
+    rows = [r for r in read_rows(out / "summary.csv") if r["method"] in methods and r["attribute"] in attributes]
+    changes = read_rows(out / "changes.csv")
     lines = []
     for method in methods:
         mine = [r for r in rows if r["method"] == method]

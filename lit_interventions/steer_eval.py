@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lit_interventions.cli import run_cli
+from lit_interventions.cli import claim_out_dir, run_cli
 from lit_interventions.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.metrics.judge import Judge, chat_prompt, make_judge
 
@@ -197,19 +197,6 @@ def _concepts(value, valid: list[str]) -> list[str]:
     return chosen
 
 
-def _check_out_dir(out: Path, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "meta.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
-        if changed:
-            raise ValueError(f"{out} holds a steering evaluation that differs in "
-                             f"{', '.join(f'{k} ({a!r} there, {b!r} here)' for k, (a, b) in changed.items())}. "
-                             "Choose another --out.")  # fmt: skip
-    path.write_text(json.dumps(meta, indent=2) + "\n")
-
-
 def _read_generations(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -298,9 +285,9 @@ def run_steer_eval(
     judge.check()  # e.g. the endpoint is down: stop before generating
     out = Path(out)
     method = steerers[0].method if len(steerers) == 1 else "+".join(sorted({s.method for s in steerers}))
-    _check_out_dir(out, {"lm": lm, "method": method, "dictionary": dictionary, "checkpoint": checkpoint,
-                         "instructions": instructions, "instruction_file": instruction_file,
-                         "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})  # fmt: skip
+    meta = {"lm": lm, "method": method, "dictionary": dictionary, "checkpoint": checkpoint, "instructions": instructions,
+            "instruction_file": instruction_file, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}  # fmt: skip
+    claim_out_dir(out, meta, what="a steering evaluation")
 
     # --- generate and judge, one (concept, factor) cell at a time ---
     path = out / "generations.jsonl"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
 import sys
 import math
 import warnings
@@ -34,7 +33,7 @@ from tqdm import tqdm
 from datamodules.causalgym import CausalGymDataModule
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.cache import ActivationCache
-from lit_interventions.cli import run_cli
+from lit_interventions.cli import append_rows, claim_out_dir, read_rows, run_cli
 from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
@@ -60,38 +59,6 @@ def _layers(value: str | list[int], n_layers: int) -> list[int]:
     if bad:
         raise ValueError(f"layers {bad} are out of range: this model has {n_layers} layers (-1..{n_layers - 1})")
     return layers
-
-
-def _check_out_dir(out: Path, meta: dict) -> None:
-    """An output directory belongs to one model, one template file and one data sample."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "meta.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v and k != "templates"}
-        if changed:
-            raise ValueError(
-                f"{out} holds results for lm={old.get('lm')!r}, templates={old.get('templates')!r}; this sweep "
-                f"differs in {', '.join(f'{k} ({a!r} there, {b!r} here)' for k, (a, b) in changed.items())}. "
-                "Choose another --out."
-            )
-    path.write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def _read_results(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def _append_results(path: Path, rows: list[dict]) -> None:
-    new = not path.is_file()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
 
 
 def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
@@ -234,9 +201,10 @@ def run_sweep(
     out = Path(out)
     digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
-    _check_out_dir(out, {"lm": lm, "templates": templates or "builtin", "templates_sha256": digest, **sizes})
+    claim_out_dir(out, {"lm": lm, "templates": templates or "builtin", "templates_sha256": digest, **sizes},
+                  ignore=("templates",))  # the file is known by its sha256
     results_path = out / "results.csv"
-    done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in _read_results(results_path)
+    done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in read_rows(results_path)
             if r["control_odds"] or not control}  # a site run without the control is redone with it
     regions = {task: load_task(task, templates).regions for task in tasks}
     sites = [(task, layer, region) for task in tasks for layer in layers for region in regions[task]]
@@ -248,9 +216,9 @@ def run_sweep(
             caches = {task: ActivationCache(model, layers)}
             accuracy[task] = task_accuracy(task, templates, lm, sizes, caches[task])
         if todo:
-            _append_results(results_path, sweep_site(task, layer, region, todo, lm, templates, control, sizes,
+            append_rows(results_path, RESULT_COLUMNS, sweep_site(task, layer, region, todo, lm, templates, control, sizes,
                                                      caches[task], seed))  # fmt: skip
-    results = [r for r in _read_results(results_path)
+    results = [r for r in read_rows(results_path)
                if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
     return summarise(results, accuracy, regions, out)
 
