@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from lit_interventions.judge_server import make_server, serve_in_background
-from lit_interventions.metrics.judge import OpenAIJudge, harmonic_mean, make_judge, parse_rating
+from lit_interventions.metrics.judge import PROMPTS, OpenAIJudge, harmonic_mean, make_judge, parse_rating
 
 
 def test_harmonic_mean_by_hand():
@@ -159,3 +159,32 @@ def test_openai_judge_against_loopback_smollm2(loopback, caplog):
     ratings = [parse_rating(r) for s in scores for r in s.replies.values()]
     assert sum(r is not None for r in ratings) >= 1, [s.replies for s in scores]
     print("smollm2 ratings:", ratings)
+
+
+def test_local_probability_judge_is_the_expected_rating(tiny_lm_dir, tokenizer):
+    """`rating: probability`: E[r] over the next-token probabilities of "0", "1", "2" after
+    "Rating: [[", computed here by hand from one unpadded forward per prompt."""
+    import torch
+
+    from lit_interventions.metrics.judge import LocalJudge, chat_prompt, make_judge
+
+    judge = make_judge("local", lm=tiny_lm_dir("llama"))
+    assert isinstance(judge, LocalJudge) and judge.rating == "probability"
+    scores = judge.score(["dogs", "dogs"], ["Write a poem.", "Tell me a story."], ["The dog is here.", "give the dog"])
+    digits = [tokenizer(d, add_special_tokens=False)["input_ids"][0] for d in "012"]
+    prompts = [PROMPTS[a].format(concept="dogs", instruction=i, response=r)
+               for i, r in (("Write a poem.", "The dog is here."), ("Tell me a story.", "give the dog"))
+               for a in ("concept", "instruct", "fluency")]  # fmt: skip
+    for k, prompt in enumerate(prompts):
+        ids = torch.tensor([tokenizer(chat_prompt(tokenizer, prompt) + "Rating: [[")["input_ids"]])
+        with torch.no_grad():
+            probs = judge.model(ids).logits[0, -1, digits].softmax(-1)
+        expected = (probs * torch.tensor([0.0, 1.0, 2.0])).sum().item()
+        score = scores[k // 3]
+        got = (score.concept_score, score.instruct_score, score.fluency_score)[k % 3]
+        assert got == pytest.approx(expected, abs=1e-3)
+        assert 0.0 < got < 2.0
+    assert scores[0].overall == pytest.approx(harmonic_mean(scores[0].concept_score, scores[0].instruct_score,
+                                                            scores[0].fluency_score))  # fmt: skip
+    with pytest.raises(ValueError, match="rating='vote'"):
+        make_judge("local", lm=tiny_lm_dir("llama"), rating="vote")
