@@ -17,7 +17,7 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, TensorDataset
 
-from datamodules.ravel import load_ravel
+from datamodules.ravel import encode_prompt, load_ravel
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer, num_layers
 from lit_interventions.sites import check_layer, read_layers
 from lit_interventions.surprisal import bos_prefix
@@ -77,19 +77,6 @@ def entity_prompts(data, split: str, wikipedia: bool) -> list[tuple[str, str]]:
         chosen = set(entities)
         pairs += [(prompt, entity) for prompt, entity, _ in data.wikipedia if entity in chosen]
     return pairs
-
-
-def encode_prompt(tokenizer, prefix: str, template: str, entity: str) -> tuple[list[int], int]:
-    """Token ids of prefix + template % entity and the index of the token holding the entity's last
-    character: the same site as `datamodules.ravel.RavelDataModule.encode` (prefix: BOS text or '')."""
-    start = len(prefix) + template.index("%s")
-    text = prefix + template.replace("%s", entity, 1)
-    enc = tokenizer(text, return_offsets_mapping=True)
-    last_char = start + len(entity) - 1
-    pos = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= last_char < b]
-    if not pos:
-        raise ValueError(f"No token covers the end of entity {entity!r} in {text!r}")
-    return enc["input_ids"], pos[-1]
 
 
 class RavelActivationsDataModule(ActivationsDataModule):

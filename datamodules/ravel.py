@@ -135,6 +135,19 @@ def value_separator(prompt: str) -> str:
     return "" if prompt.endswith(_NO_SPACE_BEFORE_VALUE) else " "
 
 
+def encode_prompt(tokenizer, prefix: str, template: str, entity: str) -> tuple[list[int], int]:
+    """Token ids of prefix + template % entity, and the site: the index of the token holding the
+    entity's last character (prefix: the BOS text, or '' when the tokenizer adds BOS)."""
+    start = len(prefix) + template.index("%s")
+    text = prefix + template.replace("%s", entity, 1)
+    enc = tokenizer(text, return_offsets_mapping=True)
+    last_char = start + len(entity) - 1
+    pos = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= last_char < b]
+    if not pos:
+        raise ValueError(f"No token covers the end of entity {entity!r} in {text!r}")
+    return enc["input_ids"], pos[-1]
+
+
 @dataclass
 class Query:
     """One (entity, template) pair: the prompt, its token ids and the entity's last token."""
@@ -287,14 +300,7 @@ class RavelDataModule(LightningDataModule):
 
     def encode(self, entity: str, template: str, attribute: str | None) -> Query:
         """Fill %s with the entity; the site is the token holding the entity's last character."""
-        start = len(self.prefix) + template.index("%s")
-        text = self.prefix + template.replace("%s", entity, 1)
-        enc = self.tokenizer(text, return_offsets_mapping=True)
-        last_char = start + len(entity) - 1
-        pos = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= last_char < b]
-        if not pos:
-            raise ValueError(f"No token covers the end of entity {entity!r} in {text!r}")
-        return Query(entity, template, attribute, enc["input_ids"], pos[-1])
+        return Query(entity, template, attribute, *encode_prompt(self.tokenizer, self.prefix, template, entity))
 
     def value_token(self, template: str, value: str) -> int:
         """The first token of `value` as it follows the prompt (see `value_separator`)."""

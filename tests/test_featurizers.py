@@ -12,7 +12,8 @@ from lightning import Trainer
 from safetensors.torch import load_file
 from sklearn.linear_model import LogisticRegression
 
-from datamodules.activations import ActivationsDataModule, RavelActivationsDataModule, encode_prompt
+from datamodules.activations import ActivationsDataModule, RavelActivationsDataModule
+from datamodules.ravel import encode_prompt
 from lit_interventions.interventions.featurizers import (
     FeatureInterchange,
     FullVectorSwap,
