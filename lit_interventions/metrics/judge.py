@@ -231,7 +231,8 @@ class LocalJudge(Judge):
     - `rating: probability` (the default): the reply is forced to start "Rating: [[" and the
       score is the expected rating under the LM's next-token probabilities of "0", "1", "2",
       E[r] = Σ p(r)·r / Σ p(r). Always a number in [0, 2], and no explanation is generated first
-      (the API judge reasons before rating; this one cannot).
+      (the API judge reasons before rating; this one cannot). smollm2-135m gives about 1.0 to
+      everything this way, word salad included: it is not able to judge.
     Either way its ratings track surface cues (a repeated concept word, a short reply) much more
     than meaning: use it for smoke tests and relative comparisons on one model, not for numbers
     to set beside the paper's.
