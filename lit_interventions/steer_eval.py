@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from lit_interventions.cli import claim_out_dir, run_cli
 from lit_interventions.lm import hidden_size, load_config, load_lm, load_tokenizer
-from lit_interventions.metrics.judge import Judge, chat_prompt, make_judge
+from lit_interventions.metrics.judge import Judge, chat_prompt, generate_replies, make_judge
 
 FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
@@ -94,28 +94,17 @@ class CheckpointSteerer:
             yield model
 
 
-@torch.no_grad()
 def generate(model, tokenizer, instructions: list[str], max_new_tokens: int, temperature: float, batch_size: int,
              seed: int) -> list[str]:  # fmt: skip
     """Sampled replies to each instruction (chat template, left padding), batched."""
     torch.manual_seed(seed)
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
     templated = bool(getattr(tokenizer, "chat_template", None))
     room = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    try:
-        replies = []
-        for start in range(0, len(instructions), batch_size):
-            texts = [chat_prompt(tokenizer, i) if templated else i for i in instructions[start: start + batch_size]]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated,
-                            truncation=bool(room), max_length=max(1, room - max_new_tokens) if room else None)  # fmt: skip
-            enc = enc.to(model.device)
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
-                else {"do_sample": False}  # fmt: skip
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
-            replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        return replies
-    finally:
-        tokenizer.padding_side = side
+    texts = [chat_prompt(tokenizer, i) if templated else i for i in instructions]
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+        else {"do_sample": False}  # fmt: skip
+    return generate_replies(model, tokenizer, texts, max_new_tokens, batch_size,
+                            max_length=max(1, room - max_new_tokens) if room else None, **sampling)  # fmt: skip
 
 
 def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -200,24 +200,33 @@ def chat_prompt(tokenizer, prompt: str) -> str:
 
 
 @torch.no_grad()
-def greedy_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
-                   max_length: int | None = None) -> list[str]:  # fmt: skip
-    """Greedy chat replies of a local LM, batched with left padding."""
+def generate_replies(model, tokenizer, texts: list[str], max_new_tokens: int, batch_size: int = 8,
+                     max_length: int | None = None, **sampling) -> list[str]:  # fmt: skip
+    """Replies to prompts already in chat format, batched with left padding (prompts longer than
+    `max_length` tokens are truncated); only the new tokens are decoded. `sampling`: passed to
+    `generate` (default greedy)."""
+    templated = bool(getattr(tokenizer, "chat_template", None))  # the template holds the BOS
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
         replies = []
-        for start in range(0, len(prompts), batch_size):
-            texts = [chat_prompt(tokenizer, p) for p in prompts[start: start + batch_size]]
-            templated = bool(getattr(tokenizer, "chat_template", None))
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated,
-                            truncation=max_length is not None, max_length=max_length).to(model.device)  # fmt: skip
-            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        for start in range(0, len(texts), batch_size):
+            enc = tokenizer(texts[start: start + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=not templated, truncation=max_length is not None,
+                            max_length=max_length).to(model.device)  # fmt: skip
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 **(sampling or {"do_sample": False}))  # fmt: skip
             replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return replies
     finally:
         tokenizer.padding_side = side
+
+
+def greedy_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
+                   max_length: int | None = None) -> list[str]:  # fmt: skip
+    """Greedy chat replies of a local LM to user prompts."""
+    texts = [chat_prompt(tokenizer, p) for p in prompts]
+    return generate_replies(model, tokenizer, texts, max_new_tokens, batch_size, max_length)
 
 
 class LocalJudge(Judge):
