@@ -42,6 +42,24 @@ def run_cli(function: Callable[..., list[dict]], description: str, args=None, cu
     return rows
 
 
+def choose_names(value: str | list[str], valid: list[str], what: str) -> list[str]:
+    """The names asked for (a name, a list, or 'all'), each checked against `valid`."""
+    names = valid if value == "all" or value == ["all"] else ([value] if isinstance(value, str) else list(value))
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise ValueError(f"Unknown {what} {unknown}; valid: {', '.join(valid)} (or 'all')")
+    return names
+
+
+def choose_layers(value: str | list[int], n_layers: int) -> list[int]:
+    """The layers asked for (a list or 'all'), each in -1..n_layers-1 (-1: embeddings)."""
+    layers = list(range(n_layers)) if value == "all" else ([value] if isinstance(value, int) else list(value))
+    bad = [layer for layer in layers if not isinstance(layer, int) or not -1 <= layer < n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} are out of range: this model has {n_layers} layers (-1..{n_layers - 1})")
+    return layers
+
+
 def claim_out_dir(out: Path, meta: dict, what: str = "results", ignore: tuple = ()) -> None:
     """Make `out` hold the results of this configuration only: a directory written by another
     (a different model, data file or size) is refused before any work."""

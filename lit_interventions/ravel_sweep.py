@@ -27,11 +27,10 @@ import yaml
 from tqdm import tqdm
 
 from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
-from lit_interventions.cli import append_rows, claim_out_dir, read_rows, run_cli
+from lit_interventions.cli import append_rows, choose_layers, choose_names, claim_out_dir, read_rows, run_cli
 from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.modules.disentangle import DisentangleModule
 from lit_interventions.plots import attribute_heatmap
-from lit_interventions.sweep import _layers, _names
 
 METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
 ALL = [m for m in METHODS if m != "sae"]  # `all`: sae needs a trained SAE named in its config
@@ -99,12 +98,12 @@ def run_ravel_sweep(
         train_size, eval_size, max_candidates: as in RavelDataModule.
         out: output directory. seed: data and training seed.
     """
-    methods = _names(ALL if methods in ("all", ["all"]) else methods, METHODS, "methods")
+    methods = choose_names(ALL if methods in ("all", ["all"]) else methods, METHODS, "methods")
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
-    attributes = _names(attributes, valid, "attributes")
+    attributes = choose_names(attributes, valid, "attributes")
     if layer is not None:
-        _layers([layer], num_layers(load_config(lm)))
+        choose_layers([layer], num_layers(load_config(lm)))
     configs = Path(configs)
     method_options = {}
     for method in methods:

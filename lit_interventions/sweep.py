@@ -33,7 +33,7 @@ from tqdm import tqdm
 from datamodules.causalgym import CausalGymDataModule
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.cache import ActivationCache
-from lit_interventions.cli import append_rows, claim_out_dir, read_rows, run_cli
+from lit_interventions.cli import append_rows, choose_layers, choose_names, claim_out_dir, read_rows, run_cli
 from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
@@ -43,22 +43,6 @@ from lit_interventions.plots import odds_heatmap
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
-
-
-def _names(value: str | list[str], valid: list[str], what: str) -> list[str]:
-    names = valid if value == "all" or value == ["all"] else ([value] if isinstance(value, str) else list(value))
-    unknown = [name for name in names if name not in valid]
-    if unknown:
-        raise ValueError(f"Unknown {what} {unknown}; valid: {', '.join(valid)} (or 'all')")
-    return names
-
-
-def _layers(value: str | list[int], n_layers: int) -> list[int]:
-    layers = list(range(n_layers)) if value == "all" else ([value] if isinstance(value, int) else list(value))
-    bad = [layer for layer in layers if not isinstance(layer, int) or not -1 <= layer < n_layers]
-    if bad:
-        raise ValueError(f"layers {bad} are out of range: this model has {n_layers} layers (-1..{n_layers - 1})")
-    return layers
 
 
 def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
@@ -195,9 +179,9 @@ def run_sweep(
         seed: data and method seed.
     """
     template_path = Path(templates) if templates else BUILTIN_TEMPLATES
-    tasks = _names(tasks, list(load_templates(template_path)), "tasks")
-    methods = _names(methods, METHODS, "methods")
-    layers = _layers(layers, num_layers(load_config(lm)))
+    tasks = choose_names(tasks, list(load_templates(template_path)), "tasks")
+    methods = choose_names(methods, METHODS, "methods")
+    layers = choose_layers(layers, num_layers(load_config(lm)))
     out = Path(out)
     digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
