@@ -62,7 +62,7 @@ class ExportIntervention(Callback):
             "layer": hp.layer,
             "k": hp.get("k") if "basis" in tensors else None,
             "hidden_size": next(iter(tensors.values())).shape[-1],
-            "data": {k: v for k, v in data_hp.items() if k != "lm"},
+            "data": {k: v for k, v in data_hp.items() if k != "lm" and not k.startswith("_")},  # not _class_path
             "metrics": _metrics(trainer),
         }
         if "task" in data_hp:  # CausalGym
