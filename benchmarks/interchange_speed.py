@@ -6,13 +6,17 @@ early, a middle and a late layer:
   `LowRankRotatedSpaceIntervention`, a full base and source forward per step (as the CausalGym
   code does);
 - ours: `train.py`'s module under a Lightning Trainer; the frozen states below the layer are
-  computed once per sentence (the cache build is inside the timed fit) and a step runs only the
-  blocks above the site, with the LM head on the last position only.
+  computed once per sentence, in length-sorted batches of 64 before the first step (inside the
+  timed fit), and a step runs only the blocks above the site, with the LM head on the last
+  position only.
+
+`--dtype` sets the frozen LM's dtype for both (the CausalGym code runs float32 on a CPU and
+bfloat16 on a GPU); the intervention itself always trains in float32.
 
 Each (method, layer) runs in a fresh process so its peak memory is its own. Prints steps/s, the
 ratio per layer, both methods' eval odds (same metric code), and `ratio=X` (middle layer) last.
 
-    python benchmarks/interchange_speed.py [--lm smollm2-135m-instruct] [--steps 100] [--device cpu]
+    python benchmarks/interchange_speed.py [--lm smollm2-135m-instruct] [--steps 100] [--device cpu] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -44,14 +48,15 @@ def _peak_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def run_ours(lm: str, layer: int, task: str, steps: int, device: str) -> dict:
+def run_ours(lm: str, layer: int, task: str, steps: int, device: str, dtype: str) -> dict:
     import lightning as L
 
     from lit_interventions.modules.interchange import InterchangeModule
 
     data = _data(lm, task, steps)
     L.seed_everything(0, verbose=False)
-    module = InterchangeModule(lm=lm, layer=layer)
+    module = InterchangeModule(lm=lm, layer=layer, dtype=dtype)
+    module.to(device).lm  # load the LM before the clock starts, as the reference does
     trainer = L.Trainer(max_steps=steps, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, accelerator="gpu" if device.startswith("cuda") else "cpu",
@@ -63,7 +68,7 @@ def run_ours(lm: str, layer: int, task: str, steps: int, device: str) -> dict:
     return {"steps_per_s": steps / seconds, "odds": odds, "peak_mb": _peak_mb(device)}
 
 
-def run_reference(lm: str, layer: int, task: str, steps: int, device: str) -> dict:
+def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype: str) -> dict:
     import pyvene
     import torch.nn.functional as F
     from transformers import get_linear_schedule_with_warmup
@@ -73,7 +78,7 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str) -> di
 
     data = _data(lm, task, steps)
     torch.manual_seed(0)
-    model = load_lm(lm).to(device)
+    model = load_lm(lm, dtype).to(device)
     config = pyvene.IntervenableConfig(
         representations=[pyvene.RepresentationConfig(layer=layer, component="block_output", low_rank_dimension=1)],
         intervention_types=pyvene.LowRankRotatedSpaceIntervention,
@@ -86,7 +91,7 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str) -> di
     schedule = get_linear_schedule_with_warmup(optimizer, steps // 10, steps)
 
     def forward(batch):
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) for k, v in batch.items() if torch.is_tensor(v)}
         locations = {"sources->base": ([[[p] for p in batch["source_pos"].tolist()]],
                                        [[[p] for p in batch["base_pos"].tolist()]])}  # fmt: skip
         _, out = intervenable({"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
@@ -121,20 +126,21 @@ def main() -> None:
     parser.add_argument("--task", default="agr_sv_num_pp")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--layers", type=int, nargs="*", help="default: early, middle and late")
+    parser.add_argument("--dtype", default="float32", help="the frozen LM's dtype, for both methods")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "LAYER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         method, layer = args.worker[0], int(args.worker[1])
         run = run_ours if method == "ours" else run_reference
-        print(json.dumps(run(args.lm, layer, args.task, args.steps, args.device)))
+        print(json.dumps(run(args.lm, layer, args.task, args.steps, args.device, args.dtype)))
         return
 
     from lit_interventions.lm import load_config, num_layers
 
     n = num_layers(load_config(args.lm))
     layers = args.layers or [n // 8, n // 2, n - 1]
-    print(f"{args.lm}: DAS k=1, task {args.task}, batch 4, {args.steps} steps, device {args.device}, "
+    print(f"{args.lm} ({args.dtype}): DAS k=1, task {args.task}, batch 4, {args.steps} steps, device {args.device}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print("layer | reference steps/s  odds  peak MB | ours steps/s  odds  peak MB | ratio")
     ratios = {}
@@ -142,7 +148,7 @@ def main() -> None:
         result = {}
         for method in ("reference", "ours"):
             command = [sys.executable, __file__, "--lm", args.lm, "--task", args.task, "--steps", str(args.steps),
-                       "--device", args.device, "--worker", method, str(layer)]  # fmt: skip
+                       "--device", args.device, "--dtype", args.dtype, "--worker", method, str(layer)]  # fmt: skip
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
             result[method] = json.loads(done.stdout.strip().splitlines()[-1])
         ref, ours = result["reference"], result["ours"]

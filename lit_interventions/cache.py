@@ -51,13 +51,40 @@ class ActivationCache:
         missing = [i for i, key in enumerate(keys) if key not in self._states]
         if missing:
             rows = torch.tensor(missing, device=input_ids.device)
-            found = read_layers(self.model, self.layers, input_ids[rows], attention_mask[rows])
-            for j, i in enumerate(missing):
-                span = slice(starts[i], starts[i] + len(keys[i]))
-                self._states[keys[i]] = torch.stack([found[l][j, span] for l in self.layers])
+            self._compute(input_ids[rows], attention_mask[rows], [keys[i] for i in missing], [starts[i] for i in missing])
         index = self.layers.index(layer)
         first = self._states[keys[0]]
         out = first.new_zeros(input_ids.shape + first.shape[-1:])
         for i, key in enumerate(keys):
             out[i, starts[i] : starts[i] + len(key)] = self._states[key][index]
         return out
+
+    def _compute(self, input_ids, attention_mask, keys: list[Key], starts: list[int]) -> None:
+        found = read_layers(self.model, self.layers, input_ids, attention_mask)
+        for j, (key, start) in enumerate(zip(keys, starts)):
+            self._states[key] = torch.stack([found[l][j, start : start + len(key)] for l in self.layers])
+
+    @torch.no_grad()
+    def fill(self, batches, sides: tuple[str, ...] = ("base", "source"), batch_size: int = 64) -> int:
+        """Compute every input of `batches` not cached yet, before they are needed: deduplicated,
+        sorted by length and run `batch_size` at a time, so the frozen forwards are few and full
+        instead of one small one per training step. Returns how many inputs were computed."""
+        todo: dict[Key, None] = {}
+        for batch in batches:
+            for side in sides:
+                if f"{side}_input_ids" not in batch:
+                    continue
+                keys = batch.get(f"{side}_keys") or input_keys(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
+                todo.update((key, None) for key in keys[0] if key not in self._states)
+        ordered = sorted(todo, key=len)
+        device = self.model.device
+        for i in range(0, len(ordered), batch_size):
+            chunk = ordered[i : i + batch_size]
+            width = len(chunk[-1])
+            input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
+                input_ids[row, : len(key)] = torch.tensor(key)
+                attention_mask[row, : len(key)] = 1
+            self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk))
+        return len(ordered)

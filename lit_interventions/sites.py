@@ -180,9 +180,18 @@ def _skip_blocks(model: nn.Module, upto: int):
             del block.forward
 
 
-def final_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """LM head on final hidden states (after the final norm), with Gemma's soft-capping if set."""
-    logits = model.get_output_embeddings()(hidden)
+def final_logits(model: nn.Module, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """LM head on final hidden states (after the final norm), with Gemma's soft-capping if set.
+
+    With `vocab` (batch, n) token ids, only those rows of the head are computed, (batch, n): a
+    metric that compares a few tokens' logits (the odds ratio) skips the rest of the vocabulary."""
+    head = model.get_output_embeddings()
+    if vocab is None:
+        logits = head(hidden)
+    else:
+        logits = torch.einsum("bd,bnd->bn", hidden, head.weight[vocab])
+        if getattr(head, "bias", None) is not None:
+            logits = logits + head.bias[vocab]
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -198,8 +207,10 @@ def logits_at(
     site_positions: torch.Tensor | None = None,
     intervention: Callable[[torch.Tensor], torch.Tensor] | None = None,
     start_states: torch.Tensor | None = None,
+    vocab: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next-token logits at `logit_positions` only, (batch, vocab).
+    """Next-token logits at `logit_positions` only, (batch, vocab), or (batch, n) for the token
+    ids `vocab` (batch, n) alone.
 
     With an intervention, the residual stream at (layer, site_positions) is replaced by
     `intervention(f(b))` during the forward, i.e. p_{f <- f*}.
@@ -222,4 +233,4 @@ def logits_at(
         if intervention is not None or start_states is not None:
             stack.enter_context(_hook(model, layer, write))
         hidden = _run_body(model, input_ids, attention_mask).last_hidden_state
-    return final_logits(model, hidden[_rows(hidden), logit_positions])
+    return final_logits(model, hidden[_rows(hidden), logit_positions], vocab)

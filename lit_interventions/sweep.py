@@ -22,6 +22,7 @@ import sys
 import math
 import warnings
 from collections import defaultdict
+from itertools import chain
 from pathlib import Path
 
 import lightning as L
@@ -81,13 +82,13 @@ def _intervention(method: str, module, data, types: list[str], X: torch.Tensor, 
     return FixedSubspaceIntervention(direction)
 
 
-def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cache, seed) -> list[dict]:
+def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cache, seed, dtype="float32") -> list[dict]:
     """Every method at one site; one row per method."""
     data = _region_data(task, templates, lm, region, None, sizes)
     if data is None:
         return []
     control_data = _region_data(task, templates, lm, region, "dog_give", sizes) if control else None
-    module = InterchangeModule(lm=lm, layer=layer, region=region)
+    module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype)
     module.share_cache(cache)
     train, evaluation = list(data.loader("train", 16)), list(data.loader("eval", 16))
     X = torch.cat([module.site_representation(batch, "base") for batch in train])  # what directions are fitted on
@@ -105,16 +106,19 @@ def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cach
 
 
 @torch.no_grad()
-def task_accuracy(task, templates, lm, sizes, cache) -> float:
-    """Acc: the share of eval pairs where the unintervened model ranks y_b above y_s."""
+def task_accuracy(task, templates, lm, sizes, cache, dtype="float32") -> float:
+    """Acc: the share of eval pairs where the unintervened model ranks y_b above y_s.
+
+    Before that, the cache is filled with every train and eval sentence of the task, in a few
+    full batches (the sites' loaders then find them all)."""
     data = _region_data(task, templates, lm, None, None, sizes)
-    module = InterchangeModule(lm=lm, layer=cache.layers[-1])
+    cache.fill(chain(data.loader("train", 64), data.loader("eval", 64)))
+    module = InterchangeModule(lm=lm, layer=cache.layers[-1], dtype=dtype)
     module.share_cache(cache)
     right = total = 0
-    for batch in data.loader("eval", 16):
-        logits = module.clean_logits(batch)
-        rows = torch.arange(len(logits))
-        right += (logits[rows, batch["base_label"]] > logits[rows, batch["source_label"]]).sum().item()
+    for batch in data.loader("eval", 64):
+        logits = module.clean_logits(batch, torch.stack([batch["base_label"], batch["source_label"]], dim=1))
+        right += (logits[:, 0] > logits[:, 1]).sum().item()
         total += len(logits)
     return right / total
 
@@ -164,6 +168,7 @@ def run_sweep(
     train_pairs: int = 200,
     eval_pairs: int = 50,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> list[dict]:
     """Run (or resume) the sweep; returns the summary rows.
 
@@ -177,6 +182,7 @@ def run_sweep(
         out: output directory.
         train_pairs, eval_pairs: pairs before swap-doubling (the paper: 200, 50).
         seed: data and method seed.
+        dtype: the frozen LM's dtype (float32, bfloat16, float16); DAS trains in float32.
     """
     template_path = Path(templates) if templates else BUILTIN_TEMPLATES
     tasks = choose_names(tasks, list(load_templates(template_path)), "tasks")
@@ -185,23 +191,23 @@ def run_sweep(
     out = Path(out)
     digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
-    claim_out_dir(out, {"lm": lm, "templates": templates or "builtin", "templates_sha256": digest, **sizes},
+    claim_out_dir(out, {"lm": lm, "dtype": dtype, "templates": templates or "builtin", "templates_sha256": digest, **sizes},
                   ignore=("templates",))  # the file is known by its sha256
     results_path = out / "results.csv"
     done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in read_rows(results_path)
             if r["control_odds"] or not control}  # a site run without the control is redone with it
     regions = {task: load_task(task, templates).regions for task in tasks}
     sites = [(task, layer, region) for task in tasks for layer in layers for region in regions[task]]
-    model = load_lm(lm)
+    model = load_lm(lm, dtype)
     accuracy, caches = {}, {}
     for task, layer, region in tqdm(sites, desc="sites", unit="site"):
         todo = [m for m in methods if (task, m, layer, region) not in done]
         if task not in caches:  # one cache per task: every layer, computed once for its sentences
             caches = {task: ActivationCache(model, layers)}
-            accuracy[task] = task_accuracy(task, templates, lm, sizes, caches[task])
+            accuracy[task] = task_accuracy(task, templates, lm, sizes, caches[task], dtype)
         if todo:
             append_rows(results_path, RESULT_COLUMNS, sweep_site(task, layer, region, todo, lm, templates, control, sizes,
-                                                     caches[task], seed))  # fmt: skip
+                                                     caches[task], seed, dtype))  # fmt: skip
     results = [r for r in read_rows(results_path)
                if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
     return summarise(results, accuracy, regions, out)

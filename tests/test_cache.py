@@ -45,6 +45,24 @@ def test_cache_computes_each_sentence_once(tiny_lm):
     torch.testing.assert_close(first * mask[..., None], read_layers(model, [2], ids, mask)[2] * mask[..., None])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fill_computes_the_same_states_in_full_batches(tiny_lm, arch):
+    """Prefilling in length-sorted, right-padded batches stores what a step would have computed."""
+    model = tiny_lm(arch)
+    ids, mask, _ = _batch(model.config.vocab_size, lengths=(6, 3, 5), padding_side="left")
+    src_ids, src_mask, _ = _batch(model.config.vocab_size, lengths=(4, 6, 2), seed=1)
+    batches = [{"base_input_ids": ids, "base_attention_mask": mask, "source_input_ids": src_ids,
+                "source_attention_mask": src_mask}]  # fmt: skip
+    lazy, filled = ActivationCache(model, [0, 2]), ActivationCache(model, [0, 2])
+    assert filled.fill(batches * 2, batch_size=4) == 6  # duplicates computed once, in chunks of 4
+    assert filled.fill(batches) == 0 and len(filled) == 6
+    for layer in (0, 2):
+        for side_ids, side_mask in ((ids, mask), (src_ids, src_mask)):
+            torch.testing.assert_close(filled.states(layer, side_ids, side_mask), lazy.states(layer, side_ids, side_mask),
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert len(filled) == 6  # states() found everything already there
+
+
 class _RecordLoss(L.Callback):
     def __init__(self):
         self.losses = []

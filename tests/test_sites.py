@@ -39,6 +39,20 @@ def test_logits_at_matches_full_forward(tiny_lm, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_logits_of_chosen_tokens_equal_those_columns_of_the_full_logits(tiny_lm, arch):
+    """`vocab` computes only some rows of the LM head (with Gemma's soft-capping) per example."""
+    model = tiny_lm(arch)
+    ids, mask, last = _batch(model.config.vocab_size)
+    vocab = torch.tensor([[5, 9], [9, 5], [7, 7]])
+    edit = lambda h: h + 3.0  # noqa: E731
+    for kwargs in ({}, {"layer": 1, "site_positions": last - 1, "intervention": edit}):
+        full = logits_at(model, ids, mask, last, **kwargs)
+        chosen = logits_at(model, ids, mask, last, vocab=vocab, **kwargs)
+        assert chosen.shape == (3, 2)
+        torch.testing.assert_close(chosen, full.gather(1, vocab), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_left_and_right_padding_agree(tiny_lm, arch):
     model = tiny_lm(arch)
     right = _batch(model.config.vocab_size, padding_side="right")

@@ -57,17 +57,20 @@ class InterchangeModule(SiteModule):
     def score(self, batches, interventions: dict[str, torch.nn.Module] | None = None) -> dict:
         """AvgOdds and IIA over `batches` with the validation metric: of the module's own
         intervention, or of each of `interventions` ({name: {odds, iia}}), sharing the
-        unintervened forward of each batch."""
+        unintervened forward of each batch. Only the two labels' rows of the LM head are computed:
+        the odds ratio needs no other logit (the softmax normaliser cancels)."""
         candidates = interventions if interventions is not None else {"": self.intervention}
         metrics = {name: InterchangeOdds().to(self.device) for name in candidates}
         own = self.intervention
         try:
             for batch in batches:
                 batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                clean = self.clean_logits(batch)
+                labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)  # columns 0 and 1
+                base_column, source_column = torch.zeros_like(labels[:, 0]), torch.ones_like(labels[:, 0])
+                clean = self.clean_logits(batch, labels)
                 for name, intervention in candidates.items():
                     self.intervention = intervention
-                    metrics[name].update(clean, self.intervened_logits(batch), batch["base_label"], batch["source_label"])
+                    metrics[name].update(clean, self.intervened_logits(batch, labels), base_column, source_column)
         finally:
             self.intervention = own
         scores = {name: {k: v.item() for k, v in metric.compute().items()} for name, metric in metrics.items()}

@@ -57,6 +57,28 @@ class SiteModule(FrozenLMModule):
             self._frozen["cache"] = ActivationCache(self.lm, [self.hparams.layer])
         return self._frozen["cache"]
 
+    def _prefill(self, loaders) -> None:
+        """Fill the cache with every sentence of `loaders` (a loader, or a list or dict of them)
+        in a few full batches before the loop starts. The loaders are iterated under a forked RNG,
+        so the order the loop then draws is the same as without a cache."""
+        cache = self.activations
+        if cache is None or loaders is None:
+            return
+        loaders = loaders.values() if isinstance(loaders, dict) else loaders
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        with torch.random.fork_rng(devices=[]):
+            for loader in loaders:
+                cache.fill(loader)
+
+    def on_train_start(self) -> None:
+        self._prefill(self.trainer.train_dataloader)
+
+    def on_validation_start(self) -> None:
+        self._prefill(self.trainer.val_dataloaders)
+
+    def on_test_start(self) -> None:
+        self._prefill(self.trainer.test_dataloaders)
+
     def share_cache(self, cache: ActivationCache) -> None:
         """Use activations already computed (a sweep computes every layer once per dataset)."""
         if self.hparams.layer not in cache.layers:
@@ -79,8 +101,9 @@ class SiteModule(FrozenLMModule):
                              batch[f"{side}_pos"])  # fmt: skip
         return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
 
-    def intervened_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab)."""
+    def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab); only of the
+        token ids `vocab` (batch, n) if given."""
         source = self.site_representation(batch, "source")
         return logits_at(
             self.lm,
@@ -91,12 +114,14 @@ class SiteModule(FrozenLMModule):
             site_positions=batch["base_pos"],
             intervention=lambda base: self.intervention(base, source),
             start_states=self._states(batch, "base"),
+            vocab=vocab,
         )
 
-    def clean_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab)."""
+    def clean_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab); only
+        of the token ids `vocab` (batch, n) if given."""
         return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
-                         layer=self.hparams.layer, start_states=self._states(batch, "base"))  # fmt: skip
+                         layer=self.hparams.layer, start_states=self._states(batch, "base"), vocab=vocab)  # fmt: skip
 
     def _adam_with_linear_schedule(self, parameters, lr: float, warmup_ratio: float):
         """Adam, linear warmup over the first `warmup_ratio` of the steps, then linear decay to 0."""
