@@ -210,11 +210,12 @@ class CausalGymDataModule(LightningDataModule):
                 )
             self.splits[split] = kept
 
-    def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
-        """Batches of one split ("train", "dev" or "eval"), collated for this region."""
+    def loader(self, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None) -> DataLoader:
+        """Batches of one split ("train", "dev" or "eval"), collated for this region; `seed` fixes
+        the shuffled order (default: drawn from torch's global generator)."""
         collate_fn = partial(collate, region=self.region, pad_id=self.tokenizer.pad_token_id,
                              padding_side=self.hparams.padding_side)  # fmt: skip
-        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle)
+        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle, seed)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", self.hparams.batch_size, shuffle=True)

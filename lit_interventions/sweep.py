@@ -3,12 +3,13 @@
     python -m lit_interventions.sweep --config configs/sweep_causalgym.yaml [--tasks all] [--out DIR]
 
 Per task, the frozen LM's residual stream at every swept layer is computed once for all train
-and eval sentences (one forward per batch, `ActivationCache`). Each site (layer, region) then
-fits the closed-form directions on the base train states, trains DAS (Lightning, the paper's
-setup), and scores every method with the same 1-D interchange and the same odds metric as
-`train.py` (`InterchangeModule.score`), running only the blocks above the layer.
+and eval sentences (full batches, `ActivationCache.fill`). DAS is trained at all regions of a
+layer together (Lightning, the paper's setup per site, `MultiSiteInterchangeModule`); each site
+(layer, region) then fits the closed-form directions on the base train states and scores every
+method with the same 1-D interchange and the same odds metric as `train.py`
+(`InterchangeModule.score`), running only the blocks above the layer.
 
-Writes, resumably (a rerun skips finished sites, so an interruption loses at most one):
+Writes, resumably (a rerun skips finished sites; an interruption loses at most one layer of a task):
 - DIR/results.csv: task, method, layer, region, odds, iia [, control_odds, control_iia];
 - DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds.
@@ -35,11 +36,12 @@ from datamodules.causalgym import CausalGymDataModule
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.cache import ActivationCache
 from lit_interventions.cli import append_rows, choose_layers, choose_names, claim_out_dir, read_rows, run_cli
-from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
+from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
 from lit_interventions.lm import DEFAULT_LM, load_config, load_lm, num_layers
 from lit_interventions.modules.interchange import InterchangeModule
+from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.plots import odds_heatmap
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
@@ -57,19 +59,26 @@ def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataMo
     return data
 
 
-def _train_das(module: InterchangeModule, data: CausalGymDataModule, seed: int) -> None:
-    L.seed_everything(seed, verbose=False)
-    module.intervention = RotatedSpaceIntervention(module.intervention.hidden_size, module.hparams.k)
+def train_das(task, layer, regions, lm, templates, control, sizes, cache, seed, dtype="float32") -> dict:
+    """DAS at every one of `regions` of a layer ({region: trained subspace}), the paper's setup,
+    trained together in one Lightning loop (`MultiSiteInterchangeModule`): each region gets the
+    result it would get alone, for a fraction of the time."""
+    datas = {region: _region_data(task, templates, lm, region, control, sizes) for region in regions}
+    datas = {region: data for region, data in datas.items() if data is not None}
+    if not datas:
+        return {}
+    module = MultiSiteInterchangeModule(lm=lm, layer=layer, regions=list(datas), dtype=dtype, seed=seed)
+    module.attach(datas).share_cache(cache)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                         accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module)
+    return dict(module.interventions)
 
 
-def _intervention(method: str, module, data, types: list[str], X: torch.Tensor, seed: int, hidden: int):
+def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hidden: int, das=None):
     if method == "das":
-        _train_das(module, data, seed)
-        return module.intervention
+        return das
     if method == "vanilla":
         return FixedSubspaceIntervention(torch.eye(hidden))  # f* = f(s)
     seeded = {"random_state": seed} if "random_state" in DIRECTION_METHODS[method]().get_params() else {}
@@ -82,24 +91,26 @@ def _intervention(method: str, module, data, types: list[str], X: torch.Tensor, 
     return FixedSubspaceIntervention(direction)
 
 
-def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cache, seed, dtype="float32") -> list[dict]:
-    """Every method at one site; one row per method."""
+def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cache, seed, dtype="float32",
+               das=None, control_das=None) -> list[dict]:  # fmt: skip
+    """Every method at one site; one row per method. `das` and `control_das` are the subspaces
+    trained at this site on the task and on the control task (`train_das`)."""
     data = _region_data(task, templates, lm, region, None, sizes)
     if data is None:
         return []
     control_data = _region_data(task, templates, lm, region, "dog_give", sizes) if control else None
     module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype)
     module.share_cache(cache)
-    train, evaluation = list(data.loader("train", 16)), list(data.loader("eval", 16))
+    train, evaluation = list(data.loader("train", 64)), list(data.loader("eval", 64))
     X = torch.cat([module.site_representation(batch, "base") for batch in train])  # what directions are fitted on
     types = [e.base_type for e in data.splits["train"]]
-    found = {method: _intervention(method, module, data, types, X, seed, X.shape[-1]) for method in methods}
+    found = {method: _intervention(method, types, X, seed, X.shape[-1], das) for method in methods}
     scores = module.score(evaluation, found)
     rows = [{"task": task, "method": m, "layer": layer, "region": region, **scores[m]} for m in methods]
     if control_data is not None:
         if "das" in found:  # DAS is retrained on the control labels; the directions stay as fitted
-            found["das"] = _intervention("das", module, control_data, types, X, seed, X.shape[-1])
-        control_scores = module.score(control_data.loader("eval", 16), found)
+            found["das"] = control_das
+        control_scores = module.score(control_data.loader("eval", 64), found)
         for row in rows:
             row |= {"control_odds": control_scores[row["method"]]["odds"], "control_iia": control_scores[row["method"]]["iia"]}
     return rows
@@ -197,17 +208,25 @@ def run_sweep(
     done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in read_rows(results_path)
             if r["control_odds"] or not control}  # a site run without the control is redone with it
     regions = {task: load_task(task, templates).regions for task in tasks}
-    sites = [(task, layer, region) for task in tasks for layer in layers for region in regions[task]]
     model = load_lm(lm, dtype)
-    accuracy, caches = {}, {}
-    for task, layer, region in tqdm(sites, desc="sites", unit="site"):
-        todo = [m for m in methods if (task, m, layer, region) not in done]
-        if task not in caches:  # one cache per task: every layer, computed once for its sentences
-            caches = {task: ActivationCache(model, layers)}
-            accuracy[task] = task_accuracy(task, templates, lm, sizes, caches[task], dtype)
-        if todo:
-            append_rows(results_path, RESULT_COLUMNS, sweep_site(task, layer, region, todo, lm, templates, control, sizes,
-                                                     caches[task], seed, dtype))  # fmt: skip
+    accuracy = {}
+    progress = tqdm(total=sum(len(regions[task]) for task in tasks) * len(layers), desc="sites", unit="site")
+    for task in tasks:
+        cache = ActivationCache(model, layers)  # one cache per task: every layer, computed once for its sentences
+        accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype)
+        for layer in layers:
+            todo = {region: [m for m in methods if (task, m, layer, region) not in done] for region in regions[task]}
+            das_regions = [region for region, names in todo.items() if "das" in names]
+            common = (task, layer, das_regions, lm, templates)
+            das = train_das(*common, None, sizes, cache, seed, dtype) if das_regions else {}
+            control_das = train_das(*common, "dog_give", sizes, cache, seed, dtype) if das_regions and control else {}
+            for region, names in todo.items():
+                if names:
+                    append_rows(results_path, RESULT_COLUMNS, sweep_site(
+                        task, layer, region, names, lm, templates, control, sizes, cache, seed, dtype,
+                        das.get(region), control_das.get(region)))  # fmt: skip
+                progress.update()
+    progress.close()
     results = [r for r in read_rows(results_path)
                if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
     return summarise(results, accuracy, regions, out)

@@ -57,18 +57,19 @@ class SiteModule(FrozenLMModule):
             self._frozen["cache"] = ActivationCache(self.lm, [self.hparams.layer])
         return self._frozen["cache"]
 
-    def _prefill(self, loaders) -> None:
+    def _prefill(self, loaders, chunk: int = 64) -> None:
         """Fill the cache with every sentence of `loaders` (a loader, or a list or dict of them)
-        in a few full batches before the loop starts. The loaders are iterated under a forked RNG,
-        so the order the loop then draws is the same as without a cache."""
+        in a few full batches before the loop starts. It reads each loader's dataset in order
+        through its collate function, never its sampler, so the order the loop then draws (and
+        every random generator) is the same as without a cache."""
         cache = self.activations
         if cache is None or loaders is None:
             return
-        loaders = loaders.values() if isinstance(loaders, dict) else loaders
-        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
-        with torch.random.fork_rng(devices=[]):
-            for loader in loaders:
-                cache.fill(loader)
+        loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            data = loader.dataset
+            cache.fill(loader.collate_fn([data[i] for i in range(start, min(start + chunk, len(data)))])
+                       for start in range(0, len(data), chunk))  # fmt: skip
 
     def on_train_start(self) -> None:
         self._prefill(self.trainer.train_dataloader)

@@ -1,0 +1,121 @@
+"""DAS at several sites of one layer, trained together (the sweep's layer × region grid).
+
+Each region keeps its own subspace, Adam optimiser and linear schedule, and sees exactly its own
+batches. One step stacks the regions' batches into one: the frozen blocks above the layer run
+once on the stack (bigger matrices, which a CPU or GPU runs at a higher rate) and the LM head's
+weights, which dominate a step on a 262k-token vocabulary, are read once for all regions. The
+loss is the sum of the regions' losses, so each subspace gets exactly the gradient it would get
+alone: the result equals training the sites one by one with the same seed and batch order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import CombinedLoader
+from torch import nn
+from transformers import get_linear_schedule_with_warmup
+
+from lit_interventions.interventions import RotatedSpaceIntervention
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config
+from lit_interventions.modules.site import SiteModule
+from lit_interventions.sites import logits_at
+
+
+def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
+    """One batch from several collated CausalGym batches: ids and masks padded to the widest
+    (on `padding_side`, shifting positions and cache keys when on the left), rows in order."""
+    width = max(b["base_input_ids"].shape[1] for b in batches)
+    stacked = {}
+    for side in ("base", "source"):
+        ids, masks, positions, lasts, labels, keys, starts = [], [], [], [], [], [], []
+        for batch in batches:
+            pad = width - batch[f"{side}_input_ids"].shape[1]
+            spec, shift = ((pad, 0), pad) if padding_side == "left" else ((0, pad), 0)
+            ids.append(F.pad(batch[f"{side}_input_ids"], spec))
+            masks.append(F.pad(batch[f"{side}_attention_mask"], spec))
+            positions.append(batch[f"{side}_pos"] + shift)
+            lasts.append(batch[f"{side}_last"] + shift)
+            labels.append(batch[f"{side}_label"])
+            keys += batch[f"{side}_keys"][0]
+            starts += [start + shift for start in batch[f"{side}_keys"][1]]
+        stacked |= {f"{side}_input_ids": torch.cat(ids), f"{side}_attention_mask": torch.cat(masks),
+                    f"{side}_pos": torch.cat(positions), f"{side}_last": torch.cat(lasts),
+                    f"{side}_label": torch.cat(labels), f"{side}_keys": (keys, starts)}  # fmt: skip
+    return stacked
+
+
+class MultiSiteInterchangeModule(SiteModule):
+    """Rank-k DAS at each of `regions` of one layer, trained in one loop (see the module doc).
+
+    Give it the regions' data with `attach(datas)`, then `Trainer.fit(module)`.
+    `interventions[region]` holds the trained subspaces. Each is initialised from `seed`, as
+    `InterchangeModule` is after `seed_everything(seed)`.
+    """
+
+    def __init__(self, lm: str = DEFAULT_LM, layer: int | None = None, regions: list[str] = (), k: int = 1,
+                 lr: float = 5e-3, warmup_ratio: float = 0.1, dtype: str = "float32", cache: bool = True,
+                 seed: int = 0, padding_side: str = "right"):  # fmt: skip
+        super().__init__()
+        layer = self._check_site(lm, layer)
+        if not regions:
+            raise ValueError("regions is empty: name at least one region to train")
+        self.save_hyperparameters()
+        self.hparams.layer = layer
+        self.automatic_optimization = False  # one optimiser and schedule per region
+        d = hidden_size(load_config(lm))
+        self.interventions = nn.ModuleDict()
+        for region in regions:
+            torch.manual_seed(seed)
+            self.interventions[region] = RotatedSpaceIntervention(d, k)
+
+    def attach(self, datas: dict, batch_size: int = 4) -> "MultiSiteInterchangeModule":
+        """The regions' data ({region: CausalGymDataModule}, set up). Training draws each region's
+        batches shuffled in the order `seed` gives it."""
+        missing = [region for region in self.hparams.regions if region not in datas]
+        if missing:
+            raise ValueError(f"no data for regions {missing}; given: {sorted(datas)}")
+        self._frozen["loaders"] = {region: datas[region].loader("train", batch_size, shuffle=True, seed=self.hparams.seed)
+                                   for region in self.hparams.regions}  # fmt: skip
+        return self
+
+    def train_dataloader(self) -> CombinedLoader:
+        return CombinedLoader(self._frozen["loaders"], mode="max_size")  # a region with fewer pairs stops early
+
+    def training_step(self, batch, batch_idx):
+        batch = batch[0] if isinstance(batch, tuple) else batch  # CombinedLoader yields (batch, idx, loader idx)
+        present = [region for region in self.hparams.regions if batch.get(region) is not None]
+        parts = [batch[region] for region in present]
+        stacked = stack_batches(parts, self.hparams.padding_side)
+        stacked = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in stacked.items()}
+        bounds = torch.tensor([0] + [len(part["base_label"]) for part in parts]).cumsum(0).tolist()
+        source = self.site_representation(stacked, "source")
+
+        def edit(base):  # each region's rows through its own subspace
+            return torch.cat([self.interventions[region](base[a:b], source[a:b])
+                              for region, a, b in zip(present, bounds, bounds[1:])])  # fmt: skip
+
+        logits = logits_at(self.lm, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
+                           layer=self.hparams.layer, site_positions=stacked["base_pos"], intervention=edit,
+                           start_states=self._states(stacked, "base")).float()  # fmt: skip
+        losses = [F.cross_entropy(logits[a:b], stacked["source_label"][a:b]) for a, b in zip(bounds, bounds[1:])]
+        optimizers, schedules = self.optimizers(), self.lr_schedulers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        schedules = schedules if isinstance(schedules, list) else [schedules]
+        index = {region: i for i, region in enumerate(self.hparams.regions)}
+        self.manual_backward(torch.stack(losses).sum())
+        for region in present:
+            optimizers[index[region]].step()
+            optimizers[index[region]].zero_grad()
+            schedules[index[region]].step()
+        self.log("train/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=len(logits))
+
+    def configure_optimizers(self):
+        """Per region: Adam, linear warmup over `warmup_ratio` of its own steps, then decay to 0."""
+        optimizers, schedules = [], []
+        for region in self.hparams.regions:
+            optimizer = torch.optim.Adam(self.interventions[region].parameters(), lr=self.hparams.lr)
+            total = max(1, len(self._frozen["loaders"][region]))
+            optimizers.append(optimizer)
+            schedules.append(get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total))
+        return optimizers, schedules

@@ -1,0 +1,73 @@
+"""DAS at several regions of a layer trained together equals training each region alone."""
+
+import lightning as L
+import pytest
+import torch
+
+from datamodules.causalgym import CausalGymDataModule
+from lit_interventions.modules.interchange import InterchangeModule
+from lit_interventions.modules.multisite import MultiSiteInterchangeModule, stack_batches
+
+REGIONS = ["subject", "the", "object"]
+
+
+def _trainer():
+    return L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+
+
+def _datas(lm_dir, padding_side="right", pairs=10):
+    datas = {}
+    for region in REGIONS:
+        datas[region] = CausalGymDataModule(task="agr_sv_num_pp", lm=lm_dir, region=region, train_pairs=pairs,
+                                            eval_pairs=2, padding_side=padding_side)  # fmt: skip
+        datas[region].setup("fit")
+    return datas
+
+
+def _train_together(lm_dir, regions, datas, layer=1):
+    module = MultiSiteInterchangeModule(lm=lm_dir, layer=layer, regions=regions, lr=0.05, seed=3,
+                                        padding_side=datas[regions[0]].hparams.padding_side)  # fmt: skip
+    _trainer().fit(module.attach(datas))
+    return {region: module.interventions[region].basis.detach().clone() for region in regions}
+
+
+@pytest.mark.parametrize("arch,padding_side", [("llama", "right"), ("gemma3", "left")])
+def test_regions_trained_together_equal_each_region_alone(tiny_lm_dir, arch, padding_side):
+    lm_dir = tiny_lm_dir(arch)
+    datas = _datas(lm_dir, padding_side)
+    together = _train_together(lm_dir, REGIONS, datas)
+    for region in REGIONS:
+        alone = _train_together(lm_dir, [region], datas)[region]
+        torch.testing.assert_close(together[region], alone, rtol=1e-4, atol=1e-5)
+        # and alone equals the single-site module (train.py's) with the same seed and batch order
+        L.seed_everything(3)
+        single = InterchangeModule(lm=lm_dir, layer=1, region=region, lr=0.05)
+        _trainer().fit(single, train_dataloaders=datas[region].loader("train", 4, shuffle=True, seed=3))
+        torch.testing.assert_close(single.intervention.basis.detach(), alone, rtol=1e-4, atol=1e-5)
+    initial = MultiSiteInterchangeModule(lm=lm_dir, layer=1, regions=REGIONS, seed=3).interventions
+    assert not torch.allclose(initial["subject"].basis, together["subject"])  # training moved it
+    assert not torch.allclose(together["subject"], together["object"])  # each region its own subspace
+
+
+def test_stacked_batch_keeps_each_row(tiny_lm_dir):
+    datas = _datas(tiny_lm_dir("llama"), padding_side="left", pairs=4)
+    parts = [next(iter(datas[region].loader("train", 3))) for region in ("subject", "object")]
+    parts[1] = {k: (v[:, 1:] if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in parts[1].items()}  # narrower
+    parts[1]["base_pos"], parts[1]["base_last"] = parts[1]["base_pos"] - 1, parts[1]["base_last"] - 1
+    stacked = stack_batches(parts, "left")
+    width = stacked["base_input_ids"].shape[1]
+    assert stacked["base_input_ids"].shape == (6, parts[0]["base_input_ids"].shape[1])
+    rows = torch.arange(3, 6)
+    # the narrower batch is padded on the left: its positions shift by one and still point at the same tokens
+    torch.testing.assert_close(stacked["base_input_ids"][rows, stacked["base_pos"][3:]],
+                               parts[1]["base_input_ids"][torch.arange(3), parts[1]["base_pos"]])  # fmt: skip
+    assert stacked["base_keys"][0][3:] == parts[1]["base_keys"][0] and width >= 2
+
+
+def test_no_regions_is_an_error(tiny_lm_dir):
+    with pytest.raises(ValueError, match="regions is empty"):
+        MultiSiteInterchangeModule(lm=tiny_lm_dir("llama"), layer=1, regions=[])
+    module = MultiSiteInterchangeModule(lm=tiny_lm_dir("llama"), layer=1, regions=["subject", "verb"])
+    with pytest.raises(ValueError, match=r"no data for regions \['verb'\]"):
+        module.attach(_datas(tiny_lm_dir("llama"), pairs=2))
