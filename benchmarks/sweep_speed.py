@@ -1,7 +1,9 @@
 """Time per site of a one-task CausalGym sweep: ours against the paper's loop structure, same run.
 
 - ours: `python -m lit_interventions.sweep` (activations of every layer computed once per task,
-  each site runs only the blocks above it, one unintervened forward shared by all methods);
+  in full batches; DAS at all regions of a layer trained in one loop; each site runs only the
+  blocks above it; one unintervened forward shared by all methods; the odds from the two labels'
+  rows of the LM head);
 - reference: per site, one `pyvene.IntervenableModel`; DAS trained with a full base and source
   forward every step; the base representations for the closed-form methods read with a forward
   per site; every method scored with full base and source forwards.

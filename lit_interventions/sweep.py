@@ -9,10 +9,12 @@ layer together (Lightning, the paper's setup per site, `MultiSiteInterchangeModu
 method with the same 1-D interchange and the same odds metric as `train.py`
 (`InterchangeModule.score`), running only the blocks above the layer.
 
-Writes, resumably (a rerun skips finished sites; an interruption loses at most one layer of a task):
+Writes, resumably (a rerun skips finished sites and reuses trained DAS subspaces; an interruption
+loses at most one site's scoring or one layer's DAS training):
 - DIR/results.csv: task, method, layer, region, odds, iia [, control_odds, control_iia];
 - DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
-- DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds.
+- DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
+- DIR/das/TASK_LAYER.safetensors: the trained DAS subspaces, {region: W (k × d)}.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import lightning as L
 import numpy as np
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from datamodules.causalgym import CausalGymDataModule
@@ -74,6 +77,22 @@ def train_das(task, layer, regions, lm, templates, control, sizes, cache, seed, 
                         accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)  # fmt: skip
     trainer.fit(module)
     return dict(module.interventions)
+
+
+def saved_das(out: Path, task, layer, regions, lm, templates, control, sizes, cache, seed, dtype="float32") -> dict:
+    """`train_das`, kept in DIR/das/TASK_LAYER[_control].safetensors ({region: basis W, k × d}):
+    a rerun scores the saved subspaces and trains only regions the file lacks, so an
+    interruption after training loses no training."""
+    path = out / "das" / f"{task}_{layer}{'_' + control if control else ''}.safetensors"
+    saved = load_file(path) if path.is_file() else {}
+    missing = [region for region in regions if region not in saved]
+    if missing:
+        trained = train_das(task, layer, missing, lm, templates, control, sizes, cache, seed, dtype)
+        saved |= {region: intervention.basis.detach().float().cpu().contiguous() for region, intervention in trained.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(saved, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)  # never a half-written file
+    return {region: FixedSubspaceIntervention(basis) for region, basis in saved.items() if region in regions}
 
 
 def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hidden: int, das=None):
@@ -217,9 +236,9 @@ def run_sweep(
         for layer in layers:
             todo = {region: [m for m in methods if (task, m, layer, region) not in done] for region in regions[task]}
             das_regions = [region for region, names in todo.items() if "das" in names]
-            common = (task, layer, das_regions, lm, templates)
-            das = train_das(*common, None, sizes, cache, seed, dtype) if das_regions else {}
-            control_das = train_das(*common, "dog_give", sizes, cache, seed, dtype) if das_regions and control else {}
+            common = (out, task, layer, das_regions, lm, templates)
+            das = saved_das(*common, None, sizes, cache, seed, dtype) if das_regions else {}
+            control_das = saved_das(*common, "dog_give", sizes, cache, seed, dtype) if das_regions and control else {}
             for region, names in todo.items():
                 if names:
                     append_rows(results_path, RESULT_COLUMNS, sweep_site(

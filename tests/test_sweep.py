@@ -102,3 +102,19 @@ def test_other_data_sizes_are_refused_and_control_is_added_on_rerun(tmp_path, ti
         sweep.overall({(1, r["region"]): float(r["odds"]) for r in _rows(tmp_path / "out" / "results.csv")
                        if r["layer"] == "1"})  # fmt: skip
     )  # the summary covers the layers asked for
+
+
+def test_trained_das_is_saved_and_reused_after_an_interruption(tmp_path, tiny_lm_dir, monkeypatch):
+    from safetensors.torch import load_file
+
+    lm_dir = tiny_lm_dir("llama")
+    _run(tmp_path, lm_dir, methods=["das"], layers=[1])
+    out = tmp_path / "out"
+    saved = load_file(out / "das" / "agr_sv_num_pp_1.safetensors")
+    assert set(saved) == {"The", "subject", "prep", "the", "object"} and saved["subject"].shape == (1, 32)
+    first = _rows(out / "results.csv")
+    (out / "results.csv").unlink()  # as if interrupted after training, before any site was scored
+    monkeypatch.setattr(sweep, "train_das", lambda *a, **k: pytest.fail("the saved subspaces must be reused"))
+    _run(tmp_path, lm_dir, methods=["das"], layers=[1])
+    again = _rows(out / "results.csv")
+    assert [(r["region"], float(r["odds"])) for r in again] == pytest.approx([(r["region"], float(r["odds"])) for r in first])

@@ -10,6 +10,8 @@ alone: the result equals training the sites one by one with the same seed and ba
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import CombinedLoader
@@ -82,13 +84,13 @@ class MultiSiteInterchangeModule(SiteModule):
     def train_dataloader(self) -> CombinedLoader:
         return CombinedLoader(self._frozen["loaders"], mode="max_size")  # a region with fewer pairs stops early
 
-    def training_step(self, batch, batch_idx):
-        batch = batch[0] if isinstance(batch, tuple) else batch  # CombinedLoader yields (batch, idx, loader idx)
+    def training_step(self, batch: dict, batch_idx):
+        """`batch` is {region: collated batch, or None once that region's loader is exhausted}."""
         present = [region for region in self.hparams.regions if batch.get(region) is not None]
         parts = [batch[region] for region in present]
         stacked = stack_batches(parts, self.hparams.padding_side)
         stacked = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in stacked.items()}
-        bounds = torch.tensor([0] + [len(part["base_label"]) for part in parts]).cumsum(0).tolist()
+        bounds = [0, *accumulate(len(part["base_label"]) for part in parts)]  # region i: rows bounds[i]:bounds[i+1]
         source = self.site_representation(stacked, "source")
 
         def edit(base):  # each region's rows through its own subspace
