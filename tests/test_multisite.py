@@ -53,16 +53,20 @@ def test_regions_trained_together_equal_each_region_alone(tiny_lm_dir, arch, pad
 def test_stacked_batch_keeps_each_row(tiny_lm_dir):
     datas = _datas(tiny_lm_dir("llama"), padding_side="left", pairs=4)
     parts = [next(iter(datas[region].loader("train", 3))) for region in ("subject", "object")]
-    parts[1] = {k: (v[:, 1:] if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in parts[1].items()}  # narrower
+    # the second batch's bases are one column narrower, the first batch's sources are
+    parts[1] = {k: (v[:, 1:] if k.startswith("base") and torch.is_tensor(v) and v.dim() == 2 else v) for k, v in parts[1].items()}
     parts[1]["base_pos"], parts[1]["base_last"] = parts[1]["base_pos"] - 1, parts[1]["base_last"] - 1
+    parts[0] = {k: (v[:, 1:] if k.startswith("source") and torch.is_tensor(v) and v.dim() == 2 else v) for k, v in parts[0].items()}
+    parts[0]["source_pos"], parts[0]["source_last"] = parts[0]["source_pos"] - 1, parts[0]["source_last"] - 1
     stacked = stack_batches(parts, "left")
-    width = stacked["base_input_ids"].shape[1]
-    assert stacked["base_input_ids"].shape == (6, parts[0]["base_input_ids"].shape[1])
-    rows = torch.arange(3, 6)
-    # the narrower batch is padded on the left: its positions shift by one and still point at the same tokens
-    torch.testing.assert_close(stacked["base_input_ids"][rows, stacked["base_pos"][3:]],
-                               parts[1]["base_input_ids"][torch.arange(3), parts[1]["base_pos"]])  # fmt: skip
-    assert stacked["base_keys"][0][3:] == parts[1]["base_keys"][0] and width >= 2
+    for side, narrow, wide in (("base", 1, 0), ("source", 0, 1)):
+        assert stacked[f"{side}_input_ids"].shape == (6, parts[wide][f"{side}_input_ids"].shape[1])
+        # the narrower batch is padded on the left: its positions shift by one and still point at the same tokens
+        rows = torch.arange(3) + 3 * narrow
+        torch.testing.assert_close(stacked[f"{side}_input_ids"][rows, stacked[f"{side}_pos"][rows]],
+                                   parts[narrow][f"{side}_input_ids"][torch.arange(3), parts[narrow][f"{side}_pos"]])  # fmt: skip
+        assert stacked[f"{side}_keys"][0][3 * narrow : 3 * narrow + 3] == parts[narrow][f"{side}_keys"][0]
+        assert stacked[f"{side}_keys"][1][3 * narrow] == parts[narrow][f"{side}_keys"][1][0] + 1
 
 
 def test_no_regions_is_an_error(tiny_lm_dir):

@@ -27,9 +27,9 @@ from lit_interventions.sites import logits_at
 def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
     """One batch from several collated CausalGym batches: ids and masks padded to the widest
     (on `padding_side`, shifting positions and cache keys when on the left), rows in order."""
-    width = max(b["base_input_ids"].shape[1] for b in batches)
     stacked = {}
     for side in ("base", "source"):
+        width = max(batch[f"{side}_input_ids"].shape[1] for batch in batches)
         ids, masks, positions, lasts, labels, keys, starts = [], [], [], [], [], [], []
         for batch in batches:
             pad = width - batch[f"{side}_input_ids"].shape[1]
