@@ -25,6 +25,7 @@ import sys
 import math
 import warnings
 from collections import defaultdict
+from functools import lru_cache
 from itertools import chain
 from pathlib import Path
 
@@ -62,11 +63,11 @@ def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataMo
     return data
 
 
-def train_das(task, layer, regions, lm, templates, control, sizes, cache, seed, dtype="float32") -> dict:
-    """DAS at every one of `regions` of a layer ({region: trained subspace}), the paper's setup,
-    trained together in one Lightning loop (`MultiSiteInterchangeModule`): each region gets the
-    result it would get alone, for a fraction of the time."""
-    datas = {region: _region_data(task, templates, lm, region, control, sizes) for region in regions}
+def train_das(datas: dict, lm, layer, cache, seed, dtype="float32") -> dict:
+    """DAS at every region of `datas` ({region: data module, or None for an empty region}) at one
+    layer ({region: trained subspace}), the paper's setup, trained together in one Lightning loop
+    (`MultiSiteInterchangeModule`): each region gets the result it would get alone, for a
+    fraction of the time."""
     datas = {region: data for region, data in datas.items() if data is not None}
     if not datas:
         return {}
@@ -79,20 +80,19 @@ def train_das(task, layer, regions, lm, templates, control, sizes, cache, seed, 
     return dict(module.interventions)
 
 
-def saved_das(out: Path, task, layer, regions, lm, templates, control, sizes, cache, seed, dtype="float32") -> dict:
-    """`train_das`, kept in DIR/das/TASK_LAYER[_control].safetensors ({region: basis W, k × d}):
-    a rerun scores the saved subspaces and trains only regions the file lacks, so an
+def saved_das(path: Path, datas: dict, lm, layer, cache, seed, dtype="float32") -> dict:
+    """`train_das`, kept in `path` (DIR/das/TASK_LAYER[_control].safetensors, {region: basis W,
+    k × d}): a rerun scores the saved subspaces and trains only regions the file lacks, so an
     interruption after training loses no training."""
-    path = out / "das" / f"{task}_{layer}{'_' + control if control else ''}.safetensors"
     saved = load_file(path) if path.is_file() else {}
-    missing = [region for region in regions if region not in saved]
+    missing = {region: data for region, data in datas.items() if region not in saved}
     if missing:
-        trained = train_das(task, layer, missing, lm, templates, control, sizes, cache, seed, dtype)
+        trained = train_das(missing, lm, layer, cache, seed, dtype)
         saved |= {region: intervention.basis.detach().float().cpu().contiguous() for region, intervention in trained.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(saved, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)  # never a half-written file
-    return {region: FixedSubspaceIntervention(basis) for region, basis in saved.items() if region in regions}
+    return {region: FixedSubspaceIntervention(basis) for region, basis in saved.items() if region in datas}
 
 
 def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hidden: int, das=None):
@@ -110,14 +110,13 @@ def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hid
     return FixedSubspaceIntervention(direction)
 
 
-def sweep_site(task, layer, region, methods, lm, templates, control, sizes, cache, seed, dtype="float32",
+def sweep_site(task, layer, region, methods, lm, data, control_data, cache, seed, dtype="float32",
                das=None, control_das=None) -> list[dict]:  # fmt: skip
-    """Every method at one site; one row per method. `das` and `control_das` are the subspaces
-    trained at this site on the task and on the control task (`train_das`)."""
-    data = _region_data(task, templates, lm, region, None, sizes)
+    """Every method at one site; one row per method. `data` and `control_data` (None: no control)
+    are the region's data modules; `das` and `control_das` the subspaces trained at this site on
+    the task and on the control task (`train_das`)."""
     if data is None:
         return []
-    control_data = _region_data(task, templates, lm, region, "dog_give", sizes) if control else None
     module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype)
     module.share_cache(cache)
     train, evaluation = list(data.loader("train", 64)), list(data.loader("eval", 64))
@@ -233,17 +232,25 @@ def run_sweep(
     for task in tasks:
         cache = ActivationCache(model, layers)  # one cache per task: every layer, computed once for its sentences
         accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype)
+
+        @lru_cache(maxsize=None)
+        def data_of(region, kind=None, task=task):
+            """A region's data module (kind: None, or the control task), tokenised once per task."""
+            return _region_data(task, templates, lm, region, kind, sizes)
+
         for layer in layers:
             todo = {region: [m for m in methods if (task, m, layer, region) not in done] for region in regions[task]}
             das_regions = [region for region, names in todo.items() if "das" in names]
-            common = (out, task, layer, das_regions, lm, templates)
-            das = saved_das(*common, None, sizes, cache, seed, dtype) if das_regions else {}
-            control_das = saved_das(*common, "dog_give", sizes, cache, seed, dtype) if das_regions and control else {}
+            stem, args = out / "das" / f"{task}_{layer}", (lm, layer, cache, seed, dtype)
+            das = saved_das(Path(f"{stem}.safetensors"), {r: data_of(r) for r in das_regions}, *args) \
+                if das_regions else {}  # fmt: skip
+            control_das = saved_das(Path(f"{stem}_dog_give.safetensors"), {r: data_of(r, "dog_give") for r in das_regions},
+                                    *args) if das_regions and control else {}  # fmt: skip
             for region, names in todo.items():
                 if names:
                     append_rows(results_path, RESULT_COLUMNS, sweep_site(
-                        task, layer, region, names, lm, templates, control, sizes, cache, seed, dtype,
-                        das.get(region), control_das.get(region)))  # fmt: skip
+                        task, layer, region, names, lm, data_of(region), data_of(region, "dog_give") if control else None,
+                        cache, seed, dtype, das.get(region), control_das.get(region)))  # fmt: skip
                 progress.update()
     progress.close()
     results = [r for r in read_rows(results_path)
