@@ -280,13 +280,13 @@ def expected_ratings(model, tokenizer, prompts: list[str], batch_size: int = 8, 
         if len(ids) != 1:
             raise ValueError(f"the judge's tokenizer splits the rating {d!r} into {len(ids)} tokens")
         digits.append(ids[0])
+    templated = bool(getattr(tokenizer, "chat_template", None))  # the template holds the BOS
     side, cut = tokenizer.padding_side, tokenizer.truncation_side
     tokenizer.padding_side = tokenizer.truncation_side = "left"  # a long prompt loses its start, not "Rating: [["
     try:
         ratings = []
         for start in range(0, len(prompts), batch_size):
             texts = [chat_prompt(tokenizer, p) + "Rating: [[" for p in prompts[start: start + batch_size]]
-            templated = bool(getattr(tokenizer, "chat_template", None))
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated,
                             truncation=max_length is not None, max_length=max_length).to(model.device)  # fmt: skip
             last = torch.full((len(texts),), enc["input_ids"].shape[1] - 1, device=model.device)
