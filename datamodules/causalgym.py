@@ -107,7 +107,8 @@ def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, 
 
 def collate(examples: list[Example], region: str, pad_id: int, padding_side: str = "right") -> dict:
     """Pad base and source separately; shift positions by the padding when it is on the left.
-    `*_keys` are the unpadded ids and first real positions, for `ActivationCache`."""
+    `*_keys` are the unpadded ids and first real positions, for `ActivationCache`; `*_pos_list`
+    the site positions, also on the host (the cache's prefix length is chosen from them)."""
     batch: dict[str, torch.Tensor] = {}
     for side in ("base", "source"):
         seqs = [getattr(e, f"{side}_ids") for e in examples]
@@ -123,6 +124,7 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
         positions = torch.tensor([getattr(e, f"{side}_positions")[region] for e in examples])
         batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = ids, mask
         batch[f"{side}_pos"] = positions + shift  # (batch,)
+        batch[f"{side}_pos_list"] = batch[f"{side}_pos"].tolist()
         batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
         batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])
         batch[f"{side}_keys"] = ([tuple(seq) for seq in seqs], shift.tolist())  # host-side cache keys

@@ -4,16 +4,23 @@ The LM never changes, so the residual stream of an input at a layer is the same 
 training step, every validation and for every intervention trained at that layer. Inputs are
 keyed by their unpadded token ids, so a sentence that is the base of one pair and the source of
 another (swap-doubling makes every sentence both) is computed once.
+
+Under causal attention the tokens before a base's site are unchanged by the intervention in
+every block, so the cache also keeps their keys and values in the blocks above the lowest layer
+(the "prefix"): a training step then runs the upper blocks on the columns from the site on only.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
-from lit_interventions.sites import read_layers
+from lit_interventions.lm import num_layers
+from lit_interventions.sites import keys_values_above, read_layers
 
 Key = tuple[int, ...]
+PREFIXES = ("site", "all", "none")
 
 
 def input_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[Key], list[int]]:
@@ -32,6 +39,9 @@ class ActivationCache:
     def __init__(self, model: nn.Module, layers: list[int]):
         self.model, self.layers = model, sorted(set(layers))
         self._states: dict[Key, torch.Tensor] = {}
+        # first tokens' keys and values in the blocks above the lowest layer, (n_above, 2, heads, n, head_dim)
+        self._prefix: dict[Key, torch.Tensor] = {}
+        self._n_blocks = num_layers(model.config)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -51,7 +61,8 @@ class ActivationCache:
         missing = [i for i, key in enumerate(keys) if key not in self._states]
         if missing:
             rows = torch.tensor(missing, device=input_ids.device)
-            self._compute(input_ids[rows], attention_mask[rows], [keys[i] for i in missing], [starts[i] for i in missing])
+            self._compute(input_ids[rows], attention_mask[rows], [keys[i] for i in missing],
+                          [starts[i] for i in missing], [0] * len(missing))  # fmt: skip
         index = self.layers.index(layer)
         first = self._states[keys[0]]
         out = first.new_zeros(input_ids.shape + first.shape[-1:])
@@ -59,23 +70,76 @@ class ActivationCache:
             out[i, starts[i] : starts[i] + len(key)] = self._states[key][index]
         return out
 
-    def _compute(self, input_ids, attention_mask, keys: list[Key], starts: list[int]) -> None:
-        found = read_layers(self.model, self.layers, input_ids, attention_mask)
+    def prefix(self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]) -> tuple[int, torch.Tensor] | None:
+        """The keys and values of the blocks above `layer` for the batch's first c columns,
+        (n_above, 2, batch, heads, c, head_dim), padding as zeros, for `sites.logits_at(prefix=)`;
+        c is as many columns as are cached for every row and before every site. None: c = 0."""
+        keys, starts = keys
+        stored = [start + self._prefix[key].shape[-2] if key in self._prefix else 0 for key, start in zip(keys, starts)]
+        c = min(stored + list(sites))
+        if c <= 0 or layer >= self._n_blocks - 1:
+            return None
+        skip = layer - self.layers[0]  # blocks between the lowest layer and this one are not needed
+        first = self._prefix[keys[0]][skip:]
+        out = first.new_zeros((first.shape[0], 2, len(keys), first.shape[2], c, first.shape[-1]))
+        for i, (key, start) in enumerate(zip(keys, starts)):
+            if start < c:
+                out[:, :, i, :, start:c] = self._prefix[key][skip:, :, :, : c - start]
+        return c, out
+
+    def _compute(self, input_ids, attention_mask, keys: list[Key], starts: list[int], firsts: list[int]) -> None:
+        """States at the layers for every row, and keys and values above the lowest layer for
+        each row's `firsts` first tokens: the blocks up to the highest layer record them in the same
+        forward; the blocks above it run on the first tokens only."""
+        lowest, highest = self.layers[0], self.layers[-1]
+        wanted = max(firsts) > 0 and lowest < self._n_blocks - 1
+        below = DynamicCache() if wanted else None
+        found = read_layers(self.model, self.layers, input_ids, attention_mask, keys_values=below)
         for j, (key, start) in enumerate(zip(keys, starts)):
             self._states[key] = torch.stack([found[l][j, start : start + len(key)] for l in self.layers])
+        if not wanted:
+            return
+        width = max(start + n for start, n in zip(starts, firsts))
+        blocks = [below.layers[b] for b in range(lowest + 1, highest + 1)]
+        if highest < self._n_blocks - 1:
+            above = keys_values_above(self.model, highest, input_ids[:, :width], attention_mask[:, :width],
+                                      found[highest][:, :width])  # fmt: skip
+            blocks += [above.layers[b] for b in range(highest + 1, self._n_blocks)]
+        stacked = torch.stack([torch.stack([b.keys[..., :width, :], b.values[..., :width, :]]) for b in blocks])
+        for j, (key, start, n) in enumerate(zip(keys, starts, firsts)):
+            if n > 0:  # (n_above, 2, heads, n, head_dim)
+                self._prefix[key] = stacked[:, :, j, :, start : start + n].clone()
+
+    def _missing(self, key: Key, first: int) -> bool:
+        return key not in self._states or (first > 0 and (key not in self._prefix or self._prefix[key].shape[-2] < first))
 
     @torch.no_grad()
-    def fill(self, batches, sides: tuple[str, ...] = ("base", "source"), batch_size: int = 64) -> int:
+    def fill(self, batches, sides: tuple[str, ...] = ("base", "source"), batch_size: int = 64, prefix: str = "site") -> int:
         """Compute every input of `batches` not cached yet, before they are needed: deduplicated,
         sorted by length and run `batch_size` at a time, so the frozen forwards are few and full
-        instead of one small one per training step. Returns how many inputs were computed."""
-        todo: dict[Key, None] = {}
+        instead of one small one per training step. Returns how many inputs were computed.
+
+        `prefix`: which tokens' keys and values above the lowest layer to keep as well. "site": a
+        base's tokens before its site (`base_pos`), what a training step at that site reads;
+        "all": every token of every input (a sweep: its regions put the site anywhere); "none"."""
+        if prefix not in PREFIXES:
+            raise ValueError(f"prefix={prefix!r}: choose one of {PREFIXES}")
+        if self.layers[0] == self._n_blocks - 1:
+            prefix = "none"  # no block above the last one
+        todo: dict[Key, int] = {}  # input -> how many first tokens need keys and values
         for batch in batches:
             for side in sides:
                 if f"{side}_input_ids" not in batch:
                     continue
-                keys = batch.get(f"{side}_keys") or input_keys(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
-                todo.update((key, None) for key in keys[0] if key not in self._states)
+                keys, starts = batch.get(f"{side}_keys") or input_keys(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
+                if prefix == "site" and side == "base" and "base_pos" in batch:
+                    firsts = [site - start for site, start in zip(batch["base_pos"].tolist(), starts)]
+                else:
+                    firsts = [len(key) if prefix == "all" else 0 for key in keys]
+                for key, first in zip(keys, firsts):
+                    first = max(todo.get(key, 0), first)
+                    if self._missing(key, first):
+                        todo[key] = first
         ordered = sorted(todo, key=len)
         device = self.model.device
         for i in range(0, len(ordered), batch_size):
@@ -86,5 +150,5 @@ class ActivationCache:
             for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
                 input_ids[row, : len(key)] = torch.tensor(key)
                 attention_mask[row, : len(key)] = 1
-            self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk))
+            self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), [todo[k] for k in chunk])
         return len(ordered)

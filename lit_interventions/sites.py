@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from lit_interventions.lm import num_layers
 
@@ -97,18 +98,32 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _run_body(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    return model.base_model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
-    )
+def _run_body(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    past: DynamicCache | None = None,
+    positions: torch.Tensor | None = None,
+):
+    """The decoder body (no LM head). With `past`, blocks read the keys and values of earlier
+    columns from it and append their own; `input_ids` are then the columns after those."""
+    if positions is None:
+        positions = position_ids(attention_mask)
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            past_key_values=past, use_cache=past is not None)  # fmt: skip
 
 
 @torch.no_grad()
 def read_layers(
-    model: nn.Module, layers: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module,
+    layers: list[int],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keys_values: DynamicCache | None = None,
 ) -> dict[int, torch.Tensor]:
     """The residual stream at every position for each of `layers`, {layer: (batch, seq, d)}, from
-    one forward that stops after the highest of them."""
+    one forward that stops after the highest of them. An empty `keys_values` cache is filled with
+    the keys and values of the blocks that ran."""
     blocks = decoder_layers(model)
     for layer in layers:
         check_layer(layer, len(blocks))
@@ -126,10 +141,33 @@ def read_layers(
         for layer in set(layers):
             stack.enter_context(_hook(model, layer, grabber(layer)))
         try:
-            _run_body(model, input_ids, attention_mask)
+            _run_body(model, input_ids, attention_mask, past=keys_values)
         except _StopForward:
             pass
     return found
+
+
+@torch.no_grad()
+def keys_values_above(
+    model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor, start_states: torch.Tensor
+) -> DynamicCache:
+    """The keys and values of every block above `layer`, run from the residual stream at `layer`
+    computed earlier, (batch, seq, d); the blocks below are skipped and hold nothing."""
+    keys_values = DynamicCache()
+    with ExitStack() as stack:
+        if layer != EMBEDDINGS:
+            stack.enter_context(_skip_blocks(model, layer))
+        stack.enter_context(_hook(model, layer, lambda h: start_states.to(h.dtype)))
+        _run_body(model, input_ids, attention_mask, past=keys_values)
+    return keys_values
+
+
+def _prefix_cache(layer: int, above: torch.Tensor) -> DynamicCache:
+    """A cache of the first c columns from the keys and values of the blocks above `layer`,
+    (n_above, 2, batch, heads, c, head_dim). The skipped blocks 0..layer get placeholders of the
+    same length (never read), so the model counts c columns already seen."""
+    placeholder = (above[0, 0], above[0, 1])
+    return DynamicCache([placeholder] * (layer + 1) + [(kv[0], kv[1]) for kv in above])
 
 
 @torch.no_grad()
@@ -208,6 +246,7 @@ def logits_at(
     intervention: Callable[[torch.Tensor], torch.Tensor] | None = None,
     start_states: torch.Tensor | None = None,
     vocab: torch.Tensor | None = None,
+    prefix: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Next-token logits at `logit_positions` only, (batch, vocab), or (batch, n) for the token
     ids `vocab` (batch, n) alone.
@@ -218,7 +257,21 @@ def logits_at(
     With `start_states` (batch, seq, d), the residual stream at `layer` computed earlier for
     these inputs (the LM is frozen, so it never changes), blocks 0..layer are skipped and the
     forward starts from it: only the blocks above the site do work.
+
+    With `prefix` (c, keys and values of the blocks above `layer` for the first c columns,
+    (n_above, 2, batch, heads, c, head_dim)), as well as `start_states`, only columns c.. are
+    run: under causal attention the columns before every site are unchanged above it as well.
+    The caller keeps c at or before every site (`ActivationCache.prefix`).
     """
+    past = None
+    if prefix is not None:
+        if start_states is None:
+            raise ValueError("a prefix of keys and values needs start_states: the blocks below the layer are skipped")
+        c, above = prefix
+        past = _prefix_cache(layer, above)
+        positions = position_ids(attention_mask)[:, c:]
+        input_ids, start_states, logit_positions = input_ids[:, c:], start_states[:, c:], logit_positions - c
+        site_positions = None if site_positions is None else site_positions - c
 
     def write(h):
         h = (h if start_states is None else start_states.to(h.dtype)).clone()
@@ -232,5 +285,5 @@ def logits_at(
             stack.enter_context(_skip_blocks(model, layer))
         if intervention is not None or start_states is not None:
             stack.enter_context(_hook(model, layer, write))
-        hidden = _run_body(model, input_ids, attention_mask).last_hidden_state
+        hidden = _run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
     return final_logits(model, hidden[_rows(hidden), logit_positions], vocab)

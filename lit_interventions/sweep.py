@@ -139,9 +139,10 @@ def task_accuracy(task, templates, lm, sizes, cache, dtype="float32") -> float:
     """Acc: the share of eval pairs where the unintervened model ranks y_b above y_s.
 
     Before that, the cache is filled with every train and eval sentence of the task, in a few
-    full batches (the sites' loaders then find them all)."""
+    full batches (the sites' loaders then find them all), with the keys and values of all their
+    tokens above the lowest layer: DAS at any region then runs the upper blocks from its site on."""
     data = _region_data(task, templates, lm, None, None, sizes)
-    cache.fill(chain(data.loader("train", 64), data.loader("eval", 64)))
+    cache.fill(chain(data.loader("train", 64), data.loader("eval", 64)), prefix="all")
     module = InterchangeModule(lm=lm, layer=cache.layers[-1], dtype=dtype)
     module.share_cache(cache)
     right = total = 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from datamodules.causalgym import CausalGymDataModule
-from lit_interventions.cache import ActivationCache
+from lit_interventions.cache import ActivationCache, input_keys
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.sites import logits_at, read_layers
@@ -31,6 +31,57 @@ def test_starting_from_cached_states_matches_the_full_forward(tiny_lm, arch, pad
                                    rtol=1e-4, atol=1e-5)  # fmt: skip
         torch.testing.assert_close(logits_at(model, ids, mask, last, layer, start_states=start),
                                    logits_at(model, ids, mask, last), rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_prefix_of_keys_and_values_matches_the_full_forward(tiny_lm, arch, padding_side):
+    """Columns before the sites are not recomputed above the layer (their cached keys and values
+    are read instead), and the logits are those of the full forward. Lengths up to 22 pass gemma3's
+    sliding window of 16; the sites differ per row, so c is the earliest."""
+    model = tiny_lm(arch)
+    ids, mask, last = _batch(model.config.vocab_size, lengths=(22, 9, 14), padding_side=padding_side)
+    src_ids, src_mask, _ = _batch(model.config.vocab_size, lengths=(10, 12, 22), padding_side=padding_side, seed=1)
+    starts = (mask.shape[1] - mask.sum(1)).tolist() if padding_side == "left" else [0, 0, 0]
+    sites = torch.tensor(starts) + torch.tensor([19, 4, 6])  # real positions 19, 4, 6
+    direction = FixedSubspaceIntervention(torch.nn.functional.normalize(torch.randn(1, HIDDEN), dim=-1))
+    cache = ActivationCache(model, list(range(-1, LAYERS)))
+    batch = {"base_input_ids": ids, "base_attention_mask": mask, "base_pos": sites,
+             "source_input_ids": src_ids, "source_attention_mask": src_mask, "source_pos": sites}  # fmt: skip
+    cache.fill([batch], batch_size=2)
+    keys = input_keys(ids, mask)
+    for layer in range(-1, LAYERS - 1):
+        c, above = cache.prefix(layer, keys, sites.tolist())
+        assert c == min(sites).item() and above.shape[:3] == (LAYERS - 1 - layer, 2, 3)
+        start = cache.states(layer, ids, mask)
+        source = cache.states(layer, src_ids, src_mask)[torch.arange(3), sites]
+        edit = lambda h: direction(h, source)  # noqa: E731
+        full = logits_at(model, ids, mask, last, layer, sites, edit)
+        assert not torch.allclose(full, logits_at(model, ids, mask, last))  # the edit matters
+        torch.testing.assert_close(logits_at(model, ids, mask, last, layer, sites, edit, start_states=start,
+                                             prefix=(c, above)), full, rtol=1e-4, atol=1e-5)  # fmt: skip
+    assert cache.prefix(LAYERS - 1, keys, sites.tolist()) is None  # nothing above the last block
+
+
+def test_prefix_stops_at_the_earliest_site_and_at_what_is_cached(tiny_lm):
+    model = tiny_lm("llama")
+    ids, mask, _ = _batch(model.config.vocab_size, lengths=(8, 8))
+    cache = ActivationCache(model, [0])
+    cache.fill([{"base_input_ids": ids, "base_attention_mask": mask, "base_pos": torch.tensor([5, 3])}])
+    keys = input_keys(ids, mask)
+    assert cache.prefix(0, keys, [5, 3])[0] == 3  # the earlier site
+    assert cache.prefix(0, keys, [2, 7])[0] == 2  # a batch with an earlier site
+    assert cache.prefix(0, keys, [7, 7])[0] == 3  # row 1 has keys and values before its site (3) only
+    assert cache.prefix(0, keys, [0, 7]) is None  # a site at column 0: nothing before it
+    assert cache.prefix(0, input_keys(ids.flip(1), mask), [5, 5]) is None  # never filled with a prefix
+    last = ActivationCache(model, [LAYERS - 1])  # no block above: no prefix to keep, and a refill computes nothing
+    batches = [{"base_input_ids": ids, "base_attention_mask": mask, "base_pos": torch.tensor([5, 3])}]
+    assert last.fill(batches) == 2 and last.fill(batches) == 0
+    assert cache.fill(batches) == 0
+    assert cache.fill(batches, prefix="all") == 2  # now every token of both, for a site anywhere
+    assert cache.prefix(0, keys, [7, 7])[0] == 7 and cache.fill(batches, prefix="site") == 0
+    with pytest.raises(ValueError, match="prefix='some'"):
+        cache.fill(batches, prefix="some")
 
 
 def test_cache_computes_each_sentence_once(tiny_lm):
@@ -87,6 +138,11 @@ def test_cached_and_uncached_training_give_the_same_loss_curve(tiny_lm_dir, arch
     cached, cached_metrics, module = _train(tiny_lm_dir(arch), cache=True, layer=layer)
     uncached, uncached_metrics, _ = _train(tiny_lm_dir(arch), cache=False, layer=layer)
     assert len(cached) == 12 and len(module.activations) > 0  # 24 examples / batch 4, two epochs
+    batch = next(iter(module.trainer.datamodule.train_dataloader()))
+    if layer < LAYERS - 1:  # steps ran the upper blocks from the sites on only
+        assert module._prefix(batch)[0] > 0
+    else:  # the last block: only the LM head is left above the site
+        assert module._prefix(batch) is None
     assert cached == pytest.approx(uncached, rel=1e-4, abs=1e-5)
     assert cached[0] != pytest.approx(cached[-1])  # training moved something
     for name in ("val/odds", "val/iia"):

@@ -28,8 +28,9 @@ class InterchangeModule(SiteModule):
         k: rank of the subspace (1 = the paper's 1-D DAS).
         lr: Adam learning rate; warmup_ratio: linear warmup share, then linear decay to 0.
         dtype: the LM's dtype (float32, bfloat16, float16).
-        cache: reuse the frozen LM's states at the layer (computed once per distinct sentence),
-            so a step runs only the blocks above the site; False recomputes them every step.
+        cache: reuse the frozen LM's states at the layer, and the keys and values above it of the
+            tokens before the site (computed once per distinct sentence), so a step runs only the
+            blocks above the layer, from the site on; False recomputes everything every step.
     """
 
     def __init__(

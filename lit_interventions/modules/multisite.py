@@ -30,7 +30,7 @@ def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
     stacked = {}
     for side in ("base", "source"):
         width = max(batch[f"{side}_input_ids"].shape[1] for batch in batches)
-        ids, masks, positions, lasts, labels, keys, starts = [], [], [], [], [], [], []
+        ids, masks, positions, lasts, labels, keys, starts, sites = [], [], [], [], [], [], [], []
         for batch in batches:
             pad = width - batch[f"{side}_input_ids"].shape[1]
             spec, shift = ((pad, 0), pad) if padding_side == "left" else ((0, pad), 0)
@@ -41,9 +41,10 @@ def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
             labels.append(batch[f"{side}_label"])
             keys += batch[f"{side}_keys"][0]
             starts += [start + shift for start in batch[f"{side}_keys"][1]]
+            sites += [site + shift for site in batch.get(f"{side}_pos_list") or batch[f"{side}_pos"].tolist()]
         stacked |= {f"{side}_input_ids": torch.cat(ids), f"{side}_attention_mask": torch.cat(masks),
                     f"{side}_pos": torch.cat(positions), f"{side}_last": torch.cat(lasts),
-                    f"{side}_label": torch.cat(labels), f"{side}_keys": (keys, starts)}  # fmt: skip
+                    f"{side}_label": torch.cat(labels), f"{side}_keys": (keys, starts), f"{side}_pos_list": sites}  # fmt: skip
     return stacked
 
 
@@ -99,7 +100,7 @@ class MultiSiteInterchangeModule(SiteModule):
 
         logits = logits_at(self.lm, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
                            layer=self.hparams.layer, site_positions=stacked["base_pos"], intervention=edit,
-                           start_states=self._states(stacked, "base")).float()  # fmt: skip
+                           start_states=self._states(stacked, "base"), prefix=self._prefix(stacked)).float()  # fmt: skip
         losses = [F.cross_entropy(logits[a:b], stacked["source_label"][a:b]) for a, b in zip(bounds, bounds[1:])]
         optimizers, schedules = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]

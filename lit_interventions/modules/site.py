@@ -11,7 +11,7 @@ import torch
 from lightning import LightningModule
 from transformers import get_linear_schedule_with_warmup
 
-from lit_interventions.cache import ActivationCache
+from lit_interventions.cache import ActivationCache, input_keys
 from lit_interventions.lm import load_config, load_lm, num_layers
 from lit_interventions.sites import check_layer, logits_at, read_site
 
@@ -94,6 +94,15 @@ class SiteModule(FrozenLMModule):
         return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
                             batch.get(f"{side}_keys"))  # fmt: skip
 
+    def _prefix(self, batch) -> tuple[int, torch.Tensor] | None:
+        """The cached keys and values above the layer of the base's columns before every site."""
+        cache = self.activations
+        if cache is None:
+            return None
+        keys = batch.get("base_keys") or input_keys(batch["base_input_ids"], batch["base_attention_mask"])
+        sites = batch.get("base_pos_list") or batch["base_pos"].tolist()
+        return cache.prefix(self.hparams.layer, keys, sites)
+
     def site_representation(self, batch, side: str = "source") -> torch.Tensor:
         """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
         states = self._states(batch, side)
@@ -116,13 +125,15 @@ class SiteModule(FrozenLMModule):
             intervention=lambda base: self.intervention(base, source),
             start_states=self._states(batch, "base"),
             vocab=vocab,
+            prefix=self._prefix(batch),
         )
 
     def clean_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab); only
         of the token ids `vocab` (batch, n) if given."""
         return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
-                         layer=self.hparams.layer, start_states=self._states(batch, "base"), vocab=vocab)  # fmt: skip
+                         layer=self.hparams.layer, start_states=self._states(batch, "base"), vocab=vocab,
+                         prefix=self._prefix(batch))  # fmt: skip
 
     def _adam_with_linear_schedule(self, parameters, lr: float, warmup_ratio: float):
         """Adam, linear warmup over the first `warmup_ratio` of the steps, then linear decay to 0."""
