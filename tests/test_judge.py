@@ -10,7 +10,14 @@ import urllib.request
 import pytest
 
 from lit_interventions.judge_server import make_server, serve_in_background
-from lit_interventions.metrics.judge import PROMPTS, OpenAIJudge, harmonic_mean, make_judge, parse_rating
+from lit_interventions.metrics.judge import (
+    PROMPTS,
+    OpenAIJudge,
+    generate_replies,
+    harmonic_mean,
+    make_judge,
+    parse_rating,
+)
 
 
 def test_harmonic_mean_by_hand():
@@ -188,3 +195,24 @@ def test_local_probability_judge_is_the_expected_rating(tiny_lm_dir, tokenizer):
                                                             scores[0].fluency_score))  # fmt: skip
     with pytest.raises(ValueError, match="rating='vote'"):
         make_judge("local", lm=tiny_lm_dir("llama"), rating="vote")
+
+
+def test_long_prompts_lose_their_start_not_the_assistant_header(tiny_lm, tokenizer):
+    """The reply follows the end of the prompt, so truncation to `max_length` cuts the front."""
+    model = tiny_lm("llama")
+    seen = []
+    generate = model.generate
+
+    def record(**kwargs):
+        seen.append(kwargs["input_ids"])
+        return generate(**kwargs)
+
+    model.generate = record
+    try:
+        text = " dog" * 20 + " Assistant:"
+        replies = generate_replies(model, tokenizer, [text, " dog"], max_new_tokens=2, max_length=6)
+    finally:
+        del model.generate
+    end = tokenizer(" Assistant:", add_special_tokens=False)["input_ids"]
+    assert seen[0].shape[1] == 6 and seen[0][0, -len(end):].tolist() == end
+    assert len(replies) == 2 and tokenizer.truncation_side == "right"  # restored

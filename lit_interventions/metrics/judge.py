@@ -202,12 +202,12 @@ def chat_prompt(tokenizer, prompt: str) -> str:
 @torch.no_grad()
 def generate_replies(model, tokenizer, texts: list[str], max_new_tokens: int, batch_size: int = 8,
                      max_length: int | None = None, **sampling) -> list[str]:  # fmt: skip
-    """Replies to prompts already in chat format, batched with left padding (prompts longer than
-    `max_length` tokens are truncated); only the new tokens are decoded. `sampling`: passed to
-    `generate` (default greedy)."""
+    """Replies to prompts already in chat format, batched with left padding. A prompt longer than
+    `max_length` tokens loses its start, never the assistant header at its end that the reply
+    follows. Only the new tokens are decoded. `sampling`: passed to `generate` (default greedy)."""
     templated = bool(getattr(tokenizer, "chat_template", None))  # the template holds the BOS
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
+    side, cut = tokenizer.padding_side, tokenizer.truncation_side
+    tokenizer.padding_side = tokenizer.truncation_side = "left"
     try:
         replies = []
         for start in range(0, len(texts), batch_size):
@@ -219,7 +219,7 @@ def generate_replies(model, tokenizer, texts: list[str], max_new_tokens: int, ba
             replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return replies
     finally:
-        tokenizer.padding_side = side
+        tokenizer.padding_side, tokenizer.truncation_side = side, cut
 
 
 def greedy_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
