@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from lit_interventions.interventions.additive import add_vector
 from lit_interventions.lm import hidden_size, load_lm, load_tokenizer, num_layers
-from lit_interventions.sites import _hook, check_layer, read_layers
+from lit_interventions.sites import residual_hook, check_layer, read_layers
 from lit_interventions.surprisal import bos_prefix
 
 FORMAT = "lit-interventions/concept-dictionary/v1"
@@ -212,5 +212,5 @@ class Dictionary:
         model = self._model(lm, dtype)
         alpha = self.steering_alpha(row, factor) if alpha is None else float(alpha)
         vector = self.vectors[row].to(model.device)
-        with _hook(model, self.layer, lambda hidden: add_vector(hidden, vector, alpha)):
+        with residual_hook(model, self.layer, lambda hidden: add_vector(hidden, vector, alpha)):
             yield model

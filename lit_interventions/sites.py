@@ -61,7 +61,7 @@ def _rows(hidden: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _hook(model: nn.Module, layer: int, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]):
+def residual_hook(model: nn.Module, layer: int, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]):
     """Call `on_hidden(h)` on the residual stream at `layer`, (batch, seq, d); a returned tensor
     replaces it."""
     blocks = decoder_layers(model)
@@ -98,7 +98,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _run_body(
+def run_body(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -139,9 +139,9 @@ def read_layers(
 
     with ExitStack() as stack:
         for layer in set(layers):
-            stack.enter_context(_hook(model, layer, grabber(layer)))
+            stack.enter_context(residual_hook(model, layer, grabber(layer)))
         try:
-            _run_body(model, input_ids, attention_mask, past=keys_values)
+            run_body(model, input_ids, attention_mask, past=keys_values)
         except _StopForward:
             pass
     return found
@@ -157,8 +157,8 @@ def keys_values_above(
     with ExitStack() as stack:
         if layer != EMBEDDINGS:
             stack.enter_context(_skip_blocks(model, layer))
-        stack.enter_context(_hook(model, layer, lambda h: start_states.to(h.dtype)))
-        _run_body(model, input_ids, attention_mask, past=keys_values)
+        stack.enter_context(residual_hook(model, layer, lambda h: start_states.to(h.dtype)))
+        run_body(model, input_ids, attention_mask, past=keys_values)
     return keys_values
 
 
@@ -192,7 +192,7 @@ def _returns_tuple(model: nn.Module, block: nn.Module) -> bool:
         try:
             ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
             with torch.no_grad():
-                _run_body(model, ids, torch.ones_like(ids))
+                run_body(model, ids, torch.ones_like(ids))
         finally:
             handle.remove()
         known = model._lit_block_returns_tuple = seen["tuple"]
@@ -284,6 +284,6 @@ def logits_at(
         if start_states is not None and layer != EMBEDDINGS:
             stack.enter_context(_skip_blocks(model, layer))
         if intervention is not None or start_states is not None:
-            stack.enter_context(_hook(model, layer, write))
-        hidden = _run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
+            stack.enter_context(residual_hook(model, layer, write))
+        hidden = run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
     return final_logits(model, hidden[_rows(hidden), logit_positions], vocab)

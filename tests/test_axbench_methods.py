@@ -287,15 +287,15 @@ def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
     rows = make_rows(tokenizer)
     batch = collate([rows[0], rows[-1]])  # a positive of concept 0, a pool negative
     seen = {}
-    from lit_interventions.sites import _hook
+    from lit_interventions.sites import residual_hook
 
-    with _hook(module.lm, 1, lambda h: seen.setdefault("h", h)):
+    with residual_hook(module.lm, 1, lambda h: seen.setdefault("h", h)):
         module._steered_loss(batch)  # the hook at layer 1 runs first: it sees the clean states
     clean = module.states(batch)
-    with _hook(module.lm, 2, lambda h: seen.setdefault("after", h)):
+    with residual_hook(module.lm, 2, lambda h: seen.setdefault("after", h)):
         module._steered_loss(batch)
     plain = {}
-    with _hook(module.lm, 2, lambda h: plain.setdefault("after", h)):
+    with residual_hook(module.lm, 2, lambda h: plain.setdefault("after", h)):
         module.lm.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     torch.testing.assert_close(seen["h"], clean)
     assert not torch.allclose(seen["after"][0], plain["after"][0])  # the positive is steered

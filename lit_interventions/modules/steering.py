@@ -59,7 +59,7 @@ from lit_interventions.interventions.directions import PCADirection
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.metrics.detection import ConceptAUROC
-from lit_interventions.sites import _hook, _run_body, check_layer, final_logits, read_layers
+from lit_interventions.sites import residual_hook, run_body, check_layer, final_logits, read_layers
 
 TRAINED = ("reft_r1", "ssv")
 CLOSED_FORM = ("diffmean", "pca", "lat", "probe")
@@ -203,8 +203,8 @@ class SteeringModule(FrozenLMModule):
 
         targets = batch["response_mask"][:, 1:].bool() & positive[:, None]  # token t+1 is predicted at t
         if targets.any():
-            with _hook(self.lm, self.hparams.layer, intervene):
-                final = _run_body(self.lm, ids, mask).last_hidden_state  # (batch, seq, d)
+            with residual_hook(self.lm, self.hparams.layer, intervene):
+                final = run_body(self.lm, ids, mask).last_hidden_state  # (batch, seq, d)
             logits = final_logits(self.lm, final[:, :-1][targets])  # (n_targets, vocab)
             lm_loss = F.cross_entropy(logits.float(), ids[:, 1:][targets])
         else:  # no positive: nothing to predict (the sum keeps the graph for DDP)
