@@ -70,7 +70,9 @@ class ActivationCache:
             out[i, starts[i] : starts[i] + len(key)] = self._states[key][index]
         return out
 
-    def prefix(self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]) -> tuple[int, torch.Tensor] | None:
+    def prefix(
+        self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]
+    ) -> tuple[int, torch.Tensor] | None:
         """The keys and values of the blocks above `layer` for the batch's first c columns,
         (n_above, 2, batch, heads, c, head_dim), padding as zeros, for `sites.logits_at(prefix=)`;
         c is as many columns as are cached for every row and before every site. None: c = 0."""
@@ -111,10 +113,14 @@ class ActivationCache:
                 self._prefix[key] = stacked[:, :, j, :, start : start + n].clone()
 
     def _missing(self, key: Key, first: int) -> bool:
-        return key not in self._states or (first > 0 and (key not in self._prefix or self._prefix[key].shape[-2] < first))
+        """Whether `key` lacks its states, or keys and values for its `first` first tokens."""
+        stored = self._prefix[key].shape[-2] if key in self._prefix else 0
+        return key not in self._states or stored < first
 
     @torch.no_grad()
-    def fill(self, batches, sides: tuple[str, ...] = ("base", "source"), batch_size: int = 64, prefix: str = "site") -> int:
+    def fill(
+        self, batches, sides: tuple[str, ...] = ("base", "source"), batch_size: int = 64, prefix: str = "site"
+    ) -> int:
         """Compute every input of `batches` not cached yet, before they are needed: deduplicated,
         sorted by length and run `batch_size` at a time, so the frozen forwards are few and full
         instead of one small one per training step. Returns how many inputs were computed.
@@ -131,7 +137,8 @@ class ActivationCache:
             for side in sides:
                 if f"{side}_input_ids" not in batch:
                     continue
-                keys, starts = batch.get(f"{side}_keys") or input_keys(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
+                ids, mask = batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"]
+                keys, starts = batch.get(f"{side}_keys") or input_keys(ids, mask)
                 if prefix == "site" and side == "base" and "base_pos" in batch:
                     firsts = [site - start for site, start in zip(batch["base_pos"].tolist(), starts)]
                 else:
@@ -150,5 +157,6 @@ class ActivationCache:
             for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
                 input_ids[row, : len(key)] = torch.tensor(key)
                 attention_mask[row, : len(key)] = 1
-            self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), [todo[k] for k in chunk])
+            firsts = [todo[key] for key in chunk]
+            self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), firsts)
         return len(ordered)
