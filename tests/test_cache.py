@@ -45,22 +45,25 @@ def test_prefix_of_keys_and_values_matches_the_full_forward(tiny_lm, arch, paddi
     starts = (mask.shape[1] - mask.sum(1)).tolist() if padding_side == "left" else [0, 0, 0]
     sites = torch.tensor(starts) + torch.tensor([19, 4, 6])  # real positions 19, 4, 6
     direction = FixedSubspaceIntervention(torch.nn.functional.normalize(torch.randn(1, HIDDEN), dim=-1))
-    cache = ActivationCache(model, list(range(-1, LAYERS)))
     batch = {"base_input_ids": ids, "base_attention_mask": mask, "base_pos": sites,
              "source_input_ids": src_ids, "source_attention_mask": src_mask, "source_pos": sites}  # fmt: skip
-    cache.fill([batch], batch_size=2)
+    every_layer = ActivationCache(model, list(range(-1, LAYERS)))  # keys and values from the one forward
+    every_layer.fill([batch], batch_size=2)
     keys = input_keys(ids, mask)
     for layer in range(-1, LAYERS - 1):
-        c, above = cache.prefix(layer, keys, sites.tolist())
-        assert c == min(sites).item() and above.shape[:3] == (LAYERS - 1 - layer, 2, 3)
-        start = cache.states(layer, ids, mask)
-        source = cache.states(layer, src_ids, src_mask)[torch.arange(3), sites]
-        edit = lambda h: direction(h, source)  # noqa: E731
-        full = logits_at(model, ids, mask, last, layer, sites, edit)
-        assert not torch.allclose(full, logits_at(model, ids, mask, last))  # the edit matters
-        torch.testing.assert_close(logits_at(model, ids, mask, last, layer, sites, edit, start_states=start,
-                                             prefix=(c, above)), full, rtol=1e-4, atol=1e-5)  # fmt: skip
-    assert cache.prefix(LAYERS - 1, keys, sites.tolist()) is None  # nothing above the last block
+        one_layer = ActivationCache(model, [layer])  # the blocks above run on the first tokens only
+        one_layer.fill([batch], batch_size=2)
+        for cache in (every_layer, one_layer):
+            c, above = cache.prefix(layer, keys, sites.tolist())
+            assert c == min(sites).item() and above.shape[:3] == (LAYERS - 1 - layer, 2, 3)
+            start = cache.states(layer, ids, mask)
+            source = cache.states(layer, src_ids, src_mask)[torch.arange(3), sites]
+            edit = lambda h: direction(h, source)  # noqa: E731
+            full = logits_at(model, ids, mask, last, layer, sites, edit)
+            assert not torch.allclose(full, logits_at(model, ids, mask, last))  # the edit matters
+            torch.testing.assert_close(logits_at(model, ids, mask, last, layer, sites, edit, start_states=start,
+                                                 prefix=(c, above)), full, rtol=1e-4, atol=1e-5)  # fmt: skip
+    assert every_layer.prefix(LAYERS - 1, keys, sites.tolist()) is None  # nothing above the last block
 
 
 def test_prefix_stops_at_the_earliest_site_and_at_what_is_cached(tiny_lm):
