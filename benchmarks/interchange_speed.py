@@ -63,7 +63,7 @@ def run_ours(lm: str, layer: int, task: str, steps: int, device: str, dtype: str
     module = InterchangeModule(lm=lm, layer=layer, dtype=dtype)
     module.to(device).lm  # load the LM before the clock starts, as the reference does
     start = time.perf_counter()
-    module._prefill(data.train_dataloader())  # once per dataset; fit's own prefill then finds it all
+    module.prefill(data.train_dataloader())  # once per dataset; fit's own prefill then finds it all
     fill = time.perf_counter() - start
     trainer = L.Trainer(max_steps=steps, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

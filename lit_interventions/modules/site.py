@@ -57,7 +57,7 @@ class SiteModule(FrozenLMModule):
             self._frozen["cache"] = ActivationCache(self.lm, [self.hparams.layer])
         return self._frozen["cache"]
 
-    def _prefill(self, loaders, chunk: int = 64) -> None:
+    def prefill(self, loaders, chunk: int = 64) -> None:
         """Fill the cache with every sentence of `loaders` (a loader, or a list or dict of them)
         in a few full batches before the loop starts. It reads each loader's dataset in order
         through its collate function, never its sampler, so the order the loop then draws (and
@@ -72,13 +72,13 @@ class SiteModule(FrozenLMModule):
                        for start in range(0, len(data), chunk))  # fmt: skip
 
     def on_train_start(self) -> None:
-        self._prefill(self.trainer.train_dataloader)
+        self.prefill(self.trainer.train_dataloader)
 
     def on_validation_start(self) -> None:
-        self._prefill(self.trainer.val_dataloaders)
+        self.prefill(self.trainer.val_dataloaders)
 
     def on_test_start(self) -> None:
-        self._prefill(self.trainer.test_dataloaders)
+        self.prefill(self.trainer.test_dataloaders)
 
     def share_cache(self, cache: ActivationCache) -> None:
         """Use activations already computed (a sweep computes every layer once per dataset)."""
