@@ -52,3 +52,25 @@ def test_embedded_gguf_is_converted_once_and_cached(monkeypatch):
     config = lm.load_config("gemma-3-270m")
     assert config.model_type == "gemma3_text" and lm.num_layers(config) == 18
     assert getattr(config, "quantization_config", None) is None
+
+
+def test_random_lm_of_a_published_shape_loads_and_runs(tmp_path, tiny_lm_dir):
+    """benchmarks/random_lm.py: the GPU benchmark's stand-in for pythia-1b, here at 2 layers."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "random_lm.py"
+    spec = importlib.util.spec_from_file_location("random_lm", path)
+    random_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(random_lm)
+    out = random_lm.write_random_lm("pythia-1b", tmp_path / "lm", tokenizer=tiny_lm_dir("llama"),
+                                    num_hidden_layers=2, hidden_size=64, intermediate_size=256)  # fmt: skip
+    model = lm.load_lm(str(out))
+    config = model.config
+    assert (config.model_type, config.num_attention_heads) == ("gpt_neox", 8)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25  # pythia's rotary_pct
+    assert config.vocab_size == len(lm.load_tokenizer(str(out)))
+    ids = torch.tensor([[1, 5, 7]])
+    assert model(input_ids=ids).logits.shape == (1, 3, config.vocab_size)
+    with pytest.raises(ValueError, match=r"shape='pythia-2b'.*pythia-1b"):
+        random_lm.write_random_lm("pythia-2b", tmp_path / "x")
