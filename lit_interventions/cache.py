@@ -94,7 +94,7 @@ class ActivationCache:
         each row's `firsts` first tokens: the blocks up to the highest layer record them in the same
         forward; the blocks above it run on the first tokens only."""
         lowest, highest = self.layers[0], self.layers[-1]
-        wanted = max(firsts) > 0 and lowest < self._n_blocks - 1
+        wanted = max(firsts) > 0  # `fill` asks for none when no block is above the lowest layer
         below = DynamicCache() if wanted else None
         found = read_layers(self.model, self.layers, input_ids, attention_mask, keys_values=below)
         for j, (key, start) in enumerate(zip(keys, starts)):
