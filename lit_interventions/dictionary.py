@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from lit_interventions.interventions.additive import add_vector
 from lit_interventions.lm import hidden_size, load_lm, load_tokenizer, num_layers
-from lit_interventions.sites import residual_hook, check_layer, read_layers
+from lit_interventions.sites import check_layer, read_layers, residual_hook
 from lit_interventions.surprisal import bos_prefix
 
 FORMAT = "lit-interventions/concept-dictionary/v1"

@@ -59,7 +59,7 @@ from lit_interventions.interventions.directions import PCADirection
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.metrics.detection import ConceptAUROC
-from lit_interventions.sites import residual_hook, run_body, check_layer, final_logits, read_layers
+from lit_interventions.sites import check_layer, final_logits, read_layers, residual_hook, run_body
 
 TRAINED = ("reft_r1", "ssv")
 CLOSED_FORM = ("diffmean", "pca", "lat", "probe")

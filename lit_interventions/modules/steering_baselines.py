@@ -33,7 +33,7 @@ from lit_interventions.callbacks.export import CARD, load_intervention, save_int
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.modules.site import FrozenLMModule
-from lit_interventions.sites import residual_hook, check_layer, final_logits, position_ids
+from lit_interventions.sites import check_layer, final_logits, position_ids, residual_hook
 
 # Attention output projections by architecture, in the order they are tried.
 ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
