@@ -17,6 +17,7 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, TensorDataset
 
+from datamodules.loaders import split_loader
 from datamodules.ravel import encode_prompt, load_ravel
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer, num_layers
 from lit_interventions.sites import check_layer, read_layers
@@ -65,7 +66,7 @@ class ActivationsDataModule(LightningDataModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
 
     def val_dataloader(self):
-        return DataLoader(self.val_set, batch_size=self.batch_size) if len(self.val_set) else []
+        return split_loader(self.val_set, self.batch_size, None, self.trainer) if len(self.val_set) else []
 
 
 def entity_prompts(data, split: str, wikipedia: bool) -> list[tuple[str, str]]:

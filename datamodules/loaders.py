@@ -11,9 +11,9 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset
 
 
-def split_loader(dataset: Dataset, batch_size: int, collate_fn: Callable, trainer=None, shuffle: bool = False,
+def split_loader(dataset: Dataset, batch_size: int, collate_fn: Callable | None, trainer=None, shuffle: bool = False,
                  seed: int | None = None) -> DataLoader:  # fmt: skip
-    """Batches of one split; `seed` fixes the shuffling order."""
+    """Batches of one split; `seed` fixes the shuffling order; `collate_fn` None: torch's default."""
     sampler = None
     if not shuffle and trainer is not None and trainer.world_size > 1:
         sampler = UnrepeatedDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,

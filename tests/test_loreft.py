@@ -97,6 +97,22 @@ def _loss(module, loader):
     return float(sum(module.loss(b) for b in loader) / len(loader))
 
 
+def test_validation_loss_is_the_token_mean_over_the_split(tiny_lm_dir, tokenizer):
+    """val/loss weighs each batch by its response tokens, so it is the mean over every response
+    token of the split whatever the batching (DDP processes batch the split differently)."""
+    rows = list(_batches(tokenizer, n=6).dataset)
+    for i, row in enumerate(rows):  # responses of different lengths
+        row["response_mask"] = (torch.arange(len(row["input_ids"])) >= 2 + i).long()
+    module = LoReFTModule(lm=tiny_lm_dir("llama"), layer=2, rank=4)
+    torch.nn.init.normal_(module.intervention.source.weight)  # a steering that changes the loss
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    losses = [trainer.validate(module, DataLoader(rows, batch_size=size), verbose=False)[0]["val/loss"]
+              for size in (6, 4, 1)]  # fmt: skip
+    with torch.no_grad():
+        whole = float(module.loss(next(iter(DataLoader(rows, batch_size=6)))))
+    assert losses == pytest.approx([whole] * 3, rel=1e-5)
+
+
 def test_loreft_training_lowers_lm_loss_and_saves_only_the_intervention(tiny_lm_dir, tokenizer, tmp_path):
     lm = tiny_lm_dir("llama")
     module = LoReFTModule(lm=lm, layer=2, rank=4, lr=1e-1, concept="dogs")

@@ -27,6 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from datamodules.loaders import split_loader
+
 KINDS = ("linear", "mlp")
 
 
@@ -179,7 +181,7 @@ class ProbeDataModule(L.LightningDataModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=generator)
 
     def val_dataloader(self):
-        return DataLoader(self.val_set, batch_size=1024)
+        return split_loader(self.val_set, 1024, None, self.trainer)  # each example once under DDP
 
 
 def train_probe(

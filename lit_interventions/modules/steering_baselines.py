@@ -78,16 +78,20 @@ class _SteeringModule(FrozenLMModule):
 
     def training_step(self, batch, batch_idx):
         batch = self._concept_rows(batch)
-        if not (batch["label"] == 1).any():
-            return None  # nothing of this concept in the batch: skip the step
+        if not (batch["label"] == 1).any():  # nothing of this concept in the batch
+            if self.trainer.world_size == 1:
+                return None  # skip the step
+            # DDP needs every process in every backward: a zero loss adds zero to the mean gradient
+            return sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
         loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=int((batch["label"] == 1).sum()))
         return loss
 
     def _evaluate(self, batch, metric: MeanMetric):
         batch = self._concept_rows(batch)
-        if (batch["label"] == 1).any():
-            metric.update(self.loss(batch), weight=int((batch["label"] == 1).sum()))
+        if (batch["label"] == 1).any():  # weighted by lm_loss's token count: the token mean over the split
+            tokens = int(batch["response_mask"][batch["label"] == 1][:, 1:].sum())
+            metric.update(self.loss(batch), weight=tokens)
 
     def validation_step(self, batch, batch_idx):
         self._evaluate(batch, self.val_loss)
