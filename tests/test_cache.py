@@ -161,3 +161,37 @@ def test_collate_keys_match_the_tensors(tiny_lm_dir):
     batch = next(iter(data.train_dataloader()))
     for side in ("base", "source"):
         assert batch[f"{side}_keys"] == input_keys(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_cached_training_step_reads_nothing_back_from_the_device(tiny_lm_dir, arch, monkeypatch):
+    """On a GPU, reading a tensor's value on the host waits for the device. The step's host-side
+    facts (sentence keys, site columns) come from the collate function, so neither our code nor
+    the transformers forward reads a tensor back during the step, forward or backward. (This sees
+    the Python-level reads; it is the CPU stand-in for CUDA's sync debug mode.)"""
+    lm = tiny_lm_dir(arch)
+    data = CausalGymDataModule(task="agr_sv_num_pp", lm=lm, train_pairs=8, eval_pairs=4)
+    data.setup("fit")
+    module = InterchangeModule(lm=lm, layer=1)
+    module.prefill(data.train_dataloader())
+    batch = next(iter(data.train_dataloader()))
+    monkeypatch.setattr(module, "log", lambda *args, **kwargs: None)  # Lightning's logging, outside the step
+    reads = []
+
+    def recorded(name, method):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, recorded(name, getattr(torch.Tensor, name)))
+    module.training_step(batch, 0).backward()
+    monkeypatch.undo()
+    assert reads == []
+    assert module._prefix(batch) is not None  # the step took the fastest path (cached states and prefix)
+    assert module.intervention.rotate.parametrizations.weight.original.grad.abs().sum() > 0
