@@ -117,10 +117,11 @@ def sweep_site(task, layer, region, methods, lm, data, control_data, cache, seed
     the task and on the control task (`train_das`)."""
     if data is None:
         return []
-    module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype)
+    module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype).to(cache.model.device)
     module.share_cache(cache)
     train, evaluation = list(data.loader("train", 64)), list(data.loader("eval", 64))
-    X = torch.cat([module.site_representation(batch, "base") for batch in train])  # what directions are fitted on
+    batches = [module.transfer_batch_to_device(batch, module.device, 0) for batch in train]
+    X = torch.cat([module.site_representation(batch, "base") for batch in batches])  # what directions are fitted on
     types = [e.base_type for e in data.splits["train"]]
     found = {method: _intervention(method, types, X, seed, X.shape[-1], das) for method in methods}
     scores = module.score(evaluation, found)
@@ -143,10 +144,11 @@ def task_accuracy(task, templates, lm, sizes, cache, dtype="float32") -> float:
     tokens above the lowest layer: DAS at any region then runs the upper blocks from its site on."""
     data = _region_data(task, templates, lm, None, None, sizes)
     cache.fill(chain(data.loader("train", 64), data.loader("eval", 64)), prefix="all")
-    module = InterchangeModule(lm=lm, layer=cache.layers[-1], dtype=dtype)
+    module = InterchangeModule(lm=lm, layer=cache.layers[-1], dtype=dtype).to(cache.model.device)
     module.share_cache(cache)
     right = total = 0
     for batch in data.loader("eval", 64):
+        batch = module.transfer_batch_to_device(batch, module.device, 0)
         logits = module.clean_logits(batch, torch.stack([batch["base_label"], batch["source_label"]], dim=1))
         right += (logits[:, 0] > logits[:, 1]).sum().item()
         total += len(logits)
@@ -227,7 +229,7 @@ def run_sweep(
     done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in read_rows(results_path)
             if r["control_odds"] or not control}  # a site run without the control is redone with it
     regions = {task: load_task(task, templates).regions for task in tasks}
-    model = load_lm(lm, dtype)
+    model = load_lm(lm, dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # every site's module follows it
     accuracy = {}
     progress = tqdm(total=sum(len(regions[task]) for task in tasks) * len(layers), desc="sites", unit="site")
     for task in tasks:

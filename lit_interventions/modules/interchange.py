@@ -61,6 +61,7 @@ class InterchangeModule(SiteModule):
         unintervened forward of each batch. Only the two labels' rows of the LM head are computed:
         the odds ratio needs no other logit (the softmax normaliser cancels)."""
         candidates = interventions if interventions is not None else {"": self.intervention}
+        candidates = {name: intervention.to(self.device) for name, intervention in candidates.items()}
         metrics = {name: InterchangeOdds().to(self.device) for name in candidates}
         own = self.intervention
         try:
