@@ -144,7 +144,7 @@ class DisentangleModule(SiteModule):
         values = data.values(data.target_attribute)
         states, entities = [], []
         for batch in data.loader("train", data.hparams.eval_batch_size, shard=False):
-            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = self.transfer_batch_to_device(batch, self.device, 0)
             for side in ("base", "source"):
                 states.append(self.site_representation(batch, side).float().cpu())
                 entities += batch[f"{side}_entity"].tolist()

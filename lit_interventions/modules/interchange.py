@@ -66,7 +66,7 @@ class InterchangeModule(SiteModule):
         own = self.intervention
         try:
             for batch in batches:
-                batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                batch = self.transfer_batch_to_device(batch, self.device, 0)
                 labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)  # columns 0 and 1
                 base_column, source_column = torch.zeros_like(labels[:, 0]), torch.ones_like(labels[:, 0])
                 clean = self.clean_logits(batch, labels)

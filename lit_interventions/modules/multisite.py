@@ -90,7 +90,7 @@ class MultiSiteInterchangeModule(SiteModule):
         present = [region for region in self.hparams.regions if batch.get(region) is not None]
         parts = [batch[region] for region in present]
         stacked = stack_batches(parts, self.hparams.padding_side)
-        stacked = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in stacked.items()}
+        stacked = self.transfer_batch_to_device(stacked, self.device, 0)
         bounds = [0, *accumulate(len(part["base_label"]) for part in parts)]  # region i: rows bounds[i]:bounds[i+1]
         source = self.site_representation(stacked, "source")
 
