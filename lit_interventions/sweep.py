@@ -111,15 +111,16 @@ def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hid
 
 
 def sweep_site(task, layer, region, methods, lm, data, control_data, cache, seed, dtype="float32",
-               das=None, control_das=None) -> list[dict]:  # fmt: skip
+               das=None, control_das=None, batch_size=64) -> list[dict]:  # fmt: skip
     """Every method at one site; one row per method. `data` and `control_data` (None: no control)
     are the region's data modules; `das` and `control_das` the subspaces trained at this site on
-    the task and on the control task (`train_das`)."""
+    the task and on the control task (`train_das`); `batch_size` the rows of each forward that
+    reads states or scores."""
     if data is None:
         return []
     module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype).to(cache.model.device)
     module.share_cache(cache)
-    train, evaluation = list(data.loader("train", 64)), list(data.loader("eval", 64))
+    train, evaluation = list(data.loader("train", batch_size)), list(data.loader("eval", batch_size))
     batches = [module.transfer_batch_to_device(batch, module.device, 0) for batch in train]
     X = torch.cat([module.site_representation(batch, "base") for batch in batches])  # what directions are fitted on
     types = [e.base_type for e in data.splits["train"]]
@@ -129,25 +130,26 @@ def sweep_site(task, layer, region, methods, lm, data, control_data, cache, seed
     if control_data is not None:
         if "das" in found:  # DAS is retrained on the control labels; the directions stay as fitted
             found["das"] = control_das
-        control_scores = module.score(control_data.loader("eval", 64), found)
+        control_scores = module.score(control_data.loader("eval", batch_size), found)
         for row in rows:
             row |= {"control_odds": control_scores[row["method"]]["odds"], "control_iia": control_scores[row["method"]]["iia"]}
     return rows
 
 
 @torch.no_grad()
-def task_accuracy(task, templates, lm, sizes, cache, dtype="float32") -> float:
+def task_accuracy(task, templates, lm, sizes, cache, dtype="float32", batch_size=64) -> float:
     """Acc: the share of eval pairs where the unintervened model ranks y_b above y_s.
 
     Before that, the cache is filled with every train and eval sentence of the task, in a few
     full batches (the sites' loaders then find them all), with the keys and values of all their
     tokens above the lowest layer: DAS at any region then runs the upper blocks from its site on."""
     data = _region_data(task, templates, lm, None, None, sizes)
-    cache.fill(chain(data.loader("train", 64), data.loader("eval", 64)), prefix="all")
+    loaders = chain(data.loader("train", batch_size), data.loader("eval", batch_size))
+    cache.fill(loaders, batch_size=batch_size, prefix="all")
     module = InterchangeModule(lm=lm, layer=cache.layers[-1], dtype=dtype).to(cache.model.device)
     module.share_cache(cache)
     right = total = 0
-    for batch in data.loader("eval", 64):
+    for batch in data.loader("eval", batch_size):
         batch = module.transfer_batch_to_device(batch, module.device, 0)
         logits = module.clean_logits(batch, torch.stack([batch["base_label"], batch["source_label"]], dim=1))
         right += (logits[:, 0] > logits[:, 1]).sum().item()
@@ -201,6 +203,7 @@ def run_sweep(
     eval_pairs: int = 50,
     seed: int = 0,
     dtype: str = "float32",
+    batch_size: int = 64,
 ) -> list[dict]:
     """Run (or resume) the sweep; returns the summary rows.
 
@@ -215,7 +218,12 @@ def run_sweep(
         train_pairs, eval_pairs: pairs before swap-doubling (the paper: 200, 50).
         seed: data and method seed.
         dtype: the frozen LM's dtype (float32, bfloat16, float16); DAS trains in float32.
+        batch_size: rows per forward that only reads the frozen LM (the cache fill, the states
+            directions are fitted on, scoring); DAS trains at the paper's batch of 4 whatever it
+            is. Raise it to fill a GPU.
     """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     template_path = Path(templates) if templates else BUILTIN_TEMPLATES
     tasks = choose_names(tasks, list(load_templates(template_path)), "tasks")
     methods = choose_names(methods, METHODS, "methods")
@@ -234,7 +242,7 @@ def run_sweep(
     progress = tqdm(total=sum(len(regions[task]) for task in tasks) * len(layers), desc="sites", unit="site")
     for task in tasks:
         cache = ActivationCache(model, layers)  # one cache per task: every layer, computed once for its sentences
-        accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype)
+        accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype, batch_size)
 
         @lru_cache(maxsize=None)
         def data_of(region, kind=None, task=task):
@@ -253,7 +261,7 @@ def run_sweep(
                 if names:
                     append_rows(results_path, RESULT_COLUMNS, sweep_site(
                         task, layer, region, names, lm, data_of(region), data_of(region, "dog_give") if control else None,
-                        cache, seed, dtype, das.get(region), control_das.get(region)))  # fmt: skip
+                        cache, seed, dtype, das.get(region), control_das.get(region), batch_size))  # fmt: skip
                 progress.update()
     progress.close()
     results = [r for r in read_rows(results_path)

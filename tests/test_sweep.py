@@ -65,6 +65,7 @@ def test_das_and_closed_form_methods_at_one_site(tmp_path, tiny_lm_dir):
         ({"methods": ["das", "magic"]}, r"Unknown methods \['magic'\]; valid: das, probe"),
         ({"tasks": ["agr_nope"]}, r"Unknown tasks \['agr_nope'\]; valid: agr_gender"),
         ({"layers": [0, 9]}, r"layers \[9\] are out of range: this model has 3 layers"),
+        ({"batch_size": 0}, r"batch_size=0 must be a positive integer"),
     ],
 )
 def test_bad_input_fails_before_the_sweep(tmp_path, tiny_lm_dir, kwargs, message):
@@ -118,3 +119,27 @@ def test_trained_das_is_saved_and_reused_after_an_interruption(tmp_path, tiny_lm
     _run(tmp_path, lm_dir, methods=["das"], layers=[1])
     again = _rows(out / "results.csv")
     assert [(r["region"], float(r["odds"])) for r in again] == pytest.approx([(r["region"], float(r["odds"])) for r in first])
+
+
+def test_forward_batch_size_changes_no_result(tmp_path, tiny_lm_dir, monkeypatch):
+    # The cache fill, the fitted states and the scoring run 3 rows at a time instead of 64: the
+    # batches differ in padding and composition, the numbers must not (a GPU raises batch_size).
+    from datamodules.causalgym import CausalGymDataModule
+
+    lm_dir = tiny_lm_dir("llama")
+    methods = ["das", "diffmean", "probe", "vanilla"]
+    big = _run(tmp_path / "big", lm_dir, methods=methods, layers=[1], control=True)
+    sizes, loader = [], CausalGymDataModule.loader
+
+    def recorded(self, split, batch_size, *args, **kwargs):
+        sizes.append(batch_size)
+        return loader(self, split, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(CausalGymDataModule, "loader", recorded)
+    small = _run(tmp_path / "small", lm_dir, methods=methods, layers=[1], control=True, batch_size=3)
+    assert set(sizes) == {3, 4}  # 4: DAS trains at the paper's batch
+    columns = ("odds", "iia", "control_odds", "control_iia")
+    numbers = [float(r[c]) for r in _rows(tmp_path / "big" / "out" / "results.csv") for c in columns]
+    again = [float(r[c]) for r in _rows(tmp_path / "small" / "out" / "results.csv") for c in columns]
+    assert numbers == pytest.approx(again, abs=1e-4) and any(n != 0.0 for n in numbers)
+    assert [line["accuracy"] for line in big] == [line["accuracy"] for line in small]
