@@ -75,3 +75,14 @@ def test_no_regions_is_an_error(tiny_lm_dir):
     module = MultiSiteInterchangeModule(lm=tiny_lm_dir("llama"), layer=1, regions=["subject", "verb"])
     with pytest.raises(ValueError, match=r"no data for regions \['verb'\]"):
         module.attach(_datas(tiny_lm_dir("llama"), pairs=2))
+
+
+def test_ddp_is_refused_with_what_to_do_instead(tiny_lm_dir):
+    from types import SimpleNamespace
+
+    module = MultiSiteInterchangeModule(lm=tiny_lm_dir("llama"), layer=1, regions=["subject"])
+    module._trainer = SimpleNamespace(world_size=1)
+    module.setup("fit")
+    module._trainer = SimpleNamespace(world_size=2)
+    with pytest.raises(ValueError, match="not in 2 DDP processes: for several GPUs, run one sweep per GPU"):
+        module.setup("fit")

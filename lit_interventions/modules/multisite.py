@@ -82,6 +82,13 @@ class MultiSiteInterchangeModule(SiteModule):
                                    for region in self.hparams.regions}  # fmt: skip
         return self
 
+    def setup(self, stage: str) -> None:
+        if self.trainer.world_size > 1:  # each region's batch order comes from its own seeded loader
+            raise ValueError(
+                f"MultiSiteInterchangeModule runs in one process (the sweep's DAS), not in {self.trainer.world_size} "
+                "DDP processes: for several GPUs, run one sweep per GPU on its own tasks or layers and --out"
+            )
+
     def train_dataloader(self) -> CombinedLoader:
         return CombinedLoader(self._frozen["loaders"], mode="max_size")  # a region with fewer pairs stops early
 
