@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from datamodules.loaders import split_loader
 from datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
+from lit_interventions.callbacks.metrics import OddsCallback
 from lit_interventions.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.surprisal import bos_prefix
 
@@ -212,12 +213,22 @@ class CausalGymDataModule(LightningDataModule):
                 )
             self.splits[split] = kept
 
-    def loader(self, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None) -> DataLoader:
+    def loader(self, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None,
+               shard: bool = True) -> DataLoader:  # fmt: skip
         """Batches of one split ("train", "dev" or "eval"), collated for this region; `seed` fixes
-        the shuffled order (default: drawn from torch's global generator)."""
+        the shuffled order (default: drawn from torch's global generator); `shard=False`: all of
+        it on every process."""
         collate_fn = partial(collate, region=self.region, pad_id=self.tokenizer.pad_token_id,
                              padding_side=self.hparams.padding_side)  # fmt: skip
-        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle, seed)
+        return split_loader(self.splits[split], batch_size, collate_fn, self.trainer if shard else None, shuffle, seed)
+
+    def metric_callbacks(self) -> list:
+        """What this data is scored by: the log odds-ratio and IIA."""
+        return [OddsCallback()]
+
+    def site_labels(self, batch: dict, side: str) -> list[int]:
+        """The class of each site state a closed-form intervention is fitted on: its own label."""
+        return batch[f"{side}_label"].tolist()
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", self.hparams.batch_size, shuffle=True)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from datamodules.causalgym import collate as causalgym_collate
 from datamodules.loaders import split_loader
+from lit_interventions.callbacks.metrics import DisentangleCallback
 from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
 from lit_interventions.sites import logits_at
 from lit_interventions.surprisal import bos_prefix
@@ -423,6 +424,16 @@ class RavelDataModule(LightningDataModule):
         """Batches of one split (train, val or test); `shard=False`: all of it on every process."""
         collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side)
         return split_loader(self.splits[split], batch_size, collate_fn, self.trainer if shard else None, shuffle)
+
+    def metric_callbacks(self) -> list:
+        """What this data is scored by: Cause, Iso and Disentangle."""
+        return [DisentangleCallback()]
+
+    def site_labels(self, batch: dict, side: str) -> list[str]:
+        """The class of each site state a closed-form intervention is fitted on: the target
+        attribute's value of its entity."""
+        values = self.values(self.hparams.target_attribute)
+        return [values[e] for e in batch[f"{side}_entity"].tolist()]
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", self.hparams.batch_size, shuffle=True)

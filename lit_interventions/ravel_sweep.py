@@ -29,7 +29,7 @@ from tqdm import tqdm
 from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
 from lit_interventions.cli import append_rows, choose_layers, choose_names, claim_out_dir, read_rows, run_cli
 from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
-from lit_interventions.modules.disentangle import DisentangleModule
+from lit_interventions.configs import build_module, model_section
 from lit_interventions.plots import attribute_heatmap
 
 METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
@@ -44,20 +44,20 @@ def method_config(configs: Path, method: str) -> tuple[dict, int]:
     if not path.is_file():
         raise FileNotFoundError(f"No config for method {method!r}: {path} does not exist")
     config = yaml.safe_load(path.read_text())
-    options = dict(config["model"]["init_args"])
-    return options, int(config.get("trainer", {}).get("max_epochs", 1) or 1)
+    return model_section(path), int(config.get("trainer", {}).get("max_epochs", 1) or 1)
 
 
-def run_cell(method: str, attribute: str, options: dict, epochs: int, data_options: dict, seed: int) -> dict:
+def run_cell(method: str, attribute: str, options: tuple[dict, dict], epochs: int, data_options: dict, seed: int) -> dict:
     """Fit one method for one target attribute and score it on the test split."""
     L.seed_everything(seed, verbose=False)
-    model = DisentangleModule(**options)
-    data = RavelDataModule(target_attribute=attribute, multitask=model.hparams.multitask, **data_options)
+    section, overrides = options
+    model = build_module(section, **overrides)
+    data = RavelDataModule(target_attribute=attribute, multitask=model.objective.uses_iso, **data_options)
     trainer = L.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, accelerator="auto", devices=1)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. Lightning's "no optimizer" for the full swap
-        if model.hparams.method != "full_swap":  # train, or fit the featurizer
+        if model.trains or hasattr(model.intervention, "fit"):  # train, or fit the featurizer
             trainer.fit(model, data)
         trainer.test(model, data, verbose=False)
     metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
@@ -107,11 +107,11 @@ def run_ravel_sweep(
     configs = Path(configs)
     method_options = {}
     for method in methods:
-        options, config_epochs = method_config(configs, method)
-        options.update(lm=lm, **({"layer": layer} if layer is not None else {}))
-        if k is not None and "k" in options:
-            options["k"] = k
-        method_options[method] = (options, epochs or config_epochs)
+        section, config_epochs = method_config(configs, method)
+        overrides = {"lm": lm, **({"layer": layer} if layer is not None else {})}
+        if k is not None and "k" in section.get("init_args", {}):
+            overrides["k"] = k
+        method_options[method] = ((section, overrides), epochs or config_epochs)
     out = Path(out)
     data_options = {"lm": lm, "ravel_dir": ravel_dir, "entity_type": entity_type, "split": split, "source": source,
                     "train_size": train_size, "eval_size": eval_size, "max_candidates": max_candidates, "seed": seed}  # fmt: skip

@@ -1,5 +1,5 @@
 """RAVEL's objective and metrics: DBM's mask against pyvene, Cause / Iso / Disentangle by hand,
-the multi-task loss by hand, and DisentangleModule steps on a tiny model."""
+the multi-task loss by hand, and the interchange module with RAVEL's objective on a tiny model."""
 
 from pathlib import Path
 
@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from lit_interventions.interventions.mask import SigmoidMaskIntervention, linear_temperature
 from lit_interventions.metrics.disentangle import CAUSE, ISO, Disentanglement
 from lit_interventions.interventions.featurizers import FeatureInterchange, FullVectorSwap
-from lit_interventions.modules.disentangle import DisentangleModule, multitask_loss
+from functools import partial
+
+from lit_interventions.callbacks.metrics import DisentangleCallback
+from lit_interventions.interventions.fitted import FeatureInterchangeFit
+from lit_interventions.modules.interchange import InterchangeModule
+from lit_interventions.objectives import CauseIsoLoss, multitask_loss
 
 
 def test_mask_matches_pyvene_sigmoid_mask():
@@ -86,14 +91,32 @@ def test_multitask_loss_by_hand():
 
 def test_bad_options(tiny_lm_dir):
     lm = tiny_lm_dir("llama")
-    with pytest.raises(ValueError, match="method='sae' needs --model.sae PATH"):
-        DisentangleModule(lm=lm, layer=1, method="sae")
-    with pytest.raises(ValueError, match="method='rlap' is not one of das, dbm, pca, sae, full_swap"):
-        DisentangleModule(lm=lm, layer=1, method="rlap")
-    with pytest.raises(ValueError, match="l1=-1"):
-        DisentangleModule(lm=lm, layer=1, method="dbm", l1=-1)
+    with pytest.raises(ValueError, match="featurizer='sae' needs sae=PATH"):
+        InterchangeModule(lm=lm, layer=1, intervention=partial(FeatureInterchangeFit, featurizer="sae"))
+    with pytest.raises(ValueError, match="featurizer='rlap' is not one of pca, sae"):
+        FeatureInterchangeFit(8, featurizer="rlap")
+    with pytest.raises(ValueError, match="sparsity=-1"):
+        CauseIsoLoss(sparsity=-1)
+    with pytest.raises(ValueError, match="start >= end > 0"):
+        SigmoidMaskIntervention(8, temperature=1e-7, temperature_end=1e-2)
     with pytest.raises(ValueError, match="out of range"):
-        DisentangleModule(lm=lm, layer=9)
+        InterchangeModule(lm=lm, layer=9)
+
+
+def test_sparsity_needs_a_mask():
+    with pytest.raises(ValueError, match="needs an intervention with a penalty"):
+        CauseIsoLoss(sparsity=1e-3)(torch.zeros(1, 4), {"label": torch.tensor([0]), "attribute": torch.tensor([0]),
+                                                        "kind": torch.tensor([CAUSE])}, FullVectorSwap())  # fmt: skip
+
+
+def test_mask_temperature_anneals_linearly():
+    mask = SigmoidMaskIntervention(4, temperature=1e-2, temperature_end=1e-7)
+    mask.anneal(0, 11)
+    assert mask.temperature.item() == pytest.approx(1e-2)
+    mask.anneal(5, 11)
+    assert mask.temperature.item() == pytest.approx((1e-2 + 1e-7) / 2)
+    mask.anneal(10, 11)
+    assert mask.temperature.item() == pytest.approx(1e-7)
 
 
 def _batch(tokenizer):
@@ -117,9 +140,9 @@ def _batch(tokenizer):
 def test_full_swap_equals_vanilla_interchange_and_das_changes_output(tiny_lm_dir, tokenizer):
     lm = tiny_lm_dir("gemma3")
     batch = _batch(tokenizer)
-    swap = DisentangleModule(lm=lm, layer=2, method="full_swap", cache=False)  # the last block
+    swap = InterchangeModule(lm=lm, layer=2, intervention=FullVectorSwap, objective=CauseIsoLoss(), cache=False)  # the last block
     assert isinstance(swap.intervention, FullVectorSwap)
-    das = DisentangleModule(lm=lm, layer=0, method="das", k=4, cache=False)
+    das = InterchangeModule(lm=lm, layer=0, k=4, objective=CauseIsoLoss(), cache=False)
     clean = swap.clean_logits(batch)
     swapped, rotated = swap.intervened_logits(batch), das.intervened_logits(batch)
     assert (swapped - clean).abs().max() > 1e-4 and (rotated - clean).abs().max() > 1e-4
@@ -132,9 +155,9 @@ def test_full_swap_equals_vanilla_interchange_and_das_changes_output(tiny_lm_dir
 @pytest.mark.parametrize("method,multitask", [("das", False), ("das", True), ("dbm", True)])
 def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask):
     torch.manual_seed(0)
-    module = DisentangleModule(lm=tiny_lm_dir("llama"), layer=0, method=method, multitask=multitask, k=8,
-                               l1=1e-3, cache=False)  # fmt: skip
-    module.set_attributes(["A", "B", "C"])
+    intervention = partial(SigmoidMaskIntervention) if method == "dbm" else None
+    module = InterchangeModule(lm=tiny_lm_dir("llama"), layer=0, intervention=intervention, k=8,
+                               objective=CauseIsoLoss(multitask, sparsity=1e-3 if method == "dbm" else 0.0), cache=False)  # fmt: skip
     batch = _batch(tokenizer)
     optimizer = torch.optim.Adam(module.intervention.parameters(), lr=0.5 if method == "dbm" else 0.05)
     losses = []
@@ -142,18 +165,23 @@ def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask
         module.intervention.temperature.fill_(1.0)
     for _ in range(15):
         logits = module.intervened_logits(batch)
-        loss = multitask_loss(logits, batch["label"], batch["attribute"], batch["kind"], multitask)
+        loss = module.objective(logits, batch, module.intervention)
+        expected = multitask_loss(logits, batch["label"], batch["attribute"], batch["kind"], multitask)
         if method == "dbm":
-            loss = loss + 1e-3 * module.intervention.penalty()
+            expected = expected + 1e-3 * module.intervention.penalty()
+        assert loss.item() == pytest.approx(expected.item())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     # a mask only mixes the two states per dimension, so it reaches less than a subspace
     assert losses[-1] < losses[0] - (0.2 if method == "dbm" else 0.5), losses
-    module._evaluate(batch, module.val_metric)
-    values = module.val_metric.compute()
-    assert 0 <= values["cause"].item() <= 1 and module.val_metric.count.sum().item() == 4
+    metric = Disentanglement(3)
+    outputs = module.validation_step(batch, 0)  # the standard output the DisentangleCallback reads
+    DisentangleCallback().update(metric, outputs, batch)
+    expected = (outputs["intervened"].argmax(-1) == batch["label"]).float()
+    assert metric.compute()["cause"].item() == pytest.approx(expected[:2].mean().item())
+    assert metric.count.sum().item() == 4
 
 
 @pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "pca", "full_swap"])
@@ -183,7 +211,7 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
     assert cli.datamodule.hparams.multitask == config.startswith("m")  # linked from the model
     if config == "pca":  # fitted on the train states (a random tiny model's states may predict nothing:
         # then the selection is empty and the swap is the identity)
-        fitted = cli.model.intervention
+        fitted = cli.model.intervention.fitted
         assert isinstance(fitted, FeatureInterchange) and fitted.featurizer.n_features == 32
         assert len(fitted.selected) <= 32 and fitted.selection.sweep
     elif subcommand == "fit":

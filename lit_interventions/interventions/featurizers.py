@@ -211,7 +211,11 @@ class FeatureInterchange(nn.Module):
 
 
 class FullVectorSwap(nn.Module):
-    """The full-vector swap baseline: f* = f(s)."""
+    """The full-vector swap baseline: f* = f(s). `hidden_size` is accepted, as every intervention
+    is built with it, and unused."""
+
+    def __init__(self, hidden_size: int | None = None):
+        super().__init__()
 
     def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         return source.to(base.dtype)

@@ -14,12 +14,20 @@ class SigmoidMaskIntervention(nn.Module):
     """A learned soft mask over the d dimensions of the residual stream. As pyvene's
     `SigmoidMaskIntervention`: m starts at 0 (σ = ½) and T at 1e-2; the training module sets T."""
 
-    def __init__(self, hidden_size: int, temperature: float = 1e-2):
+    def __init__(self, hidden_size: int, temperature: float = 1e-2, temperature_end: float | None = None):
         super().__init__()
         if not temperature > 0:
             raise ValueError(f"temperature={temperature!r} must be > 0")
+        if temperature_end is not None and not temperature >= temperature_end > 0:
+            raise ValueError(f"temperatures must satisfy start >= end > 0, got {temperature!r}, {temperature_end!r}")
+        self.temperature_start, self.temperature_end = float(temperature), temperature_end
         self.mask = nn.Parameter(torch.zeros(hidden_size))  # m, (d,)
         self.register_buffer("temperature", torch.tensor(float(temperature)))
+
+    def anneal(self, step: int, total: int) -> None:
+        """T at training `step` of `total`: linear from the start to `temperature_end` (if set)."""
+        if self.temperature_end is not None:
+            self.temperature.fill_(linear_temperature(step, total, self.temperature_start, self.temperature_end))
 
     def weights(self) -> torch.Tensor:
         """σ(m/T), (d,): how much of each dimension comes from the source."""

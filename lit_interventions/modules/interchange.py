@@ -1,23 +1,35 @@
-"""Counterfactual (interchange) training of a DAS subspace on a frozen LM.
+"""Interchange interventions on a frozen LM: any intervention, at a site, under any objective.
 
 One step (DESIGN.md "Data flow"): read f(s) at the site from a source forward that stops at the
 layer; run the base forward with f(b) replaced by f*(f(b), f(s)); take logits at the last
-position only; minimise −log p_{f←f*}(y_s | b, s).
+position only; apply the objective. The intervention is a `class_path` in the YAML (DAS, DBM,
+PCA/SAE feature interchange, a closed-form direction, the full swap, ...), the objective a
+component (CausalGym's counterfactual loss, RAVEL's Cause + Iso); validation and test return the
+standard output that the data's metric callbacks score (`callbacks/metrics.py`).
+
+Interventions with a `fit(states, labels)` method (closed-form directions, PCA/SAE featurizers)
+are fitted when `fit` starts, on the site's states of the train split (base and source sides)
+and the labels the data module gives them (`site_labels`); they take no optimizer step.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config
 from lit_interventions.metrics import InterchangeOdds
 from lit_interventions.modules.site import SiteModule
+from lit_interventions.objectives import CounterfactualLoss, Objective
+from lit_interventions.optim import OptimizerArgs
 
 
 class InterchangeModule(SiteModule):
-    """DAS on one site (layer, region) of a frozen LM. Only the intervention is trained and saved.
+    """An interchange intervention at one site (layer, region) of a frozen LM. Only the
+    intervention is trained and saved.
 
     Args:
         lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.lm`).
@@ -25,8 +37,11 @@ class InterchangeModule(SiteModule):
             middle layer.
         region: template region whose last token is the site (default: the label variable). The
             data module reads it (train.py links `model.region` to `data.region`).
-        k: rank of the subspace (1 = the paper's 1-D DAS).
-        lr: Adam learning rate; warmup_ratio: linear warmup share, then linear decay to 0.
+        intervention: the intervention's class, built with the hidden size: a `class_path` and its
+            `init_args` in the YAML. Default: DAS of rank `k` (`RotatedSpaceIntervention`).
+        objective: the training loss. Default: −log p_{f←f*}(y_s | b, s) (CausalGym).
+        k: rank of the default DAS subspace (1 = the paper's 1-D DAS).
+        lr: learning rate; warmup_ratio: linear warmup share, then linear decay to 0 (Adam).
         dtype: the LM's dtype (float32, bfloat16, float16).
         cache: reuse the frozen LM's states at the layer, and the keys and values above it of the
             tokens before the site (computed once per distinct sentence), so a step runs only the
@@ -38,6 +53,8 @@ class InterchangeModule(SiteModule):
         lm: str = DEFAULT_LM,
         layer: int | None = None,
         region: str | None = None,
+        intervention: Callable[[int], nn.Module] | None = None,
+        objective: Objective | None = None,
         k: int = 1,
         lr: float = 5e-3,
         warmup_ratio: float = 0.1,
@@ -46,13 +63,97 @@ class InterchangeModule(SiteModule):
     ):
         super().__init__()
         layer = self._check_site(lm, layer)  # the config only: layers are checked before weights load
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validates both
         self.save_hyperparameters()
         self.hparams.layer = layer
-        self.intervention = RotatedSpaceIntervention(hidden_size(load_config(lm)), k)
-        self.val_odds = InterchangeOdds()
-        self.test_odds = InterchangeOdds()
+        d = hidden_size(load_config(lm))
+        self.intervention = RotatedSpaceIntervention(d, k) if intervention is None else intervention(d)
+        self.objective = CounterfactualLoss() if objective is None else objective
+        self.eval_outputs: set[str] = set()  # "clean": a metric callback also needs p(· | b)
+
+    # --- what the data supports -----------------------------------------------------------------
+
+    def configure_callbacks(self):
+        """The metric callbacks the data module lists (`metric_callbacks()`), unless the Trainer
+        already has one of that type."""
+        data = self.trainer.datamodule if self._trainer is not None else None
+        if data is None or not hasattr(data, "metric_callbacks"):
+            return []
+        present = {type(callback) for callback in self.trainer.callbacks}
+        return [callback for callback in data.metric_callbacks() if type(callback) not in present]
+
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule if self._trainer is not None else None
+        if self.objective.uses_iso and data is not None and not getattr(data.hparams, "multitask", False):
+            raise ValueError(f"objective {self.objective!r} trains on Iso examples: set --data.multitask true")
+
+    # --- training -------------------------------------------------------------------------------
+
+    @property
+    def trains(self) -> bool:
+        """Whether the intervention has parameters to learn (a fitted or fixed one has none)."""
+        return any(p.requires_grad for p in self.intervention.parameters())
+
+    def on_fit_start(self) -> None:
+        if hasattr(self.intervention, "fit"):
+            self.fit_intervention(self.trainer.datamodule)
+
+    @torch.no_grad()
+    def fit_intervention(self, data) -> None:
+        """Fit a closed-form intervention on the site's states of the train split (base and source
+        sides; every process reads the whole split) and the labels the data gives them."""
+        states, labels = [], []
+        for batch in data.loader("train", data.hparams.eval_batch_size, shard=False):
+            batch = self.transfer_batch_to_device(batch, self.device, 0)
+            for side in ("base", "source"):
+                states.append(self.site_representation(batch, side).float().cpu())
+                labels += data.site_labels(batch, side)
+        self.intervention.fit(torch.cat(states), labels)
+        self.intervention.to(self.device)
+        summary = getattr(self.intervention, "summary", None)
+        if summary:
+            self.print(summary())
+
+    def on_train_batch_start(self, batch, batch_idx):
+        anneal = getattr(self.intervention, "anneal", None)  # e.g. DBM's temperature schedule
+        if anneal is not None:
+            anneal(self.global_step, max(1, int(self.trainer.estimated_stepping_batches)))
+
+    def training_step(self, batch, batch_idx):
+        if not self.trains:
+            return None  # fitted or fixed: fit only runs validation
+        logits = self.intervened_logits(batch)
+        loss = self.objective(logits, batch, self.intervention)
+        size = len(batch["base_input_ids"])
+        penalty = getattr(self.intervention, "penalty", None)
+        if penalty is not None:
+            self.log("train/mask_size", penalty(), batch_size=size)
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        return loss
+
+    def configure_optimizers(self):
+        if not self.trains:
+            return None
+        return self.optimizer_args.lightning(self.intervention.parameters(), self.trainer.estimated_stepping_batches)
+
+    # --- evaluation -----------------------------------------------------------------------------
+
+    def _evaluate(self, batch, stage: str) -> dict:
+        """The standard output the metric callbacks read: intervened (and if asked, clean) logits."""
+        if getattr(self.intervention, "needs_fit", False):
+            raise ValueError(f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
+                             "`validate` or `test` alone")  # fmt: skip
+        intervened = self.intervened_logits(batch)
+        clean = self.clean_logits(batch) if "clean" in self.eval_outputs else None
+        loss = self.objective.task_loss(intervened.float(), batch)
+        self.log(f"{stage}/loss", loss, batch_size=len(batch["base_input_ids"]), sync_dist=True)
+        return {"intervened": intervened, "clean": clean}
+
+    def validation_step(self, batch, batch_idx):
+        return self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        return self._evaluate(batch, "test")
 
     @torch.no_grad()
     def score(self, batches, interventions: dict[str, torch.nn.Module] | None = None) -> dict:
@@ -77,34 +178,3 @@ class InterchangeModule(SiteModule):
             self.intervention = own
         scores = {name: {k: v.item() for k, v in metric.compute().items()} for name, metric in metrics.items()}
         return scores if interventions is not None else scores[""]
-
-    def training_step(self, batch, batch_idx):
-        loss = F.cross_entropy(self.intervened_logits(batch).float(), batch["source_label"])
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["source_label"]))
-        return loss
-
-    def _evaluate(self, batch, metric: InterchangeOdds, stage: str) -> None:
-        intervened = self.intervened_logits(batch)
-        clean = self.clean_logits(batch)
-        metric.update(clean, intervened, batch["base_label"], batch["source_label"])
-        loss = F.cross_entropy(intervened.float(), batch["source_label"])
-        self.log(f"{stage}/loss", loss, batch_size=len(batch["source_label"]), sync_dist=True)
-
-    def validation_step(self, batch, batch_idx):
-        self._evaluate(batch, self.val_odds, "val")
-
-    def test_step(self, batch, batch_idx):
-        self._evaluate(batch, self.test_odds, "test")
-
-    def _log_odds(self, metric: InterchangeOdds, stage: str) -> None:
-        self.log_dict({f"{stage}/{name}": value for name, value in metric.compute().items()}, prog_bar=True)
-        metric.reset()
-
-    def on_validation_epoch_end(self):
-        self._log_odds(self.val_odds, "val")
-
-    def on_test_epoch_end(self):
-        self._log_odds(self.test_odds, "test")
-
-    def configure_optimizers(self):
-        return self._adam_with_linear_schedule(self.intervention.parameters(), self.hparams.lr, self.hparams.warmup_ratio)

@@ -1,0 +1,105 @@
+"""Each benchmark's scoring as a Lightning callback holding its torchmetrics (synced under DDP).
+
+An interchange module's `validation_step` / `test_step` returns the standard output
+`{"intervened": (batch, vocab) logits at the base's last token, "clean": the same unintervened,
+or None}`; a callback reads it with the batch, updates its metric and logs at the epoch's end.
+A data module lists the callbacks its data supports (`metric_callbacks()`), and the module adds
+them to the Trainer (`configure_callbacks`), so one method is scored by any benchmark's metric.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning import Callback
+
+from lit_interventions.metrics.disentangle import ISO, Disentanglement
+from lit_interventions.metrics.odds import InterchangeOdds
+
+STAGES = ("validation", "test")
+PREFIX = {"validation": "val", "test": "test"}
+
+
+class _MetricCallback(Callback):
+    """One metric per stage, created on the module's device; `needs_clean` asks the module for the
+    unintervened logits too."""
+
+    needs_clean = False
+
+    def __init__(self):
+        self.metrics: dict[str, torch.nn.Module] = {}
+
+    def make_metric(self, trainer, pl_module) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def update(self, metric, outputs: dict, batch: dict) -> None:
+        raise NotImplementedError
+
+    def log_values(self, pl_module, values: dict, prefix: str) -> None:
+        raise NotImplementedError
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.needs_clean:
+            pl_module.eval_outputs.add("clean")
+        self.metrics = {s: self.make_metric(trainer, pl_module).to(pl_module.device) for s in STAGES}
+
+    def _batch_end(self, stage, pl_module, outputs, batch):
+        if outputs is not None:
+            self.update(self.metrics[stage].to(pl_module.device), outputs, batch)
+
+    def _epoch_end(self, stage, pl_module):
+        metric = self.metrics[stage]
+        self.log_values(pl_module, metric.compute(), PREFIX[stage])
+        metric.reset()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._batch_end("validation", pl_module, outputs, batch)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._batch_end("test", pl_module, outputs, batch)
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self._epoch_end("validation", pl_module)
+
+    def on_test_epoch_end(self, trainer, pl_module):
+        self._epoch_end("test", pl_module)
+
+
+class OddsCallback(_MetricCallback):
+    """CausalGym: AvgOdds, the mean log odds-ratio (eq. 18), and IIA, logged as `val/odds`, `val/iia`."""
+
+    needs_clean = True
+
+    def make_metric(self, trainer, pl_module):
+        return InterchangeOdds()
+
+    def update(self, metric, outputs, batch):
+        metric.update(outputs["clean"], outputs["intervened"], batch["base_label"], batch["source_label"])
+
+    def log_values(self, pl_module, values, prefix):
+        pl_module.log_dict({f"{prefix}/{name}": value for name, value in values.items()}, prog_bar=True)
+
+
+class DisentangleCallback(_MetricCallback):
+    """RAVEL: Cause, Iso and Disentangle = (Cause + Iso)/2, per queried attribute too (`val/iso/A`)
+    and the change rate of each attribute's answer (`val/change/A`). The attributes come from the
+    data module's `attributes`."""
+
+    def make_metric(self, trainer, pl_module):
+        self.attributes = list(trainer.datamodule.attributes)
+        return Disentanglement(len(self.attributes))
+
+    def update(self, metric, outputs, batch):
+        metric.update(outputs["intervened"], batch["label"], batch["base_label"], batch["attribute"], batch["kind"])
+
+    def log_values(self, pl_module, values, prefix):
+        metric = self.metrics["validation" if prefix == "val" else "test"]
+        logged = {f"{prefix}/{name}": values[name] for name in ("cause", "iso", "disentangle")}
+        for a, name in enumerate(self.attributes):
+            if metric.count[ISO, a] > 0:
+                logged[f"{prefix}/iso/{name}"] = values["iso_per_attribute"][a]
+            if metric.count[:, a].sum() > 0:
+                logged[f"{prefix}/change/{name}"] = values["change_rate"][a]
+        shown = (f"{prefix}/cause", f"{prefix}/iso")
+        finite = {k: v for k, v in logged.items() if torch.isfinite(v)}
+        pl_module.log_dict({k: v for k, v in finite.items() if k in shown}, prog_bar=True)
+        pl_module.log_dict({k: v for k, v in finite.items() if k not in shown})

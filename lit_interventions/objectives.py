@@ -1,0 +1,86 @@
+"""Training objectives of interchange interventions, as components: the module computes the
+intervened logits at the base's last token, the objective turns them into a loss.
+
+- `CounterfactualLoss` (CausalGym §3.3): −log p_{f←f*}(y_s | b, s), the source's label.
+- `CauseIsoLoss` (RAVEL §4): L_Cause on the Cause examples; with `multitask` (MDAS / MDBM) plus
+  the mean over the queried attributes of L_Iso on the Iso examples (the answer must not change).
+
+Both add `sparsity`·penalty() of an intervention that has one (DBM: λ‖σ(m/T)‖₁).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CAUSE, ISO = 0, 1  # the `kind` of a RAVEL example
+
+
+class Objective:
+    """A loss on the intervened logits (batch, vocab) of a batch. `uses_iso` says whether the
+    objective needs Iso examples in the training batches (the data module is asked for them)."""
+
+    uses_iso = False
+
+    def __init__(self, sparsity: float = 0.0):
+        if not 0.0 <= sparsity < float("inf"):
+            raise ValueError(f"sparsity={sparsity!r} must be a finite number >= 0")
+        self.sparsity = sparsity
+
+    def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, logits: torch.Tensor, batch: dict, intervention: nn.Module | None = None) -> torch.Tensor:
+        loss = self.task_loss(logits.float(), batch)
+        if self.sparsity:
+            if not hasattr(intervention, "penalty"):
+                raise ValueError(f"sparsity={self.sparsity} needs an intervention with a penalty() (a mask); "
+                                 f"got {type(intervention).__name__}")  # fmt: skip
+            loss = loss + self.sparsity * intervention.penalty()
+        return loss
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+class CounterfactualLoss(Objective):
+    """−log p_{f←f*}(y | b, s), y the batch's `label_key` (CausalGym: the source's label)."""
+
+    def __init__(self, label_key: str = "source_label", sparsity: float = 0.0):
+        super().__init__(sparsity)
+        self.label_key = label_key
+
+    def task_loss(self, logits, batch):
+        return F.cross_entropy(logits, batch[self.label_key])
+
+
+class CauseIsoLoss(Objective):
+    """L_Cause (+ with `multitask`, the mean over the attributes present of each one's L_Iso):
+    RAVEL's DAS/DBM and, multi-task, MDAS/MDBM."""
+
+    def __init__(self, multitask: bool = False, sparsity: float = 0.0):
+        super().__init__(sparsity)
+        self.multitask = multitask
+        self.uses_iso = multitask
+
+    def task_loss(self, logits, batch):
+        return multitask_loss(logits, batch["label"], batch["attribute"], batch["kind"], self.multitask)
+
+
+def multitask_loss(logits: torch.Tensor, label: torch.Tensor, attribute: torch.Tensor, kind: torch.Tensor,
+                   multitask: bool) -> torch.Tensor:  # fmt: skip
+    """L_Cause (+ with `multitask`, the mean over the attributes present of each one's L_Iso)."""
+    losses = F.cross_entropy(logits.float(), label, reduction="none")  # (batch,)
+    parts = []
+    cause = kind == CAUSE
+    if cause.any():
+        parts.append(losses[cause].mean())
+    if multitask:
+        iso = kind == ISO
+        per_attribute = [losses[iso & (attribute == a)].mean() for a in attribute[iso].unique()]
+        if per_attribute:
+            parts.append(torch.stack(per_attribute).mean())
+    if not parts:  # a batch of Iso examples only, without multitask: nothing to learn from
+        return losses.sum() * 0.0
+    return torch.stack(parts).sum()

@@ -1,0 +1,73 @@
+"""The method × benchmark matrix (docs/methods.md): each claimed cell runs from its YAML alone on a
+tiny model, and the closed-form RAVEL directions find a planted signal."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_interventions.interventions.fitted import DirectionInterchange
+
+COMMON = ["--trainer.enable_progress_bar=false", "--trainer.max_epochs=1"]
+
+
+def _fit(config, tmp_path, lm, *extra):
+    import train
+
+    return train.main(args=["fit", "--config", config, f"--model.lm={lm}", "--model.layer=1",
+                            f"--trainer.default_root_dir={tmp_path}", *COMMON, *extra])  # fmt: skip
+
+
+def test_dbm_on_causalgym_trains_a_mask_scored_by_odds(tmp_path, tiny_lm_dir):
+    cli = _fit("configs/dbm.yaml", tmp_path, tiny_lm_dir("llama"), "--data.train_pairs=40", "--data.eval_pairs=10")
+    mask = cli.model.intervention
+    assert mask.temperature.item() < 1e-2  # annealed from its start during training
+    assert mask.mask.abs().max().item() > 0  # trained away from m = 0
+    metrics = cli.trainer.callback_metrics
+    assert {"val/odds", "val/iia", "val/loss", "train/mask_size"} <= set(metrics)
+    # the odds the callback logged are those of the trained mask, recomputed here
+    scored = cli.model.score(cli.datamodule.loader("dev", 16))
+    assert metrics["val/odds"].item() == pytest.approx(scored["odds"], abs=1e-4)
+
+
+@pytest.mark.parametrize("method", ["diffmean", "probe"])
+def test_directions_on_ravel_from_yaml(method, tmp_path, tiny_lm_dir, monkeypatch):
+    from datamodules.ravel import RavelDataModule
+
+    from tests.test_ravel_data import oracle
+
+    lm = tiny_lm_dir("llama")
+    monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=lm).data.entities)))
+    cli = _fit(f"configs/ravel/{method}.yaml", tmp_path, lm, "--data.train_size=32", "--data.eval_size=16",
+               "--data.max_candidates=40")  # fmt: skip
+    basis = cli.model.intervention.basis
+    assert basis.shape[1] == 32 and 1 <= basis.shape[0] <= 8
+    torch.testing.assert_close(basis @ basis.T, torch.eye(basis.shape[0]), atol=1e-5, rtol=0)
+    metrics = cli.trainer.callback_metrics
+    assert metrics["val/disentangle"].item() == pytest.approx((metrics["val/cause"] + metrics["val/iso"]).item() / 2)
+
+
+@pytest.mark.parametrize("method", ["diffmean", "probe", "lda"])
+def test_direction_interchange_finds_planted_class_directions(method):
+    # three classes, each shifted along its own planted axis; the rest is isotropic noise
+    g = torch.Generator().manual_seed(0)
+    d, n = 16, 300
+    axes = torch.linalg.qr(torch.randn(d, 3, generator=g)).Q.T  # (3, d) orthonormal
+    labels = [["paris", "rome", "oslo"][i % 3] for i in range(n)]
+    states = torch.randn(n, d, generator=g) * 0.3 + 4.0 * axes[torch.arange(n) % 3]
+    fitted = DirectionInterchange(d, method=method, k=2).fit(states, labels)
+    # the fitted span lies in the span of the planted axes (projection norm ~1 per basis row)
+    inside = (fitted.basis @ axes.T).norm(dim=1)
+    assert inside.min().item() > 0.95, inside
+    # and an interchange on it moves a base state to the source's class along those axes
+    base, source = states[:1], states[1:2]
+    moved = fitted(base, source)
+    assert ((moved - source) @ fitted.basis.T).abs().max().item() < 1e-4
+
+
+def test_a_fitted_intervention_refuses_to_run_unfitted():
+    with pytest.raises(ValueError, match="fitted from the training data"):
+        DirectionInterchange(4)(torch.zeros(1, 4), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="method='nope' is not one of"):
+        DirectionInterchange(4, method="nope")
