@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from datamodules.loaders import split_loader
 from datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from lit_interventions.callbacks.metrics import OddsCallback
+from lit_interventions.metrics.disentangle import CAUSE, ISO
 from lit_interventions.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.surprisal import bos_prefix
 
@@ -36,6 +37,7 @@ class Example:
     source_text: str
     base_type: str
     source_type: str
+    kind: int = CAUSE  # ISO: a same-type pair whose base answer must not change (multi-task loss)
 
 
 def first_token(tokenizer, word: str) -> int:
@@ -68,7 +70,8 @@ def label_token_ids(task: TaskTemplate, tokenizer, control: str | None = None) -
     return ids
 
 
-def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, int]], control: str | None) -> list[Example]:
+def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, int]], control: str | None,
+                   kind: int = CAUSE) -> list[Example]:  # fmt: skip
     prefix = bos_prefix(tokenizer)  # every sentence starts with BOS (pythia's tokenizer adds none)
 
     def encode(sentence):
@@ -101,6 +104,7 @@ def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, 
                 pair.source.text,
                 pair.base_type,
                 pair.source_type,
+                kind,
             )
         )
     return examples
@@ -129,6 +133,10 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
         batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
         batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])
         batch[f"{side}_keys"] = ([tuple(seq) for seq in seqs], shift.tolist())  # host-side cache keys
+    # the multi-task loss's fields, as RAVEL's batches have them: an Iso pair keeps the base's answer
+    batch["kind"] = torch.tensor([e.kind for e in examples])
+    batch["attribute"] = torch.zeros_like(batch["kind"])
+    batch["label"] = torch.where(batch["kind"] == ISO, batch["base_label"], batch["source_label"])
     return batch
 
 
@@ -147,6 +155,9 @@ class CausalGymDataModule(LightningDataModule):
         train_pairs, eval_pairs: pairs before swap-doubling (the paper: 200 and 50).
         seed: seed for train and eval; dev_seed: seed for dev.
         padding_side: `right` or `left`.
+        multitask: add as many Iso pairs to train (both sentences of one type, every other
+            variable sampled apart: the base's answer must not change) for the multi-task loss of
+            MDAS / MDBM (`objectives.CauseIsoLoss(multitask=True)`). Dev and eval stay Cause pairs.
     """
 
     def __init__(
@@ -163,6 +174,7 @@ class CausalGymDataModule(LightningDataModule):
         seed: int = 0,
         dev_seed: int = 1,
         padding_side: str = "right",
+        multitask: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -190,7 +202,12 @@ class CausalGymDataModule(LightningDataModule):
         seen = {p.base.text for p in train}
         evaluation = sample_pairs(self.template, hp.eval_pairs, hp.seed + 7919, exclude=seen)
         dev = sample_pairs(self.template, hp.eval_pairs, hp.dev_seed + 7919, exclude=seen)
-        return {"train": train, "eval": evaluation, "dev": dev}
+        splits = {"train": train, "eval": evaluation, "dev": dev}
+        if hp.multitask:  # Iso pairs from sentences of the dev and eval sets' complement, like train's
+            held_out = {p.base.text for p in evaluation + dev}
+            splits["train_iso"] = sample_pairs(self.template, hp.train_pairs, hp.seed + 104729, exclude=held_out,
+                                               same_type=True)  # fmt: skip
+        return splits
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
@@ -198,7 +215,8 @@ class CausalGymDataModule(LightningDataModule):
         self.tokenizer = load_tokenizer(self.lm)
         label_ids = label_token_ids(self.template, self.tokenizer, self.hparams.control)
         for split, pairs in self.pairs.items():
-            examples = tokenize_pairs(pairs, self.tokenizer, label_ids, self.hparams.control)
+            kind = ISO if split == "train_iso" else CAUSE
+            examples = tokenize_pairs(pairs, self.tokenizer, label_ids, self.hparams.control, kind)
             kept = [e for e in examples if self.region in e.base_positions and self.region in e.source_positions]
             if len(kept) < len(examples):
                 warnings.warn(
@@ -212,6 +230,7 @@ class CausalGymDataModule(LightningDataModule):
                     f"choose another of: {', '.join(self.template.regions)}"
                 )
             self.splits[split] = kept
+        self.splits["train"] = self.splits["train"] + self.splits.pop("train_iso", [])
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None,
                shard: bool = True) -> DataLoader:  # fmt: skip

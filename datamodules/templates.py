@@ -115,10 +115,14 @@ class TaskTemplate:
         lead = " " if self.label_prepend_space and region.variable in self.label_variables else ""
         return (" " if region.text.startswith(" ") else "") + lead + option
 
-    def sample_pair(self, rng: random.Random) -> Pair:
+    def sample_pair(self, rng: random.Random, same_type: bool = False) -> Pair:
         """§3.2: types t1 ≠ t2; label variables take options of t1 (base) / t2 (source); every
-        other variable takes one option shared by both sentences."""
-        base_type, source_type = rng.sample(self.types, 2)
+        other variable takes one option shared by both sentences.
+
+        `same_type` samples an Iso pair instead (for the multi-task loss of MDAS/MDBM): both
+        sentences of one type, every variable sampled for each sentence on its own, so the source
+        differs from the base in everything but what decides the label."""
+        base_type, source_type = (rng.choice(self.types),) * 2 if same_type else rng.sample(self.types, 2)
         template = rng.choice(self.templates)
         base_parts, source_parts = [], []
         for region in split_regions(template):
@@ -129,6 +133,8 @@ class TaskTemplate:
             options = self.variables[region.variable]
             if region.variable in self.label_variables:
                 base_choice, source_choice = rng.choice(options[base_type]), rng.choice(options[source_type])
+            elif same_type:
+                base_choice, source_choice = rng.choice(options), rng.choice(options)
             else:
                 base_choice = source_choice = rng.choice(options)
             base_parts.append((region.name, self._fill(region, base_choice)))
@@ -228,9 +234,11 @@ def load_task(task: str, path: str | Path | None = None) -> TaskTemplate:
 
 
 def sample_pairs(
-    task: TaskTemplate, n: int, seed: int, exclude: set[str] = frozenset(), max_tries_per_pair: int = 200
+    task: TaskTemplate, n: int, seed: int, exclude: set[str] = frozenset(), max_tries_per_pair: int = 200,
+    same_type: bool = False,
 ) -> list[Pair]:
-    """n distinct pairs, none of whose sentences is in `exclude`; each also added swapped (2n)."""
+    """n distinct pairs, none of whose sentences is in `exclude`; each also added swapped (2n).
+    `same_type`: Iso pairs (`TaskTemplate.sample_pair`)."""
     rng = random.Random(seed)
     pairs, seen = [], set()
     tries = 0
@@ -241,7 +249,7 @@ def sample_pairs(
                 f"Task {task.name!r} yields only {len(pairs)} distinct pairs of the {n} asked for; "
                 "add options to its variables or ask for fewer pairs."
             )
-        pair = task.sample_pair(rng)
+        pair = task.sample_pair(rng, same_type)
         key = (pair.base.text, pair.source.text)
         if key in seen or (key[::-1]) in seen or pair.base.text in exclude or pair.source.text in exclude:
             continue

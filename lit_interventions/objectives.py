@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CAUSE, ISO = 0, 1  # the `kind` of a RAVEL example
+from lit_interventions.metrics.disentangle import CAUSE, ISO  # the `kind` of an example
 
 
 class Objective:

@@ -71,3 +71,23 @@ def test_a_fitted_intervention_refuses_to_run_unfitted():
         DirectionInterchange(4)(torch.zeros(1, 4), torch.zeros(1, 4))
     with pytest.raises(ValueError, match="method='nope' is not one of"):
         DirectionInterchange(4, method="nope")
+
+
+def test_mdas_on_causalgym_trains_on_cause_and_iso_pairs(tmp_path, tiny_lm_dir):
+    cli = _fit("configs/mdas.yaml", tmp_path, tiny_lm_dir("gpt2"), "--data.train_pairs=20", "--data.eval_pairs=6")
+    data = cli.datamodule
+    train = data.splits["train"]
+    iso = [e for e in train if e.kind == 1]
+    assert len(iso) == len(train) // 2 == 40  # 20 Cause pairs and 20 Iso pairs, each doubled by the swap
+    assert all(e.base_type == e.source_type for e in iso)
+    assert sum(e.base_text != e.source_text for e in iso) > len(iso) // 2  # the nuisance variables differ
+    assert all(e.kind == 0 for e in data.splits["dev"])  # scored on Cause pairs only
+    batch = next(iter(data.loader("train", 80)))
+    expected = torch.where(batch["kind"] == 1, batch["base_label"], batch["source_label"])
+    assert torch.equal(batch["label"], expected)  # Iso: the base's own answer must stay
+    assert "val/odds" in cli.trainer.callback_metrics
+
+
+def test_data_without_iso_pairs_is_refused_for_a_multitask_objective(tmp_path, tiny_lm_dir):
+    with pytest.raises(ValueError, match="set --data.multitask true"):
+        _fit("configs/mdas.yaml", tmp_path, tiny_lm_dir("gpt2"), "--data.multitask=false", "--data.train_pairs=4")

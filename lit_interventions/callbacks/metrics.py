@@ -9,9 +9,12 @@ them to the Trainer (`configure_callbacks`), so one method is scored by any benc
 
 from __future__ import annotations
 
+import re
+
 import torch
 from lightning import Callback
 
+from lit_interventions.metrics.detection import ConceptAUROC
 from lit_interventions.metrics.disentangle import ISO, Disentanglement
 from lit_interventions.metrics.odds import InterchangeOdds
 
@@ -40,28 +43,34 @@ class _MetricCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.needs_clean:
             pl_module.eval_outputs.add("clean")
-        self.metrics = {s: self.make_metric(trainer, pl_module).to(pl_module.device) for s in STAGES}
+        self.metrics = {}
 
-    def _batch_end(self, stage, pl_module, outputs, batch):
+    def _metric(self, stage, trainer, pl_module):
+        """The stage's metric, made on first use (a module may learn its concepts in configure_model)."""
+        if stage not in self.metrics:
+            self.metrics[stage] = self.make_metric(trainer, pl_module)
+        return self.metrics[stage].to(pl_module.device)
+
+    def _batch_end(self, stage, trainer, pl_module, outputs, batch):
         if outputs is not None:
-            self.update(self.metrics[stage].to(pl_module.device), outputs, batch)
+            self.update(self._metric(stage, trainer, pl_module), outputs, batch)
 
-    def _epoch_end(self, stage, pl_module):
-        metric = self.metrics[stage]
+    def _epoch_end(self, stage, trainer, pl_module):
+        metric = self._metric(stage, trainer, pl_module)
         self.log_values(pl_module, metric.compute(), PREFIX[stage])
         metric.reset()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        self._batch_end("validation", pl_module, outputs, batch)
+        self._batch_end("validation", trainer, pl_module, outputs, batch)
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        self._batch_end("test", pl_module, outputs, batch)
+        self._batch_end("test", trainer, pl_module, outputs, batch)
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        self._epoch_end("validation", pl_module)
+        self._epoch_end("validation", trainer, pl_module)
 
     def on_test_epoch_end(self, trainer, pl_module):
-        self._epoch_end("test", pl_module)
+        self._epoch_end("test", trainer, pl_module)
 
 
 class OddsCallback(_MetricCallback):
@@ -103,3 +112,29 @@ class DisentangleCallback(_MetricCallback):
         finite = {k: v for k, v in logged.items() if torch.isfinite(v)}
         pl_module.log_dict({k: v for k, v in finite.items() if k in shown}, prog_bar=True)
         pl_module.log_dict({k: v for k, v in finite.items() if k not in shown})
+
+
+class AUROCCallback(_MetricCallback):
+    """AxBench detection: each row's token scores Ψ(h_i) max-pooled, min-max normalised per concept,
+    AUROC per concept (`val/auroc/<concept>`) and their mean (`val/auroc`). The module's
+    `record_detection(stage, result)` receives the result (its max activations)."""
+
+    def make_metric(self, trainer, pl_module):
+        return ConceptAUROC(len(pl_module.concepts))
+
+    def update(self, metric, outputs, batch):
+        metric.update(outputs["token_scores"], batch["response_mask"], batch["concept_id"], batch["label"])
+
+    def log_values(self, pl_module, result, prefix):
+        values = {f"{prefix}/auroc": result["auroc"]}
+        for name, value in zip(pl_module.concepts, result["auroc_per_concept"]):
+            values[f"{prefix}/auroc/{safe_name(name)}"] = value
+        pl_module.log_dict({k: v.float() for k, v in values.items()})
+        record = getattr(pl_module, "record_detection", None)
+        if record is not None:
+            record(prefix, result)
+
+
+def safe_name(name: str) -> str:
+    """A concept name as a metric key: no slashes, runs of other characters kept readable."""
+    return re.sub(r"\s+", " ", name.replace("/", "∕")).strip()

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
-from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config
 from lit_interventions.modules.site import SiteModule
+from lit_interventions.optim import OptimizerArgs
 from lit_interventions.sites import logits_at
 
 
@@ -122,10 +122,7 @@ class MultiSiteInterchangeModule(SiteModule):
 
     def configure_optimizers(self):
         """Per region: Adam, linear warmup over `warmup_ratio` of its own steps, then decay to 0."""
-        optimizers, schedules = [], []
-        for region in self.hparams.regions:
-            optimizer = torch.optim.Adam(self.interventions[region].parameters(), lr=self.hparams.lr)
-            total = max(1, len(self._frozen["loaders"][region]))
-            optimizers.append(optimizer)
-            schedules.append(get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total))
-        return optimizers, schedules
+        args = OptimizerArgs(lr=self.hparams.lr, warmup_ratio=self.hparams.warmup_ratio)
+        built = [args.build(self.interventions[region].parameters(), len(self._frozen["loaders"][region]))
+                 for region in self.hparams.regions]  # fmt: skip
+        return [optimizer for optimizer, _ in built], [schedule for _, schedule in built]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from lightning import LightningModule
-from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.cache import ActivationCache, input_keys
 from lit_interventions.lm import load_config, load_lm, num_layers
@@ -134,10 +133,3 @@ class SiteModule(FrozenLMModule):
         return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
                          layer=self.hparams.layer, start_states=self._states(batch, "base"), vocab=vocab,
                          prefix=self._prefix(batch))  # fmt: skip
-
-    def _adam_with_linear_schedule(self, parameters, lr: float, warmup_ratio: float):
-        """Adam, linear warmup over the first `warmup_ratio` of the steps, then linear decay to 0."""
-        optimizer = torch.optim.Adam(parameters, lr=lr)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total), total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -45,7 +45,6 @@ import re
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.dictionary import RELU_METHODS, Dictionary
 from lit_interventions.interventions.additive import (
@@ -58,7 +57,8 @@ from lit_interventions.interventions.directions import METHODS as DIRECTIONS
 from lit_interventions.interventions.directions import PCADirection
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.modules.site import FrozenLMModule
-from lit_interventions.metrics.detection import ConceptAUROC
+from lit_interventions.optim import OptimizerArgs
+from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.sites import check_layer, final_logits, read_layers, residual_hook, run_body
 
 TRAINED = ("reft_r1", "ssv")
@@ -130,8 +130,7 @@ class SteeringModule(FrozenLMModule):
             raise ValueError(f"topk={topk!r} must be >= 1")
         if l1 < 0:
             raise ValueError(f"l1={l1!r} must be >= 0")
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validates them
         config = load_config(lm)  # the config only: the layer is checked before weights load
         if layer is None:
             layer = num_layers(config) // 2
@@ -155,8 +154,6 @@ class SteeringModule(FrozenLMModule):
         self.dictionary = ConceptDictionary(n, self._hidden_size, unit_norm=self.hparams.method != "ssv",
                                             seed=self.hparams.direction_seed)  # fmt: skip
         self.register_buffer("max_activations", torch.full((n,), float("nan")))
-        self.val_auroc = ConceptAUROC(n)
-        self.test_auroc = ConceptAUROC(n)
 
     def configure_model(self) -> None:
         """Concept names from the data module when none were given (called after its setup)."""
@@ -250,11 +247,7 @@ class SteeringModule(FrozenLMModule):
     def configure_optimizers(self):
         if not self.automatic_optimization:
             return None
-        optimizer = torch.optim.AdamW(self.dictionary.parameters(), lr=self.hparams.lr,
-                                      weight_decay=self.hparams.weight_decay)  # fmt: skip
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return self.optimizer_args.lightning(self.dictionary.parameters(), self.trainer.estimated_stepping_batches)
 
     # --- closed-form methods --------------------------------------------------------------------
 
@@ -300,40 +293,37 @@ class SteeringModule(FrozenLMModule):
 
     # --- validation and test ------------------------------------------------------------------
 
-    def _evaluate(self, batch, metric: ConceptAUROC) -> None:
-        scores = self.token_scores(self.states(batch), batch["concept_id"])
-        metric.update(scores, batch["response_mask"], batch["concept_id"], batch["label"])
+    def _evaluate(self, batch) -> dict:
+        """The standard output the `AUROCCallback` reads: Ψ(h_i) of each row's concept, (batch, seq)."""
+        return {"token_scores": self.token_scores(self.states(batch), batch["concept_id"])}
 
     def on_validation_epoch_start(self):
         if not self.automatic_optimization:
             self.fit_closed_form()
 
     def validation_step(self, batch, batch_idx):
-        self._evaluate(batch, self.val_auroc)
+        return self._evaluate(batch)
 
     def test_step(self, batch, batch_idx):
-        self._evaluate(batch, self.test_auroc)
+        return self._evaluate(batch)
 
-    def _log_auroc(self, metric: ConceptAUROC, stage: str) -> dict:
-        result = metric.compute()
-        metric.reset()
-        values = {f"{stage}/auroc": result["auroc"]}
-        for name, value in zip(self.concepts, result["auroc_per_concept"]):
-            values[f"{stage}/auroc/{_safe(name)}"] = value
-        self.log_dict({k: v.float() for k, v in values.items()})
+    def configure_callbacks(self):
+        """Detection is scored by the AxBench AUROC callback unless the Trainer already has one."""
+        present = {type(callback) for callback in self.trainer.callbacks}
+        return [] if AUROCCallback in present else [AUROCCallback()]
+
+    def record_detection(self, stage: str, result: dict) -> None:
+        """Called by the `AUROCCallback` with its computed result: the largest sequence score of
+        each concept on the validation set becomes its max activation (the steering unit)."""
         seen = ~torch.isnan(result["max_score"])
         if stage == "val" and not self.trainer.sanity_checking:
             self.max_activations[seen] = result["max_score"][seen].to(self.max_activations)
-        return {"mean": float(result["auroc"]),
-                "per_concept": {n: float(v) for n, v in zip(self.concepts, result["auroc_per_concept"])}}  # fmt: skip
-
-    def on_validation_epoch_end(self):
-        auroc = self._log_auroc(self.val_auroc, "val")
-        if not self.trainer.sanity_checking:
+        auroc = {"mean": float(result["auroc"]),
+                 "per_concept": {n: float(v) for n, v in zip(self.concepts, result["auroc_per_concept"])}}  # fmt: skip
+        if stage == "test":
+            self._frozen["test_auroc"] = auroc
+        elif not self.trainer.sanity_checking:
             self._frozen["val_auroc"] = auroc
-
-    def on_test_epoch_end(self):
-        self._frozen["test_auroc"] = self._log_auroc(self.test_auroc, "test")
 
     # --- export -------------------------------------------------------------------------------
 
@@ -347,8 +337,3 @@ class SteeringModule(FrozenLMModule):
             model=self.hparams.lm, layer=self.hparams.layer, method=self.hparams.method,
             training_data=training_data, auroc=self._frozen.get("val_auroc"), card=card,
         )  # fmt: skip
-
-
-def _safe(name: str) -> str:
-    """A concept name as a metric key: no slashes, runs of other characters kept readable."""
-    return re.sub(r"\s+", " ", name.replace("/", "∕")).strip()

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
-from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.callbacks.export import CARD, load_intervention, save_intervention
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.modules.site import FrozenLMModule
+from lit_interventions.optim import OptimizerArgs
 from lit_interventions.sites import check_layer, final_logits, position_ids, residual_hook
 
 # Attention output projections by architecture, in the order they are tried.
@@ -60,8 +60,7 @@ class _SteeringModule(FrozenLMModule):
     method = ""
 
     def _setup_common(self, lm: str, concept_id: int | None, warmup_ratio: float):
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        OptimizerArgs(warmup_ratio=warmup_ratio)  # validates it (lr and weight decay: configure_optimizers)
         if concept_id is not None and (not isinstance(concept_id, int) or concept_id < 0):
             raise ValueError(f"concept_id={concept_id!r} must be a non-negative integer or None (all rows)")
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -109,10 +108,8 @@ class _SteeringModule(FrozenLMModule):
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = get_linear_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        args = OptimizerArgs(self.hparams.lr, self.hparams.warmup_ratio, "adamw", self.hparams.weight_decay)
+        return args.lightning(params, self.trainer.estimated_stepping_batches)
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict]:
         raise NotImplementedError
