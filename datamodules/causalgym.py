@@ -21,6 +21,7 @@ from lit_interventions.callbacks.metrics import OddsCallback
 from lit_interventions.metrics.disentangle import CAUSE, ISO
 from lit_interventions.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.surprisal import bos_prefix
+from lit_interventions.tokens import pad_batch, token_covering
 
 CONTROL_TASKS = {"dog_give": [" dog", " give"]}  # Hewitt & Liang-style control: arbitrary labels
 
@@ -76,12 +77,8 @@ def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, 
 
     def encode(sentence):
         enc = tokenizer(prefix + sentence.text, return_offsets_mapping=True)
-        offsets = enc["offset_mapping"]
-        positions = {}
-        for region, (start, end) in sentence.spans.items():
-            last_char = len(prefix) + end - 1
-            covering = [i for i, (a, b) in enumerate(offsets) if b > a and a <= last_char]
-            positions[region] = covering[-1]
+        positions = {region: token_covering(enc["offset_mapping"], len(prefix) + end - 1, sentence.text)
+                     for region, (start, end) in sentence.spans.items()}  # fmt: skip
         return enc["input_ids"], positions
 
     def label_id(label_type, word):
@@ -117,15 +114,7 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
     batch: dict[str, torch.Tensor] = {}
     for side in ("base", "source"):
         seqs = [getattr(e, f"{side}_ids") for e in examples]
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        shift = torch.zeros(len(seqs), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            offset = width - len(seq) if padding_side == "left" else 0
-            ids[i, offset : offset + len(seq)] = torch.tensor(seq)
-            mask[i, offset : offset + len(seq)] = 1
-            shift[i] = offset
+        ids, mask, shift = pad_batch(seqs, pad_id, padding_side)
         positions = torch.tensor([getattr(e, f"{side}_positions")[region] for e in examples])
         batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = ids, mask
         batch[f"{side}_pos"] = positions + shift  # (batch,)

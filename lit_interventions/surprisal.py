@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_interventions.sites import final_logits, position_ids
+from lit_interventions.tokens import pad_batch
 
 METRICS = ("sum", "mean")
 NO_REGION = -1
@@ -125,11 +126,7 @@ def token_surprisals(
     soft-capping) runs only on the hidden states at t - 1 of the wanted positions.
     """
     lengths = [len(ids) for ids in token_ids]
-    input_ids = torch.full((len(token_ids), max(lengths)), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(token_ids):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
+    input_ids, attention_mask, _ = pad_batch(token_ids, pad_id)
     if wanted is None:
         wanted = [list(range(1, length)) for length in lengths]
     rows = torch.tensor([row for row, positions in enumerate(wanted) for _ in positions], dtype=torch.long)
