@@ -10,7 +10,9 @@ alone: the result equals training the sites one by one with the same seed and ba
 
 from __future__ import annotations
 
+from functools import partial
 from itertools import accumulate
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,16 +51,18 @@ def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
 
 
 class MultiSiteInterchangeModule(SiteModule):
-    """Rank-k DAS at each of `regions` of one layer, trained in one loop (see the module doc).
+    """An intervention at each of `regions` of one layer, each trained as if alone, in one loop
+    (see the module doc): the sweep's grid. `InterchangeModule` is the one-run case.
 
     Give it the regions' data with `attach(datas)`, then `Trainer.fit(module)`.
-    `interventions[region]` holds the trained subspaces. Each is initialised from `seed`, as
-    `InterchangeModule` is after `seed_everything(seed)`.
+    `interventions[region]` holds the trained interventions: `intervention(d)` (default: DAS of
+    rank `k`), each initialised from `seed`, as `InterchangeModule` is after `seed_everything(seed)`.
     """
 
     def __init__(self, lm: str = DEFAULT_LM, layer: int | None = None, regions: list[str] = (), k: int = 1,
                  lr: float = 5e-3, warmup_ratio: float = 0.1, dtype: str = "float32", cache: bool = True,
-                 seed: int = 0, padding_side: str = "right"):  # fmt: skip
+                 seed: int = 0, padding_side: str = "right",
+                 intervention: Callable[[int], nn.Module] | None = None):  # fmt: skip
         super().__init__()
         layer = self._check_site(lm, layer)
         if not regions:
@@ -67,10 +71,11 @@ class MultiSiteInterchangeModule(SiteModule):
         self.hparams.layer = layer
         self.automatic_optimization = False  # one optimiser and schedule per region
         d = hidden_size(load_config(lm))
+        build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
         self.interventions = nn.ModuleDict()
         for region in regions:
             torch.manual_seed(seed)
-            self.interventions[region] = RotatedSpaceIntervention(d, k)
+            self.interventions[region] = build(d)
 
     def attach(self, datas: dict, batch_size: int = 4) -> "MultiSiteInterchangeModule":
         """The regions' data ({region: CausalGymDataModule}, set up). Training draws each region's
