@@ -91,3 +91,26 @@ def test_mdas_on_causalgym_trains_on_cause_and_iso_pairs(tmp_path, tiny_lm_dir):
 def test_data_without_iso_pairs_is_refused_for_a_multitask_objective(tmp_path, tiny_lm_dir):
     with pytest.raises(ValueError, match="set --data.multitask true"):
         _fit("configs/mdas.yaml", tmp_path, tiny_lm_dir("gpt2"), "--data.multitask=false", "--data.train_pairs=4")
+
+
+@pytest.mark.parametrize("overrides,kind", [
+    (["--model.intervention=lit_interventions.interventions.fitted.DirectionInterchange",
+      "--model.intervention.method=probe"], "direction"),
+    (["--model.intervention=lit_interventions.interventions.fitted.FeatureInterchangeFit"], "featurizer"),
+    (["--model.objective=lit_interventions.objectives.CauseIsoLoss", "--model.objective.multitask=true",
+      "--data.multitask=true"], "mdbm"),
+])  # fmt: skip
+def test_other_cells_from_the_command_line_alone(overrides, kind, tmp_path, tiny_lm_dir):
+    """Any intervention and objective on CausalGym by naming classes: a probe direction, the PCA
+    featurizer, and MDBM (the DBM config with the multi-task objective)."""
+    config = "configs/dbm.yaml" if kind == "mdbm" else "configs/das.yaml"
+    cli = _fit(config, tmp_path, tiny_lm_dir("llama"), "--data.train_pairs=24", "--data.eval_pairs=8", *overrides)
+    intervention = cli.model.intervention
+    if kind == "direction":
+        assert intervention.basis.shape == (1, 32) and intervention.basis.norm().item() == pytest.approx(1.0)
+    elif kind == "featurizer":
+        assert intervention.fitted.featurizer.n_features == 32
+    else:
+        assert cli.model.objective.multitask and any(e.kind == 1 for e in cli.datamodule.splits["train"])
+    scored = cli.model.score(cli.datamodule.loader("dev", 16))
+    assert cli.trainer.callback_metrics["val/odds"].item() == pytest.approx(scored["odds"], abs=1e-4)
