@@ -12,7 +12,9 @@ method configs are fixed) and scores the test split with the validation metric
 - `DIR/changes.csv` and `DIR/<method>_changes.png`: how often intervening on attribute A (row)
   changes the model's answer about attribute B (column), the paper's Figure 3a;
 
-and resumes: a rerun skips the (method, attribute) cells already in summary.csv.
+and resumes: a rerun skips the (method, attribute) cells already done. Finished cells are kept in
+`DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it, whole, after each
+(`lit_interventions.results`); one run at a time holds `DIR/.lock`.
 """
 
 from __future__ import annotations
@@ -128,8 +130,8 @@ def run_ravel_sweep(
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
             changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
                        for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
-            store.add({"changes": changes, "summary": [{"method": method, "attribute": attribute,
-                       **{k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}}]})  # fmt: skip  (one unit: both or neither)
+            scores = {k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}
+            store.add({"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]})  # both or neither
     return summarise(out, methods, attributes, data.attributes)
 
 

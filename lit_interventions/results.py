@@ -101,7 +101,9 @@ def claim_out_dir(out: Path, meta: dict, what: str = "results", ignore: tuple = 
         try:
             old = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is damaged ({err}); delete it if {out} holds nothing you need, or choose another --out") from None
+            raise ValueError(
+                f"{path} is damaged ({err}); delete it if {out} holds nothing you need, or choose another --out"
+            ) from None
         changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v and k not in ignore}
         if changed:
             raise ValueError(

@@ -15,6 +15,8 @@ loses at most one site's scoring or one layer's DAS training):
 - DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
 - DIR/das/TASK_LAYER.safetensors: the trained DAS subspaces, {region: W (k × d)}.
+Finished sites are kept in DIR/results.sqlite (one transaction per site) and results.csv exported
+from it, whole, after each (`lit_interventions.results`); one run at a time holds DIR/.lock.
 """
 
 from __future__ import annotations
