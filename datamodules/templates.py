@@ -115,6 +115,31 @@ class TaskTemplate:
         lead = " " if self.label_prepend_space and region.variable in self.label_variables else ""
         return (" " if region.text.startswith(" ") else "") + lead + option
 
+    def distinct_pairs(self, same_type: bool = False) -> int:
+        """How many distinct pairs `sample_pair` can draw (a pair and its swap counted once): per
+        template and ordered pair of types, the product of the option counts of its regions; halved,
+        as every ordered pair has its swap. Identical texts from different choices count twice, so
+        this is an upper bound, exact for the built-in tasks. `same_type`: Iso pairs."""
+        ordered = 0
+        for template in self.templates:
+            for base_type in self.types:
+                for source_type in self.types:
+                    if (base_type == source_type) == same_type:
+                        ordered += self._choices(template, base_type, source_type, same_type)
+        return ordered // 2
+
+    def _choices(self, template: str, base_type: str, source_type: str, same_type: bool = False) -> int:
+        count = 1
+        for region in split_regions(template):
+            options = self.variables.get(region.variable) if region.variable else None
+            if options is None:
+                continue
+            if region.variable in self.label_variables:
+                count *= len(set(options[base_type])) * len(set(options[source_type]))
+            else:  # shared by a Cause pair's sentences; sampled for each of an Iso pair's
+                count *= len(set(options)) ** (2 if same_type else 1)
+        return count
+
     def sample_pair(self, rng: random.Random, same_type: bool = False) -> Pair:
         """§3.2: types t1 ≠ t2; label variables take options of t1 (base) / t2 (source); every
         other variable takes one option shared by both sentences.
@@ -239,6 +264,12 @@ def sample_pairs(
 ) -> list[Pair]:
     """n distinct pairs, none of whose sentences is in `exclude`; each also added swapped (2n).
     `same_type`: Iso pairs (`TaskTemplate.sample_pair`)."""
+    available = task.distinct_pairs(same_type)
+    if n > available:  # refused at once: sampling for more would spin for n * max_tries_per_pair draws
+        raise ValueError(
+            f"{n} pairs asked for, but task {task.name!r} has only {available} distinct pairs; "
+            f"ask for at most {available} (train_pairs, eval_pairs)."
+        )
     rng = random.Random(seed)
     pairs, seen = [], set()
     tries = 0

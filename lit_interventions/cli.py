@@ -1,17 +1,18 @@
 """What the study scripts (sweeps, CALM, steering evaluation) share: the command line (a
 function's arguments as options plus `--config FILE`, bad input as one `error:` line with exit
 code 2, the summary rows printed one per line) and a resumable output directory (a meta.json
-that ties it to one configuration, and CSV files appended row by row)."""
+that ties it to one configuration; the results store of `lit_interventions.results`)."""
 
 from __future__ import annotations
 
 import csv
-import json
 import logging
 from pathlib import Path
 from typing import Callable
 
 from jsonargparse import ActionConfigFile, ArgumentParser
+
+from lit_interventions.results import claim_out_dir  # noqa: F401  (re-exported: the studies' one import)
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -60,34 +61,9 @@ def choose_layers(value: str | list[int], n_layers: int) -> list[int]:
     return layers
 
 
-def claim_out_dir(out: Path, meta: dict, what: str = "results", ignore: tuple = ()) -> None:
-    """Make `out` hold the results of this configuration only: a directory written by another
-    (a different model, data file or size) is refused before any work."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "meta.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v and k not in ignore}
-        if changed:
-            raise ValueError(
-                f"{out} holds {what} for lm={old.get('lm')!r}; this run differs in "
-                f"{', '.join(f'{k} ({a!r} there, {b!r} here)' for k, (a, b) in changed.items())}. Choose another --out."
-            )
-    path.write_text(json.dumps(meta, indent=2) + "\n")
-
-
 def read_rows(path: Path) -> list[dict]:
+    """The rows of a CSV that the results store exported (always whole), or [] if there is none."""
     if not path.is_file():
         return []
     with path.open() as f:
         return list(csv.DictReader(f))
-
-
-def append_rows(path: Path, columns: list[str], rows: list[dict]) -> None:
-    """Append rows to a CSV file (header written when the file is new): a finished cell is on disk."""
-    new = not path.is_file()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)

@@ -12,12 +12,15 @@ method configs are fixed) and scores the test split with the validation metric
 - `DIR/changes.csv` and `DIR/<method>_changes.png`: how often intervening on attribute A (row)
   changes the model's answer about attribute B (column), the paper's Figure 3a;
 
-and resumes: a rerun skips the (method, attribute) cells already in summary.csv.
+and resumes: a rerun skips the (method, attribute) cells already done. Finished cells are kept in
+`DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it, whole, after each
+(`lit_interventions.results`); one run at a time holds `DIR/.lock`.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import warnings
 from pathlib import Path
 
@@ -27,15 +30,18 @@ import yaml
 from tqdm import tqdm
 
 from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
-from lit_interventions.cli import append_rows, choose_layers, choose_names, claim_out_dir, read_rows, run_cli
+from lit_interventions.cli import choose_layers, choose_names, read_rows, run_cli
 from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.configs import build_module, model_section
 from lit_interventions.plots import attribute_heatmap
+from lit_interventions.results import Table, open_results, write_atomically
 
 METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
 ALL = [m for m in METHODS if m != "sae"]  # `all`: sae needs a trained SAE named in its config
 SUMMARY_COLUMNS = ["method", "attribute", "cause", "iso", "disentangle"]
 CHANGE_COLUMNS = ["method", "intervened", "queried", "change_rate"]
+SUMMARY = Table("summary", tuple(SUMMARY_COLUMNS), key=("method", "attribute"), numeric=("cause", "iso", "disentangle"))
+CHANGES = Table("changes", tuple(CHANGE_COLUMNS), key=("method", "intervened", "queried"), numeric=("change_rate",))
 
 
 def method_config(configs: Path, method: str) -> tuple[dict, int]:
@@ -115,18 +121,17 @@ def run_ravel_sweep(
     out = Path(out)
     data_options = {"lm": lm, "ravel_dir": ravel_dir, "entity_type": entity_type, "split": split, "source": source,
                     "train_size": train_size, "eval_size": eval_size, "max_candidates": max_candidates, "seed": seed}  # fmt: skip
-    claim_out_dir(out, {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs})
-    summary_path, changes_path = out / "summary.csv", out / "changes.csv"
-    done = {(r["method"], r["attribute"]) for r in read_rows(summary_path)}
-    cells = [(m, a) for m in methods for a in attributes if (m, a) not in done]
-    for method, attribute in tqdm(cells, desc="RAVEL cells", unit="cell"):
-        options, n_epochs = method_options[method]
-        metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
-        changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
-                   for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
-        append_rows(changes_path, CHANGE_COLUMNS, changes)  # before the summary row: a cell is done once both are in
-        append_rows(summary_path, SUMMARY_COLUMNS, [{"method": method, "attribute": attribute,
-                **{k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}}])  # fmt: skip
+    meta = {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs}
+    with open_results(out, meta, [CHANGES, SUMMARY]) as store:
+        done = {(r["method"], r["attribute"]) for r in store.rows("summary")}
+        cells = [(m, a) for m in methods for a in attributes if (m, a) not in done]
+        for method, attribute in tqdm(cells, desc="RAVEL cells", unit="cell"):
+            options, n_epochs = method_options[method]
+            metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
+            changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
+                       for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
+            scores = {k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}
+            store.add({"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]})  # both or neither
     return summarise(out, methods, attributes, data.attributes)
 
 
@@ -148,10 +153,11 @@ def summarise(out: Path, methods: list[str], attributes: list[str], all_attribut
                 matrix[attributes.index(c["intervened"]), all_attributes.index(c["queried"])] = float(c["change_rate"])
         if not np.isnan(matrix).all():
             attribute_heatmap(matrix, attributes, all_attributes, f"{method}: P(answer changes)", out / f"{method}_changes.png")
-    with (out / "table.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
-        writer.writeheader()
-        writer.writerows([r for r in lines if r["attribute"] == "average"])
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=SUMMARY_COLUMNS)
+    writer.writeheader()
+    writer.writerows([r for r in lines if r["attribute"] == "average"])
+    write_atomically(out / "table.csv", table.getvalue())
     return lines
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import warnings
 import zlib
 from collections import defaultdict
 from contextlib import contextmanager
@@ -187,14 +188,24 @@ def _concepts(value, valid: list[str]) -> list[str]:
 
 
 def _read_generations(path: Path) -> list[dict]:
+    """The whole lines of DIR/generations.jsonl. A line cut by an interruption (and whatever follows
+    it) is reported and cut off the file, so the redone cell is appended after a whole line."""
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    rows, kept = [], 0
+    data = path.read_bytes()
+    for number, line in enumerate(data.splitlines(keepends=True), start=1):
         try:
+            if not line.endswith(b"\n"):
+                raise ValueError("no newline")
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut by an interruption: its cell is redone
+        except ValueError:
+            warnings.warn(f"{path}: line {number} is incomplete or damaged; it and what follows are dropped and their "
+                          "cells redone", stacklevel=2)  # fmt: skip
+            with path.open("r+b") as f:
+                f.truncate(kept)
+            break
+        kept += len(line)
     return rows
 
 

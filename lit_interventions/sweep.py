@@ -15,6 +15,8 @@ loses at most one site's scoring or one layer's DAS training):
 - DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
 - DIR/das/TASK_LAYER.safetensors: the trained DAS subspaces, {region: W (k × d)}.
+Finished sites are kept in DIR/results.sqlite (one transaction per site) and results.csv exported
+from it, whole, after each (`lit_interventions.results`); one run at a time holds DIR/.lock.
 """
 
 from __future__ import annotations
@@ -39,17 +41,20 @@ from tqdm import tqdm
 from datamodules.causalgym import CausalGymDataModule
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.cache import ActivationCache
-from lit_interventions.cli import append_rows, choose_layers, choose_names, claim_out_dir, read_rows, run_cli
+from lit_interventions.cli import choose_layers, choose_names, read_rows, run_cli
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
-from lit_interventions.lm import DEFAULT_LM, load_config, load_lm, num_layers
+from lit_interventions.lm import DEFAULT_LM, DTYPES, load_config, load_lm, num_layers
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.plots import odds_heatmap
+from lit_interventions.results import Table, open_results
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
+RESULTS = Table("results", tuple(RESULT_COLUMNS), key=("task", "method", "layer", "region"),
+                numeric=("layer", "odds", "iia", "control_odds", "control_iia"), optional=("control_odds", "control_iia"))  # fmt: skip
 
 
 def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
@@ -191,6 +196,53 @@ def summarise(results: list[dict], accuracy: dict[str, float], regions: dict[str
     return summary
 
 
+def check_inputs(tasks: list[str], templates, dtype: str, sizes: dict) -> None:
+    """What can be refused before the output directory is claimed and the model loaded."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    for name in ("train_pairs", "eval_pairs"):
+        if not isinstance(sizes[name], int) or sizes[name] < 1:
+            raise ValueError(f"{name}={sizes[name]!r} must be a positive integer")
+    for task in tasks:
+        available = load_task(task, templates).distinct_pairs()
+        for name in ("train_pairs", "eval_pairs"):
+            if sizes[name] > available:
+                raise ValueError(f"{name}={sizes[name]} but task {task!r} has only {available} distinct pairs; "
+                                 f"ask for at most {available}")  # fmt: skip
+
+
+def _sweep(store, tasks, methods, layers, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
+           accuracy) -> None:  # fmt: skip
+    """The sites not in `done`, each stored as one unit; fills `accuracy` ({task: Acc})."""
+    out = store.out
+    model = load_lm(lm, dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # every site's module follows it
+    progress = tqdm(total=sum(len(regions[task]) for task in tasks) * len(layers), desc="sites", unit="site")
+    for task in tasks:
+        cache = ActivationCache(model, layers)  # one cache per task: every layer, computed once for its sentences
+        accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype, batch_size)
+
+        @lru_cache(maxsize=None)
+        def data_of(region, kind=None, task=task):
+            """A region's data module (kind: None, or the control task), tokenised once per task."""
+            return _region_data(task, templates, lm, region, kind, sizes)
+
+        for layer in layers:
+            todo = {region: [m for m in methods if (task, m, layer, region) not in done] for region in regions[task]}
+            das_regions = [region for region, names in todo.items() if "das" in names]
+            stem, args = out / "das" / f"{task}_{layer}", (lm, layer, cache, seed, dtype)
+            das = saved_das(Path(f"{stem}.safetensors"), {r: data_of(r) for r in das_regions}, *args) \
+                if das_regions else {}  # fmt: skip
+            control_das = saved_das(Path(f"{stem}_dog_give.safetensors"), {r: data_of(r, "dog_give") for r in das_regions},
+                                    *args) if das_regions and control else {}  # fmt: skip
+            for region, names in todo.items():
+                if names:
+                    store.add({"results": sweep_site(
+                        task, layer, region, names, lm, data_of(region), data_of(region, "dog_give") if control else None,
+                        cache, seed, dtype, das.get(region), control_das.get(region), batch_size)})  # fmt: skip
+                progress.update()
+    progress.close()
+
+
 def run_sweep(
     tasks: str | list[str] = "agr_sv_num_pp",
     methods: str | list[str] = "all",
@@ -231,39 +283,15 @@ def run_sweep(
     out = Path(out)
     digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
-    claim_out_dir(out, {"lm": lm, "dtype": dtype, "templates": templates or "builtin", "templates_sha256": digest, **sizes},
-                  ignore=("templates",))  # the file is known by its sha256
+    check_inputs(tasks, templates, dtype, sizes)  # before the output directory is claimed: a refused run leaves nothing
     results_path = out / "results.csv"
-    done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in read_rows(results_path)
-            if r["control_odds"] or not control}  # a site run without the control is redone with it
-    regions = {task: load_task(task, templates).regions for task in tasks}
-    model = load_lm(lm, dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # every site's module follows it
-    accuracy = {}
-    progress = tqdm(total=sum(len(regions[task]) for task in tasks) * len(layers), desc="sites", unit="site")
-    for task in tasks:
-        cache = ActivationCache(model, layers)  # one cache per task: every layer, computed once for its sentences
-        accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype, batch_size)
-
-        @lru_cache(maxsize=None)
-        def data_of(region, kind=None, task=task):
-            """A region's data module (kind: None, or the control task), tokenised once per task."""
-            return _region_data(task, templates, lm, region, kind, sizes)
-
-        for layer in layers:
-            todo = {region: [m for m in methods if (task, m, layer, region) not in done] for region in regions[task]}
-            das_regions = [region for region, names in todo.items() if "das" in names]
-            stem, args = out / "das" / f"{task}_{layer}", (lm, layer, cache, seed, dtype)
-            das = saved_das(Path(f"{stem}.safetensors"), {r: data_of(r) for r in das_regions}, *args) \
-                if das_regions else {}  # fmt: skip
-            control_das = saved_das(Path(f"{stem}_dog_give.safetensors"), {r: data_of(r, "dog_give") for r in das_regions},
-                                    *args) if das_regions and control else {}  # fmt: skip
-            for region, names in todo.items():
-                if names:
-                    append_rows(results_path, RESULT_COLUMNS, sweep_site(
-                        task, layer, region, names, lm, data_of(region), data_of(region, "dog_give") if control else None,
-                        cache, seed, dtype, das.get(region), control_das.get(region), batch_size))  # fmt: skip
-                progress.update()
-    progress.close()
+    regions, accuracy = {task: load_task(task, templates).regions for task in tasks}, {}
+    with open_results(out, {"lm": lm, "dtype": dtype, "templates": templates or "builtin", "templates_sha256": digest,
+                            **sizes}, [RESULTS], ignore=("templates",)) as store:  # the file is known by its sha256
+        done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in store.rows("results")
+                if r["control_odds"] or not control}  # a site run without the control is redone with it
+        _sweep(store, tasks, methods, layers, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
+               accuracy)  # fmt: skip
     results = [r for r in read_rows(results_path)
                if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
     return summarise(results, accuracy, regions, out)

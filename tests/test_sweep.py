@@ -114,7 +114,8 @@ def test_trained_das_is_saved_and_reused_after_an_interruption(tmp_path, tiny_lm
     saved = load_file(out / "das" / "agr_sv_num_pp_1.safetensors")
     assert set(saved) == {"The", "subject", "prep", "the", "object"} and saved["subject"].shape == (1, 32)
     first = _rows(out / "results.csv")
-    (out / "results.csv").unlink()  # as if interrupted after training, before any site was scored
+    for name in ("results.csv", "results.sqlite"):  # as if interrupted after training, before any site was scored
+        (out / name).unlink()
     monkeypatch.setattr(sweep, "train_das", lambda *a, **k: pytest.fail("the saved subspaces must be reused"))
     _run(tmp_path, lm_dir, methods=["das"], layers=[1])
     again = _rows(out / "results.csv")

@@ -1,0 +1,272 @@
+"""A resumable output directory that loses nothing and says so when something is damaged.
+
+- `DIR/.lock`: an exclusive `flock` held for the whole run, with the holder's pid in it: a second
+  run on the same directory is refused at once instead of doubling the work.
+- `DIR/meta.json`: the configuration the directory belongs to, written (atomically) only after
+  the lock is held and the configuration matches; callers validate their inputs first, so a
+  rejected run leaves nothing behind.
+- `DIR/results.sqlite`: the finished units (SQLite in WAL mode, one transaction per unit): a crash
+  at any byte loses at most the unit being written.
+- `DIR/<table>.csv`: exported from the database after each unit (temporary file + `os.replace`),
+  so it is always whole. A CSV from before the database is imported once: its complete rows are
+  kept, each damaged line is reported (file and line number) and its unit recomputed.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import json
+import os
+import sqlite3
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+DB_NAME = "results.sqlite"
+LOCK_NAME = ".lock"
+
+
+class OutDirBusy(ValueError):
+    """Another process holds the output directory."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """One kind of row: written to DIR/<name>.csv with `columns`; a row replaces the row with the
+    same `key`. `numeric` columns must parse as numbers, `optional` ones may be empty."""
+
+    name: str
+    columns: tuple[str, ...]
+    key: tuple[str, ...]
+    numeric: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+
+# --- the lock ---
+
+
+class OutDirLock:
+    """An exclusive, non-blocking `flock` on DIR/.lock; the file holds the holder's pid."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> "OutDirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutDirBusy(
+                f"{self.path.parent} is in use by another run (pid {holder}); wait for it to end or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+# --- meta.json ---
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and `os.replace`: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def claim_out_dir(out: Path, meta: dict, what: str = "results", ignore: tuple = ()) -> None:
+    """Make `out` hold the results of this configuration only: a directory written by another
+    (a different model, data file or size) is refused before any work. Call it once the inputs
+    are validated: it writes meta.json."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "meta.json"
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path} is damaged ({err}); delete it if {out} holds nothing you need, or choose another --out"
+            ) from None
+        changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v and k not in ignore}
+        if changed:
+            raise ValueError(
+                f"{out} holds {what} for lm={old.get('lm')!r}; this run differs in "
+                f"{', '.join(f'{k} ({a!r} there, {b!r} here)' for k, (a, b) in changed.items())}. Choose another --out."
+            )
+    write_atomically(path, json.dumps(meta, indent=2) + "\n")
+
+
+# --- the store ---
+
+
+def _text(value) -> str:
+    """A value as the csv module writes it."""
+    return "" if value is None else str(value)
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+class ResultsStore:
+    """Finished units in DIR/results.sqlite, one table per `Table`, each exported to its CSV."""
+
+    def __init__(self, out: Path, tables: list[Table]):
+        self.out, self.tables = Path(out), {t.name: t for t in tables}
+        self.db = sqlite3.connect(self.out / DB_NAME, isolation_level=None)  # transactions are ours
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("CREATE TABLE IF NOT EXISTS imported (name TEXT PRIMARY KEY)")
+        for table in tables:
+            columns = ", ".join(f"{_quote(c)} TEXT NOT NULL" for c in table.columns)
+            key = ", ".join(_quote(c) for c in table.key)
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {_quote(table.name)} ({columns}, PRIMARY KEY ({key}))")
+            self._import_once(table)
+            self._export(table)
+
+    def rows(self, name: str) -> list[dict]:
+        """The rows of one table, as strings (as `csv.DictReader` reads them), oldest first."""
+        table = self.tables[name]
+        cursor = self.db.execute(f"SELECT {', '.join(map(_quote, table.columns))} FROM {_quote(name)} ORDER BY rowid")
+        return [dict(zip(table.columns, values)) for values in cursor]
+
+    def add(self, unit: dict[str, list[dict]]) -> None:
+        """One finished unit ({table: rows}) in one transaction, then its tables' CSVs re-exported:
+        a crash anywhere leaves the unit either wholly in or wholly out."""
+        with self._transaction():
+            for name, rows in unit.items():
+                self._insert(self.tables[name], rows)
+        for name in unit:
+            self._export(self.tables[name])
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def _insert(self, table: Table, rows: list[dict]) -> None:
+        unknown = {k for row in rows for k in row} - set(table.columns)
+        if unknown:
+            raise ValueError(f"rows for {table.name} have unknown columns {sorted(unknown)}; expected {list(table.columns)}")
+        marks = ", ".join("?" * len(table.columns))
+        for row in rows:
+            self.db.execute(f"INSERT OR REPLACE INTO {_quote(table.name)} VALUES ({marks})",
+                            [_text(row.get(c)) for c in table.columns])  # fmt: skip
+
+    def _export(self, table: Table) -> None:
+        path = self.out / f"{table.name}.csv"
+        rows = self.rows(table.name)
+        if not rows and not path.exists():
+            return  # nothing finished yet: no file, as before
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table.columns))
+            writer.writeheader()
+            writer.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _import_once(self, table: Table) -> None:
+        """Rows of a CSV written before the database (or by an older version): once, in one
+        transaction with the mark that says it is done."""
+        if self.db.execute("SELECT 1 FROM imported WHERE name = ?", (table.name,)).fetchone():
+            return
+        path = self.out / f"{table.name}.csv"
+        with self._transaction():
+            if path.is_file():
+                self._insert(table, complete_rows(path, table))
+            self.db.execute("INSERT INTO imported VALUES (?)", (table.name,))
+
+
+def complete_rows(path: Path, table: Table) -> list[dict]:
+    """The complete rows of a CSV: every column present, numbers that parse, the line ended by a
+    newline. Each other line is reported (a warning naming the file and line) and dropped, so its
+    unit is recomputed; a file without the expected header yields nothing."""
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    header = next(csv.reader(lines[:1]), []) if lines and lines[0].endswith("\n") else []
+    required = [c for c in table.columns if c not in table.optional]
+    if not set(required) <= set(header) or not set(header) <= set(table.columns):
+        if any(line.strip() for line in lines):
+            warnings.warn(f"{path}: line 1 is not the header {','.join(table.columns)}; nothing in it is kept, "
+                          "every unit is recomputed", stacklevel=2)  # fmt: skip
+        else:
+            warnings.warn(f"{path} is empty; every unit is recomputed", stacklevel=2)
+        return []
+    rows = []
+    for number, line in enumerate(lines[1:], start=2):
+        row = _complete(line, header, table)
+        if row is None:
+            warnings.warn(f"{path}: line {number} is incomplete or damaged ({line.rstrip()!r}); "
+                          "it is dropped and its unit recomputed", stacklevel=2)  # fmt: skip
+        else:
+            rows.append(row)
+    return rows
+
+
+def _complete(line: str, header: list[str], table: Table) -> dict | None:
+    if not line.endswith("\n"):
+        return None
+    fields = next(csv.reader([line]), [])
+    if len(fields) != len(header):
+        return None
+    row = dict(zip(header, fields))
+    for column in table.columns:
+        value = row.get(column, "")
+        if value == "":
+            if column not in table.optional:
+                return None
+        elif column in table.numeric and not _is_number(value):
+            return None
+    return row
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+@contextmanager
+def open_results(out: Path, meta: dict, tables: list[Table], what: str = "results", ignore: tuple = ()) -> Iterator[ResultsStore]:
+    """Lock `out`, claim it for `meta` (see `claim_out_dir`) and open its store; the lock is held
+    until the block ends, however it ends."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = OutDirLock(out).acquire()
+    try:
+        claim_out_dir(out, meta, what, ignore)
+        store = ResultsStore(out, tables)
+        try:
+            yield store
+        finally:
+            store.close()
+    finally:
+        lock.release()
