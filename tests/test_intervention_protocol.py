@@ -82,7 +82,8 @@ CASES = {
     "full_swap": (FullVectorSwap, {}, True),
     "dictionary": (lambda: ConceptDictionary(3, D, unit_norm=False, seed=1),
                    {"concept_id": torch.tensor([0, 2, 1, 2]), "factor": torch.tensor([1.0, -2.0, 0.5, 3.0])}, False),
-    "dictionary_unit": (lambda: ConceptDictionary(3, D, seed=1), {"concept_id": torch.tensor([1, 1, 0, 2]), "factor": 4.0}, False),
+    "dictionary_unit": (lambda: ConceptDictionary(3, D, seed=1),
+                        {"concept_id": torch.tensor([1, 1, 0, 2]), "factor": 4.0}, False),
     "loreft": (lambda: LoReFTIntervention(D, rank=2), {}, False),
     "pgd": (lambda: GradientAttack(_probe(), epsilon=0.3, steps=5), {"target": TARGET}, False),
     "fgsm": (lambda: GradientAttack.fgsm(_probe(), epsilon=0.3, targeted=False), {"target": TARGET}, False),
@@ -178,11 +179,15 @@ def test_a_card_without_class_path_is_refused_by_name(tmp_path):
     (tmp_path / CARD).write_text(json.dumps(card))
     with pytest.raises(ValueError, match="class_path"):
         load_intervention(tmp_path)
+    (tmp_path / CARD).write_text(json.dumps({**card, "class_path": "collections.OrderedDict"}))
+    with pytest.raises(ValueError, match="not an intervention class"):
+        load_intervention(tmp_path)
 
 
 def _fake_fit(tmp_path, intervention, method):
+    metrics = {"val/odds": torch.tensor(2.5), "val/nan": torch.tensor(float("nan"))}  # NaN metrics are left out
     trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path), is_global_zero=True,
-                              datamodule=None, callback_metrics={"val/odds": torch.tensor(2.5), "val/nan": torch.tensor(float("nan"))})  # fmt: skip
+                              datamodule=None, callback_metrics=metrics)  # fmt: skip
     module = SimpleNamespace(intervention=intervention, hparams=AttributeDict(method=method, lm="tiny", layer=1, k=3))
     ExportIntervention().on_fit_end(trainer, module)
 

@@ -148,4 +148,7 @@ def load_intervention(directory: str | Path) -> tuple[InterventionProtocol, dict
     if "class_path" not in card:
         raise ValueError(f"{Path(directory) / CARD} has no class_path (an older export?); read it with read_tensors")
     cls = import_class(card["class_path"])
+    if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
+        raise ValueError(f"{Path(directory) / CARD}: class_path={card['class_path']!r} is not an intervention class "
+                         "(no from_tensors)")  # fmt: skip
     return cls.from_tensors(tensors, **card.get("config", {})), card
