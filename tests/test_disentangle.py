@@ -216,4 +216,5 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
         assert len(fitted.selected) <= 32 and fitted.selection.sweep
     elif subcommand == "fit":
         card = json.loads((Path(cli.trainer.log_dir) / "intervention.json").read_text())
-        assert card["method"] == ("das" if "das" in config else "dbm") and card["data"]["target_attribute"] == "Country"
+        expected = "RotatedSpaceIntervention" if "das" in config else "SigmoidMaskIntervention"
+        assert card["class_path"].endswith(expected) and card["data"]["target_attribute"] == "Country"

@@ -114,3 +114,19 @@ def test_other_cells_from_the_command_line_alone(overrides, kind, tmp_path, tiny
         assert cli.model.objective.multitask and any(e.kind == 1 for e in cli.datamodule.splits["train"])
     scored = cli.model.score(cli.datamodule.loader("dev", 16))
     assert cli.trainer.callback_metrics["val/odds"].item() == pytest.approx(scored["odds"], abs=1e-4)
+
+
+def test_fitted_interventions_export_and_reload(tmp_path):
+    from lit_interventions.interventions.base import load_intervention, save_intervention
+    from lit_interventions.interventions.fitted import FeatureInterchangeFit
+
+    g = torch.Generator().manual_seed(1)
+    states = torch.randn(80, 8, generator=g)
+    labels = ["a" if x > 0 else "b" for x in states[:, 0]]
+    base, source = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    for fitted in (DirectionInterchange(8, method="probe").fit(states, labels),
+                   FeatureInterchangeFit(8).fit(states, labels)):  # fmt: skip
+        save_intervention(tmp_path / type(fitted).__name__, fitted, {})
+        loaded, card = load_intervention(tmp_path / type(fitted).__name__)
+        torch.testing.assert_close(loaded(base, source), fitted(base, source))
+    assert DirectionInterchange(8).export() == {}  # nothing fitted, nothing exported

@@ -1,5 +1,11 @@
 """Interventions: pure torch modules mapping (f(b), f(s)) to f*(b, s). No Lightning here."""
 
+from lit_interventions.interventions.base import (
+    Intervention,
+    InterventionProtocol,
+    load_intervention,
+    save_intervention,
+)
 from lit_interventions.interventions.directions import (
     METHODS,
     DiffMeanDirection,
@@ -10,6 +16,7 @@ from lit_interventions.interventions.directions import (
     RandomDirection,
     default_probe_strength,
     fit_direction,
+    fit_intervention,
 )
 from lit_interventions.interventions.rotation import (
     FixedSubspaceIntervention,
@@ -18,6 +25,11 @@ from lit_interventions.interventions.rotation import (
 )
 
 __all__ = [
+    "Intervention",
+    "InterventionProtocol",
+    "load_intervention",
+    "save_intervention",
+    "fit_intervention",
     "FixedSubspaceIntervention",
     "RotatedSpaceIntervention",
     "subspace_interchange",

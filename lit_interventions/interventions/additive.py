@@ -20,14 +20,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lit_interventions.interventions.base import Intervention
 
-class ConceptDictionary(nn.Module):
+
+class ConceptDictionary(Intervention):
     """A (concepts × d) matrix of concept directions, `weight[c]` = w_c.
 
     unit_norm: initialise the rows on the unit sphere (Gaussian directions from `seed`) and keep
     them there with `remove_parallel_grad` + `renormalise`; False (SSV) starts from zeros and
-    leaves the norm free.
+    leaves the norm free. As an intervention it steers: forward(base, *, concept_id, factor)
+    = base + α·w_c at every token.
     """
+
+    trains = True
 
     def __init__(self, num_concepts: int, hidden_size: int, unit_norm: bool = True, seed: int = 0):
         super().__init__()
@@ -59,6 +64,34 @@ class ConceptDictionary(nn.Module):
     def projections(self, hidden: torch.Tensor, concept_id: torch.Tensor) -> torch.Tensor:
         """h_i·w_c at every token of each example, (batch, seq), in float32."""
         return torch.einsum("btd,bd->bt", hidden.float(), self.rows(concept_id).float())
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None, *, concept_id: torch.Tensor,
+                factor: float | torch.Tensor = 1.0) -> torch.Tensor:  # fmt: skip
+        """Φ(h_i) = h_i + α·w_c.  base (batch, d) or (batch, seq, d); concept_id (batch,) rows;
+        factor α: a number or (batch,), one per example."""
+        self._refuse_source(source)
+        concept_id = torch.as_tensor(concept_id, device=self.weight.device).reshape(-1)
+        if concept_id.shape[0] != base.shape[0]:
+            raise ValueError(f"concept_id has {concept_id.shape[0]} ids; base has batch size {base.shape[0]}")
+        alpha = torch.as_tensor(factor, dtype=torch.float32, device=base.device).reshape(-1, 1)  # (1 | batch, 1)
+        shift = alpha * self.rows(concept_id).float()  # (batch, d)
+        if base.dim() == 3:
+            shift = shift[:, None, :]
+        return base + shift.to(base.dtype)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight.detach()}  # (C, d)
+
+    def config(self) -> dict:
+        return {"unit_norm": self.unit_norm}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], unit_norm: bool = True) -> ConceptDictionary:
+        num_concepts, hidden_size = tensors["weight"].shape
+        module = cls(num_concepts, hidden_size, unit_norm)
+        with torch.no_grad():
+            module.weight.copy_(tensors["weight"])
+        return module
 
     @torch.no_grad()
     def remove_parallel_grad(self) -> None:

@@ -3,7 +3,8 @@
 Each estimator is scikit-learn style: `fit(X, y)` with X (n, d) representations (numpy or torch)
 and y (n,) labels with exactly two distinct values returns self and sets `direction_`, a float32
 torch tensor of shape (d,) with unit L2 norm, to use as
-`FixedSubspaceIntervention(direction_)`: f* = f(b) + (a·f(s) − a·f(b)) a.
+`FixedSubspaceIntervention(direction_)`: f* = f(b) + (a·f(s) − a·f(b)) a, which
+`to_intervention()` returns (so a fitted direction joins the intervention protocol).
 
 Classes are ordered by `np.unique(y)`: class 0 is the smaller label, class 1 the larger. Sign
 convention: every direction is flipped if needed so that the mean projection of class 1 is ≥
@@ -27,6 +28,8 @@ from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 from sklearn.linear_model import LogisticRegression
 from sklearn.utils import check_random_state
 from threadpoolctl import threadpool_limits
+
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 
 # (largest hidden size, λ): the paper's best L2 strengths at d = 128, 256, 512 (App. C, Table 2a).
 PROBE_STRENGTHS = ((128, 1e1), (256, 1e2), (512, 1e3))
@@ -100,6 +103,12 @@ class _Direction(BaseEstimator):
 
     def _raw_direction(self, X: np.ndarray, codes: np.ndarray | None) -> np.ndarray:
         raise NotImplementedError
+
+    def to_intervention(self) -> FixedSubspaceIntervention:
+        """The interchange on the fitted direction: f* = f(b) + (a·f(s) − a·f(b)) a."""
+        if not hasattr(self, "direction_"):
+            raise ValueError(f"{type(self).__name__} is not fitted: call fit(X, y) before to_intervention()")
+        return FixedSubspaceIntervention(self.direction_)
 
 
 class ProbeDirection(_Direction):
@@ -254,3 +263,8 @@ def fit_direction(method: str, X, y=None, **kwargs) -> torch.Tensor:
     if method not in METHODS:
         raise ValueError(f"unknown direction method {method!r}; valid methods: {', '.join(METHODS)}")
     return METHODS[method](**kwargs).fit(X, y).direction_
+
+
+def fit_intervention(method: str, X, y=None, **kwargs) -> FixedSubspaceIntervention:
+    """Fit METHODS[method](**kwargs) on (X, y); the interchange on its direction."""
+    return FixedSubspaceIntervention(fit_direction(method, X, y, **kwargs))

@@ -35,6 +35,8 @@ from sklearn.multiclass import OneVsRestClassifier
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 
+from lit_interventions.interventions.base import Intervention, class_path, import_class
+
 DEFAULT_C_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
@@ -175,12 +177,14 @@ def featurize(featurizer: nn.Module, representations, batch_size: int = 4096) ->
 # Interventions
 
 
-class FeatureInterchange(nn.Module):
+class FeatureInterchange(Intervention):
     """f* = f(b) + dec(z_mix) − dec(z(b)), z_mix = z(b) with the selected features taken from z(s).
 
     `selected`: feature indices (any iterable of ints in 0..m−1, possibly empty).
     keep_error=False gives f* = dec(z_mix) instead: the base's reconstruction error is dropped
     (then an empty selection is dec(z(b)), not f(b)); an option for comparison, not the default.
+    Exports the featurizer's buffers (as `featurizer.<name>`, its constructor's arguments) and the
+    selected indices; `config()` names the featurizer's class.
     """
 
     def __init__(self, featurizer: nn.Module, selected, keep_error: bool = True):
@@ -199,9 +203,9 @@ class FeatureInterchange(nn.Module):
     def selected(self) -> torch.Tensor:
         return self.mask.nonzero().flatten()
 
-    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:  # (B, d), (B, d) -> (B, d)
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:  # (..., d) -> (..., d)
         dtype = base.dtype
-        base32, source32 = base.float(), source.float()
+        base32, source32 = base.float(), self._require_source(source).float()
         z_base = self.featurizer.encode(base32)  # (B, m)
         z_mix = torch.where(self.mask, self.featurizer.encode(source32), z_base)
         if not self.keep_error:
@@ -209,16 +213,31 @@ class FeatureInterchange(nn.Module):
         delta = self.featurizer.decode(z_mix) - self.featurizer.decode(z_base)  # exactly 0 where z_mix == z(b)
         return (base32 + delta).to(dtype)
 
+    def export(self) -> dict[str, torch.Tensor]:
+        tensors = {f"featurizer.{name}": t for name, t in self.featurizer.named_buffers()}
+        return {**tensors, "selected": self.selected.float()}  # indices < 2²⁴: exact in float32
 
-class FullVectorSwap(nn.Module):
+    def config(self) -> dict:
+        return {"featurizer": class_path(self.featurizer), "keep_error": self.keep_error}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], featurizer: str = class_path(PCAFeaturizer),
+                     keep_error: bool = True) -> FeatureInterchange:  # fmt: skip
+        """`featurizer`: the class path of a featurizer built from its buffers (PCA or SAE)."""
+        buffers = {k.removeprefix("featurizer."): v for k, v in tensors.items() if k.startswith("featurizer.")}
+        selected = tensors["selected"].round().long().tolist()
+        return cls(import_class(featurizer)(**buffers), selected, keep_error)
+
+
+class FullVectorSwap(Intervention):
     """The full-vector swap baseline: f* = f(s). `hidden_size` is accepted, as every intervention
     is built with it, and unused."""
 
     def __init__(self, hidden_size: int | None = None):
         super().__init__()
 
-    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        return source.to(base.dtype)
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        return self._require_source(source).to(base.dtype)
 
 
 # --------------------------------------------------------------------------------------------

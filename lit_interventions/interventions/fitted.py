@@ -19,19 +19,25 @@ import numpy as np
 import torch
 from torch import nn
 
+from lit_interventions.interventions.base import Intervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
-from lit_interventions.interventions.featurizers import SAEFeaturizer, fit_feature_interchange
+from lit_interventions.interventions.featurizers import FeatureInterchange, SAEFeaturizer, fit_feature_interchange
 from lit_interventions.interventions.rotation import subspace_interchange
 
 
-class _Fitted(nn.Module):
-    needs_fit = True  # until `fit` has run
+class _Fitted(Intervention):
+    """Not trained by gradient; `needs_fit` until `fit` has run. Export gives what was fitted."""
 
-    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    needs_fit = True
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
         if self.needs_fit:
             raise ValueError(f"{type(self).__name__} is fitted from the training data: call fit (run `fit`) first")
-        return self._forward(base, source)
+        return self._forward(base, self._require_source(source))
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {} if self.needs_fit else self._export()
 
 
 class FeatureInterchangeFit(_Fitted):
@@ -64,6 +70,17 @@ class FeatureInterchangeFit(_Fitted):
 
     def _forward(self, base, source):
         return self.fitted(base, source)
+
+    def _export(self):
+        return self.fitted.export()
+
+    def config(self) -> dict:
+        return self.fitted.config() if self.fitted is not None else {}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], **config) -> FeatureInterchange:
+        """The fitted feature interchange itself (PCA or SAE featurizer, selected features)."""
+        return FeatureInterchange.from_tensors(tensors, **config)
 
 
 class DirectionInterchange(_Fitted):
@@ -100,3 +117,16 @@ class DirectionInterchange(_Fitted):
 
     def _forward(self, base, source):
         return subspace_interchange(base, source, self.basis)
+
+    def _export(self):
+        return {"basis": self.basis}
+
+    def config(self) -> dict:
+        return {"method": self.method, "seed": self.seed}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], method: str = "diffmean", seed: int = 0) -> "DirectionInterchange":
+        basis = tensors["basis"]
+        fitted = cls(basis.shape[1], method=method, k=basis.shape[0], seed=seed)
+        fitted.basis, fitted.needs_fit = basis.float().clone(), False
+        return fitted

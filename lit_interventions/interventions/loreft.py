@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
+from lit_interventions.interventions.base import Intervention
+
 
 def loreft(hidden: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Φ(h) = h + Rᵀ(W h + b − R h).  hidden: (..., d); rotation R, weight W: (r, d); bias b: (r,)."""
@@ -19,13 +21,15 @@ def loreft(hidden: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, b
     return hidden + (hidden @ weight.T + bias - hidden @ rotation.T) @ rotation
 
 
-class LoReFTIntervention(nn.Module):
+class LoReFTIntervention(Intervention):
     """A rank-r LoReFT edit applied to every position it is given.
 
     R is kept orthonormal by torch's orthogonal parametrization (as `RotatedSpaceIntervention`);
     W and b are a plain `nn.Linear(d, r)` with its default initialisation (as pyvene), so the
-    edit is not the identity at initialisation.
+    edit is not the identity at initialisation. It edits base alone: `source` must be None.
     """
+
+    trains = True
 
     def __init__(self, hidden_size: int, rank: int = 4):
         super().__init__()
@@ -40,8 +44,9 @@ class LoReFTIntervention(nn.Module):
         """R, (r, d), with orthonormal rows."""
         return self.rotate.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return loreft(hidden, self.rotation, self.source.weight, self.source.bias)
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        self._refuse_source(source)
+        return loreft(base, self.rotation, self.source.weight, self.source.bias)
 
     def export(self) -> dict[str, torch.Tensor]:
         """The weights a released checkpoint holds: R, W, b."""

@@ -9,10 +9,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lit_interventions.interventions.base import Intervention
 
-class SigmoidMaskIntervention(nn.Module):
+
+class SigmoidMaskIntervention(Intervention):
     """A learned soft mask over the d dimensions of the residual stream. As pyvene's
-    `SigmoidMaskIntervention`: m starts at 0 (σ = ½) and T at 1e-2; the training module sets T."""
+    `SigmoidMaskIntervention`: m starts at 0 (σ = ½) and T at 1e-2; the training module sets T.
+    Exports the logits m and T (what rebuilds it exactly) and `mask` = σ(m/T) (what it swaps)."""
+
+    trains = True
 
     def __init__(self, hidden_size: int, temperature: float = 1e-2, temperature_end: float | None = None):
         super().__init__()
@@ -37,9 +42,20 @@ class SigmoidMaskIntervention(nn.Module):
         """‖σ(m/T)‖₁, the sparsity term of the DBM loss."""
         return self.weights().sum()
 
-    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
         weights = self.weights().to(base.dtype)
-        return (1 - weights) * base + weights * source
+        return (1 - weights) * base + weights * self._require_source(source)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {"logits": self.mask.detach(), "temperature": self.temperature.reshape(1), "mask": self.weights().detach()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> SigmoidMaskIntervention:
+        """From the logits m (d,) and the temperature T (1,); `mask` is derived, not read."""
+        module = cls(tensors["logits"].shape[0], float(tensors["temperature"].reshape(())))
+        with torch.no_grad():
+            module.mask.copy_(tensors["logits"])
+        return module
 
 
 def linear_temperature(step: int, total: int, start: float = 1e-2, end: float = 1e-7) -> float:

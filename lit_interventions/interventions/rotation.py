@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
+from lit_interventions.interventions.base import Intervention
+
 
 def subspace_interchange(base: torch.Tensor, source: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """f* = f(b) + Wᵀ(W f(s) − W f(b)).  base, source: (batch, d); basis W: (k, d)."""
@@ -18,8 +20,10 @@ def subspace_interchange(base: torch.Tensor, source: torch.Tensor, basis: torch.
     return base + (source - base) @ basis.T @ basis
 
 
-class RotatedSpaceIntervention(nn.Module):
+class RotatedSpaceIntervention(Intervention):
     """DAS: a learned rank-k subspace with orthonormal rows (torch's orthogonal parametrization)."""
+
+    trains = True
 
     def __init__(self, hidden_size: int, k: int = 1):
         super().__init__()
@@ -36,11 +40,23 @@ class RotatedSpaceIntervention(nn.Module):
         """W, (k, d), with orthonormal rows."""
         return self.rotate.weight
 
-    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        return subspace_interchange(base, source, self.basis)
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        return subspace_interchange(base, self._require_source(source), self.basis)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {"basis": self.basis.detach()}  # (k, d)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RotatedSpaceIntervention:
+        """The intervention whose basis is tensors["basis"] (k, d), orthonormal rows."""
+        k, hidden_size = tensors["basis"].shape
+        module = cls(hidden_size, k)
+        with torch.no_grad():
+            module.rotate.weight = tensors["basis"].float()  # orthogonal's right_inverse
+        return module
 
 
-class FixedSubspaceIntervention(nn.Module):
+class FixedSubspaceIntervention(Intervention):
     """Interchange on a given subspace (closed-form directions, or a = 0 as a no-op control)."""
 
     def __init__(self, basis: torch.Tensor):
@@ -48,5 +64,12 @@ class FixedSubspaceIntervention(nn.Module):
         basis = torch.as_tensor(basis, dtype=torch.float32)
         self.register_buffer("basis", basis.reshape(-1, basis.shape[-1]))  # (k, d)
 
-    def forward(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        return subspace_interchange(base, source, self.basis)
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        return subspace_interchange(base, self._require_source(source), self.basis)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {"basis": self.basis}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> FixedSubspaceIntervention:
+        return cls(tensors["basis"])

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lit_interventions.callbacks.export import CARD, load_intervention, save_intervention
+from lit_interventions.interventions.base import CARD, read_tensors, save_intervention, write_tensors
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.modules.site import FrozenLMModule
@@ -117,7 +117,7 @@ class _SteeringModule(FrozenLMModule):
     def save(self, directory: str | Path) -> Path:
         """Write intervention.safetensors (trainable weights only) and intervention.json."""
         tensors, card = self.export()
-        return save_intervention(directory, tensors, card)
+        return write_tensors(directory, tensors, card)
 
     def on_fit_end(self):
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP
@@ -171,7 +171,7 @@ class LoReFTModule(_SteeringModule):
         """Inside the block, `model` (default the LM) runs with Φ at every position; yields it.
         `factor` is accepted for a uniform steering interface and ignored: LoReFT has no strength."""
         model = model if model is not None else self.lm
-        with residual_hook(model, self.hparams.layer, lambda h: self.intervention(h).to(h.dtype)):
+        with residual_hook(model, self.hparams.layer, lambda h: self.intervention(h, None).to(h.dtype)):
             yield model
 
     def loss(self, batch) -> torch.Tensor:
@@ -182,6 +182,11 @@ class LoReFTModule(_SteeringModule):
         card = {**self._card(), "layer": self.hparams.layer, "rank": self.hparams.rank, "positions": "all",
                 "hidden_size": self.intervention.hidden_size}  # fmt: skip
         return self.intervention.export(), card
+
+    def save(self, directory: str | Path) -> Path:
+        """Through the intervention protocol: the card also gets class_path and config."""
+        _, card = self.export()
+        return save_intervention(directory, self.intervention, card)
 
 
 def attention_output_modules(model: nn.Module) -> list[str]:
@@ -282,7 +287,7 @@ def load_steering_checkpoint(path: str | Path, lm: str | None = None) -> _Steeri
         return cls.load_from_checkpoint(path, map_location="cpu", **({"lm": lm} if lm else {}))
     if not (path / CARD).is_file():
         raise FileNotFoundError(f"{path} is neither a .ckpt file nor a directory holding {CARD}")
-    tensors, card = load_intervention(path)
+    tensors, card = read_tensors(path)
     common = {"lm": lm or card["model"], "concept": card.get("concept"), "concept_id": card.get("concept_id")}
     if card.get("method") == "loreft":
         module = LoReFTModule(layer=card["layer"], rank=card["rank"], **common)

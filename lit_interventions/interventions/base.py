@@ -1,0 +1,154 @@
+"""The one protocol every intervention implements, and saving / loading through it.
+
+An intervention is a torch module with
+
+- ``forward(base, source=None, *, <context>) -> Tensor``: the new hidden state f*, shaped like
+  ``base``, (batch, d) or (batch, seq, d). Interchange interventions (DAS, DBM, featurizers, swaps)
+  need ``source``; additive ones (steering, LoReFT, attacks) refuse it. Per-batch context is
+  keyword-only and drawn from one small vocabulary: ``concept_id`` ((batch,) dictionary rows),
+  ``factor`` (steering strength α, a number or (batch,)) and ``target`` ((batch,) attack classes).
+- ``trains: bool``: whether its parameters are learned by gradient descent.
+- ``export() -> dict[str, Tensor]`` (the tensors that define it) and ``config() -> dict`` (its
+  JSON-able settings), so that ``type(x).from_tensors(x.export(), **x.config())`` equals ``x``.
+
+`save_intervention` / `load_intervention` write and read ``intervention.safetensors`` plus an
+``intervention.json`` card holding ``class_path`` and ``config``: no table of known classes.
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+WEIGHTS, CARD = "intervention.safetensors", "intervention.json"
+
+
+@runtime_checkable
+class InterventionProtocol(Protocol):
+    """f* = forward(f(b), f(s)); see the module docstring."""
+
+    trains: bool
+
+    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None, **context: Any) -> torch.Tensor: ...
+
+    def export(self) -> dict[str, torch.Tensor]: ...
+
+    def config(self) -> dict: ...
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], **config: Any) -> InterventionProtocol: ...
+
+
+class Intervention(nn.Module):
+    """Defaults for the protocol: not trained, no tensors, no settings."""
+
+    trains: bool = False
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def config(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], **config: Any) -> Intervention:
+        if tensors:
+            raise NotImplementedError(f"{cls.__name__} does not rebuild from tensors {sorted(tensors)}")
+        return cls(**config)
+
+    def _require_source(self, source: torch.Tensor | None) -> torch.Tensor:
+        if source is None:
+            raise ValueError(f"{type(self).__name__} is an interchange intervention: source is required, got None")
+        return source
+
+    def _refuse_source(self, source: torch.Tensor | None) -> None:
+        if source is not None:
+            raise ValueError(f"{type(self).__name__} edits base alone: source must be None, got a tensor")
+
+
+def class_path(obj_or_cls) -> str:
+    """The import path of a class (or of an object's class): ``package.module.Class``."""
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def import_class(path: str) -> type:
+    """The class at ``package.module.Class`` (the inverse of `class_path`)."""
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"class_path={path!r} must be a dotted import path such as 'package.module.Class'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"class_path={path!r} cannot be imported: {error}") from error
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], path: Path, doing: str) -> None:
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{path}: tensor {name!r} has {bad} NaN or infinite value(s); refusing to {doing} it")
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """write(tmp) then os.replace(tmp, path): readers see the old file or the new one, never half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card: dict) -> Path:
+    """`intervention.safetensors` (float32, CPU) plus `intervention.json`, each written atomically.
+    Refuses non-finite tensors. Returns the safetensors path."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = directory / WEIGHTS
+    tensors = {k: v.detach().cpu().contiguous().float() for k, v in tensors.items()}
+    _check_finite(tensors, weights, "write")
+    text = json.dumps(card, indent=2) + "\n"  # fails before anything is written if not JSON-able
+    _replace_atomically(weights, lambda tmp: save_file(tensors, tmp))
+    _replace_atomically(directory / CARD, lambda tmp: Path(tmp).write_text(text))
+    return weights
+
+
+def read_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and the card `write_tensors` wrote; refuses non-finite tensors."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    tensors = load_file(directory / WEIGHTS)
+    _check_finite(tensors, directory / WEIGHTS, "load")
+    return tensors, json.loads((directory / CARD).read_text())
+
+
+def save_intervention(directory: str | Path, intervention: InterventionProtocol, card: dict) -> Path:
+    """Write `intervention.export()` and the card, with `class_path` and `config` added."""
+    card = {**card, "class_path": class_path(intervention), "config": intervention.config()}
+    return write_tensors(directory, intervention.export(), card)
+
+
+def load_intervention(directory: str | Path) -> tuple[InterventionProtocol, dict]:
+    """(the rebuilt intervention, its card) from what `save_intervention` wrote."""
+    tensors, card = read_tensors(directory)
+    if "class_path" not in card:
+        raise ValueError(f"{Path(directory) / CARD} has no class_path (an older export?); read it with read_tensors")
+    cls = import_class(card["class_path"])
+    if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
+        raise ValueError(f"{Path(directory) / CARD}: class_path={card['class_path']!r} is not an intervention class "
+                         "(no from_tensors)")  # fmt: skip
+    return cls.from_tensors(tensors, **card.get("config", {})), card
