@@ -22,7 +22,7 @@ from datamodules.axbench import (
 from lit_interventions.lm import load_tokenizer
 
 CONCEPT10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "axbench" / "concept10_2b_l20"
-needs_concept10 = pytest.mark.skipif(not CONCEPT10.exists(), reason="Concept10 data not present")
+needs_concept10 = pytest.mark.skipif(not CONCEPT10.exists(), reason="Concept10 data not present; get it: python -m lit_interventions.data axbench-concept10 --out ../shared/data/axbench/concept10_2b_l20")
 
 
 def test_builtin_set_sizes():

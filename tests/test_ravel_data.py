@@ -309,7 +309,7 @@ def test_gemma_knows_many_builtin_cities():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SHARED_RAVEL.is_dir(), reason="published RAVEL files absent")
+@pytest.mark.skipif(not SHARED_RAVEL.is_dir(), reason="published RAVEL files absent; get them: python -m lit_interventions.data ravel --out ../shared/data/ravel")
 def test_gemma_on_published_city_files():
     dm = RavelDataModule(
         ravel_dir=str(SHARED_RAVEL), entity_type="city", max_candidates=24, train_size=20, eval_size=10

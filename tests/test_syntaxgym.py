@@ -304,7 +304,7 @@ def test_bad_formula_stops_the_command(tmp_path):
 # ---------------------------------------------------------------- the real suites
 
 
-@pytest.mark.skipif(not REAL_SUITES.is_dir(), reason=f"no SyntaxGym suites at {REAL_SUITES}")
+@pytest.mark.skipif(not REAL_SUITES.is_dir(), reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}")
 def test_all_34_real_suites_parse():
     paths = suite_paths([str(REAL_SUITES)])
     suites = [load_suite(path) for path in paths]  # parses every formula, checks every region it reads
@@ -314,7 +314,7 @@ def test_all_34_real_suites_parse():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not REAL_SUITES.is_dir(), reason=f"no SyntaxGym suites at {REAL_SUITES}")
+@pytest.mark.skipif(not REAL_SUITES.is_dir(), reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}")
 def test_gemma_beats_chance_on_number_agreement(tmp_path):
     """gemma-3-270m on 2 real suites (about 20 s on 2 CPU cores once the model is cached)."""
     out = tmp_path / "sg.csv"
