@@ -56,7 +56,7 @@ from lit_interventions.interventions.additive import (
 )
 from lit_interventions.interventions.directions import METHODS as DIRECTIONS
 from lit_interventions.interventions.directions import PCADirection
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
+from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, num_layers
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.metrics.detection import ConceptAUROC
 from lit_interventions.sites import check_layer, final_logits, read_layers, residual_hook, run_body
@@ -124,6 +124,9 @@ class SteeringModule(FrozenLMModule):
         direction_seed: int = 0,
     ):
         super().__init__()
+        check_dtype(dtype)  # before anything is loaded
+        if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
+            raise ValueError(f"lr={lr!r} must be a finite number > 0")
         if method not in STEERING_METHODS:
             raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(STEERING_METHODS)}")
         if topk < 1:
