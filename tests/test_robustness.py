@@ -154,3 +154,94 @@ def test_bad_dtype_is_one_line_before_any_load(tiny_lm_dir, monkeypatch, dtype):
         lm.load_lm(tiny_lm_dir("llama"), dtype)
     with pytest.raises(ValueError, match=message):
         SteeringModule(lm=tiny_lm_dir("llama"), dtype=dtype)
+
+
+# --- training that goes non-finite ---------------------------------------------------------------
+
+
+def _nan_copy(tmp_path, source: str, name: str = "nan-lm") -> Path:
+    """A copy of a tiny model directory with one layer's weights all NaN (as a damaged cache)."""
+    copy = tmp_path / name
+    shutil.copytree(source, copy)
+    tensors = load_file(copy / "model.safetensors")
+    key = next(k for k in tensors if ".layers.0." in k and k.endswith("weight") and tensors[k].dim() == 2)
+    tensors[key] = torch.full_like(tensors[key], float("nan"))
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
+def _steering_fit(tmp_path, lm_dir, guard=True, **module_options):
+    import lightning as L
+    from test_axbench_methods import SyntheticConcepts
+
+    from lit_interventions.callbacks.dictionary import ExportDictionary
+    from lit_interventions.callbacks.guard import NonFiniteGuard
+    from lit_interventions.modules.steering import SteeringModule
+    from lit_interventions.lm import load_tokenizer
+
+    module = SteeringModule(lm=str(lm_dir), layer=1, **module_options)
+    callbacks = ([NonFiniteGuard()] if guard else []) + [ExportDictionary()]
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=True,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, callbacks=callbacks)  # fmt: skip
+    return module, trainer, SyntheticConcepts(load_tokenizer(str(lm_dir)))
+
+
+def test_infinite_lr_stops_the_run_before_export(tmp_path, tiny_lm_dir):
+    from lit_interventions.callbacks.guard import NonFiniteError
+
+    with pytest.raises(ValueError, match=r"lr=inf must be a finite number > 0"):  # refused when given
+        _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", lr=float("inf"))
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", topk=2)
+    module.hparams.lr = float("inf")  # as a config that slipped past the check would
+    with pytest.raises(NonFiniteError) as err:
+        trainer.fit(module, datamodule=data)
+    message = str(err.value)
+    assert "\n" not in message and "at step" in message and "likely cause: a bad learning rate (lr=inf)" in message
+    assert message.startswith(("train/loss is nan", "parameter dictionary.weight is nan/inf"))
+    assert not list(tmp_path.rglob("dictionary.*"))  # nothing exported
+
+
+def test_without_the_guard_the_run_exports_nan(tmp_path, tiny_lm_dir):
+    """What the tester saw: the same run without the guard ends quietly; the dictionary refuses
+    to write NaN vectors, so even then nothing non-finite reaches the disk."""
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), guard=False, method="reft_r1", topk=2)
+    module.hparams.lr = float("inf")
+    with pytest.raises(ValueError, match=r"dictionary.safetensors: refusing to write .*NaN/inf"):
+        trainer.fit(module, datamodule=data)
+    assert not list(tmp_path.rglob("dictionary.*"))
+
+
+def test_nan_weights_in_the_lm_name_the_directory(tmp_path, tiny_lm_dir):
+    from lit_interventions.callbacks.guard import NonFiniteError
+
+    bad = _nan_copy(tmp_path, tiny_lm_dir("llama"))
+    module, trainer, data = _steering_fit(tmp_path, bad, method="diffmean")  # closed form: no loss at all
+    with pytest.raises(NonFiniteError, match=rf"likely cause: NaN/inf weights in the frozen LM .*loaded from {bad}"):
+        trainer.fit(module, datamodule=data)
+    assert not list(tmp_path.rglob("dictionary.*"))
+
+
+def test_guard_through_train_py_exits_before_export(tmp_path, tiny_lm_dir):
+    """train.main with the guard added on the command line: a DAS fit on an LM with NaN weights
+    raises (a non-zero exit) and writes no intervention."""
+    import train
+
+    from lit_interventions.callbacks.guard import NonFiniteError
+
+    bad = _nan_copy(tmp_path, tiny_lm_dir("gpt_neox"))
+    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={bad}", "--model.layer=1",
+            f"--trainer.default_root_dir={tmp_path / 'run'}", "--data.train_pairs=12", "--data.eval_pairs=4",
+            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=lit_interventions.callbacks.guard.NonFiniteGuard"]  # fmt: skip
+    with pytest.raises(NonFiniteError) as err:
+        train.main(args=args)
+    message = str(err.value)
+    assert "\n" not in message and " at step 0 " in message and str(bad) in message
+    assert not list((tmp_path / "run").rglob("intervention.*"))
+
+
+def test_guard_is_quiet_on_a_healthy_run(tmp_path, tiny_lm_dir):
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", topk=2)
+    trainer.fit(module, datamodule=data)
+    assert list(tmp_path.rglob("dictionary.safetensors"))

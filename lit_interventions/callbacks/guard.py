@@ -49,6 +49,15 @@ def _non_finite_weights(model: torch.nn.Module) -> tuple[str, int] | None:
     return (bad[0], len(bad)) if bad else None
 
 
+def _in_cache(path: Path) -> bool:
+    from lit_interventions.lm import cache_dir
+
+    try:
+        return path.is_dir() and cache_dir().resolve() in path.resolve().parents
+    except OSError:
+        return False
+
+
 def likely_cause(trainer, pl_module) -> str:
     """The most probable reason a run went non-finite, in words (checked in this order: the
     learning rate, the frozen LM's weights, the dtype)."""
@@ -64,8 +73,8 @@ def likely_cause(trainer, pl_module) -> str:
         if found:
             source = getattr(lm.config, "_name_or_path", "") or hp.get("lm", "?")
             where = f"loaded from {source}"
-            if source and Path(source).is_dir():
-                where += f" (if it is the model cache, delete {source} to reconvert it)"
+            if source and _in_cache(Path(source)):
+                where += f" (the model cache: delete {source} and it will be converted again)"
             return (f"NaN/inf weights in the frozen LM ({found[1]} tensors, first {found[0]}), {where}")
     dtype = hp.get("dtype")
     if dtype in ("float16", "bfloat16"):
@@ -85,36 +94,41 @@ class NonFiniteGuard(Callback):
     def __init__(self, ignore: list[str] | tuple[str, ...] = ("*/auroc/*",), check_parameters: bool = True):
         self.ignore = list(ignore)
         self.check_parameters = check_parameters
+        self._step = 0
 
     def _fail(self, trainer, pl_module, what: str, value: float | str, when: str) -> None:
         raise NonFiniteError(f"{what} is {value} {when}; likely cause: {likely_cause(trainer, pl_module)}. "
                              "The run was stopped and nothing was exported.")  # fmt: skip
 
-    def _when(self, trainer, stage: str) -> str:
-        return f"at step {trainer.global_step} (epoch {trainer.current_epoch}, {stage})"
+    def _when(self, trainer, stage: str, step: int | None = None) -> str:
+        step = trainer.global_step if step is None else step
+        return f"at step {step} (epoch {trainer.current_epoch}, {stage})"
 
-    def _check_metrics(self, trainer, pl_module, stage: str, prefix: str = "") -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._step = trainer.global_step  # the step this batch makes (global_step counts it when done)
+
+    def _check_metrics(self, trainer, pl_module, stage: str, prefix: str = "", step: int | None = None) -> None:
         for name, value in list(trainer.callback_metrics.items()):
             if not name.startswith(prefix) or any(fnmatch(name, p) for p in self.ignore):
                 continue
             number = _scalar(value)
             if number is not None and not math.isfinite(number):
-                self._fail(trainer, pl_module, name, number, self._when(trainer, stage))
+                self._fail(trainer, pl_module, name, number, self._when(trainer, stage, step))
 
-    def _check_parameters(self, trainer, pl_module, stage: str) -> None:
+    def _check_parameters(self, trainer, pl_module, stage: str, step: int | None = None) -> None:
         if not self.check_parameters:
             return
         for name, p in pl_module.named_parameters():
             if p.requires_grad and p.is_floating_point() and not torch.isfinite(p).all():
-                self._fail(trainer, pl_module, f"parameter {name}", "nan/inf", self._when(trainer, stage))
+                self._fail(trainer, pl_module, f"parameter {name}", "nan/inf", self._when(trainer, stage, step))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         number = _scalar(loss) if loss is not None else None
         if number is not None and not math.isfinite(number):
-            self._fail(trainer, pl_module, "train/loss", number, self._when(trainer, f"batch {batch_idx}"))
-        self._check_metrics(trainer, pl_module, f"batch {batch_idx}", prefix="train/")
-        self._check_parameters(trainer, pl_module, f"after the optimizer step of batch {batch_idx}")
+            self._fail(trainer, pl_module, "train/loss", number, self._when(trainer, f"batch {batch_idx}", self._step))
+        self._check_metrics(trainer, pl_module, f"batch {batch_idx}", prefix="train/", step=self._step)
+        self._check_parameters(trainer, pl_module, f"after the optimizer step of batch {batch_idx}", step=self._step)
 
     def on_validation_end(self, trainer, pl_module):
         if trainer.sanity_checking:

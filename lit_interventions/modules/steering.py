@@ -283,6 +283,13 @@ class SteeringModule(FrozenLMModule):
         labels = torch.cat([p[1] for p in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
         hidden = _gather(hidden.to(self.device)).cpu()
         labels = _gather(labels.to(self.device)).cpu()
+        bad = ~torch.isfinite(hidden).all(-1)
+        if bad.any():
+            from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
+
+            raise NonFiniteError(f"the LM's residual stream at layer {self.hparams.layer} is NaN/inf at {int(bad.sum())} "
+                                 f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "
+                                 "Nothing was fitted or exported.")  # fmt: skip
         negatives = hidden[labels == -1]
         if len(negatives) == 0:
             raise ValueError("the training data has no negative tokens: the closed-form methods need negatives")
