@@ -245,3 +245,128 @@ def test_guard_is_quiet_on_a_healthy_run(tmp_path, tiny_lm_dir):
     module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", topk=2)
     trainer.fit(module, datamodule=data)
     assert list(tmp_path.rglob("dictionary.safetensors"))
+
+
+# --- empty or too-small AxBench data ----------------------------------------------------------------
+
+
+def _concept_dir(tmp_path, empty: str | None = None, drop_eval_negatives: bool = False) -> Path:
+    """A copy of the built-in concept set with one split emptied (header rows only)."""
+    import pandas as pd
+
+    from datamodules.axbench import BUILTIN_DIR, COLUMNS
+
+    out = tmp_path / "concepts"
+    out.mkdir()
+    (out / "metadata.jsonl").write_text((BUILTIN_DIR / "metadata.jsonl").read_text())
+    for stem in ("train_data", "latent_eval_data"):
+        table = pd.read_json(BUILTIN_DIR / f"{stem}.jsonl", lines=True, dtype=False)
+        if stem == "latent_eval_data" and drop_eval_negatives:
+            table = table[table["category"] == "positive"]
+        if (stem == "train_data" and empty == "train") or (stem == "latent_eval_data" and empty == "eval"):
+            table = pd.DataFrame({c: pd.Series(dtype="int64" if c == "concept_id" else object) for c in COLUMNS})
+        table.to_parquet(out / f"{stem}.parquet")
+    return out
+
+
+@pytest.mark.parametrize("split,file", [("train", "train_data.parquet"), ("eval", "latent_eval_data.parquet")])
+def test_empty_split_is_an_error_naming_the_file_before_any_load(tmp_path, monkeypatch, split, file):
+    from datamodules.axbench import AxBenchDataModule
+
+    directory = _concept_dir(tmp_path, empty=split)
+    monkeypatch.setattr(lm, "resolve", lambda name: pytest.fail("the model was touched"))
+    with pytest.raises(ValueError, match=rf"{directory / file}: the {split} split has 0 rows for the 2 selected") as e:
+        AxBenchDataModule(concept_dir=str(directory), concepts=[0, 1])
+    assert "\n" not in str(e.value)
+
+
+def test_eval_split_without_negatives_is_an_error(tmp_path):
+    from datamodules.axbench import AxBenchDataModule
+
+    directory = _concept_dir(tmp_path, drop_eval_negatives=True)
+    with pytest.raises(ValueError, match=r"latent_eval_data.parquet: concept 0 \(.*\) has \d+ positive and 0 negative"):
+        AxBenchDataModule(concept_dir=str(directory), concepts=[0])
+
+
+def test_axbench_fit_with_an_empty_eval_split_fails_through_train_py(tmp_path, tiny_lm_dir, capsys):
+    import train
+
+    directory = _concept_dir(tmp_path, empty="eval")
+    args = ["fit", "--config", "configs/diffmean.yaml", f"--model.lm={tiny_lm_dir('llama')}", "--model.layer=1",
+            f"--data.concept_dir={directory}", f"--trainer.default_root_dir={tmp_path / 'run'}"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(args=args)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "latent_eval_data.parquet: the eval split has 0 rows" in err
+    assert not list((tmp_path / "run").rglob("dictionary.*"))
+
+
+# --- damaged dictionary files ----------------------------------------------------------------------
+
+
+def _saved_dictionary(tmp_path) -> Path:
+    from lit_interventions.dictionary import Dictionary
+
+    d = Dictionary(vectors=torch.randn(3, 8), max_activations=torch.tensor([1.0, 2.0, float("nan")]),
+                   concepts=["a", "b", "c"], model="m", layer=1, method="diffmean")  # fmt: skip
+    return d.save(tmp_path / "dictionary")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zero_bytes", "text", "truncated_card", "card_not_object", "card_lacks"])
+def test_damaged_dictionary_names_its_path(tmp_path, damage):
+    from lit_interventions.dictionary import Dictionary
+
+    weights = _saved_dictionary(tmp_path)
+    card = weights.with_suffix(".json")
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-20])
+    elif damage == "zero_bytes":
+        weights.write_bytes(b"")
+    elif damage == "text":
+        weights.write_text("this is not a tensor file\n")
+    elif damage == "truncated_card":
+        card.write_text(card.read_text()[:40])
+    elif damage == "card_not_object":
+        card.write_text("[1, 2]")
+    else:
+        card.write_text(json.dumps({"model": "m"}))
+    broken = card if "card" in damage else weights
+    with pytest.raises(ValueError, match=rf"^{broken} .*re-export it") as err:
+        Dictionary.load(weights)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_dictionary_vectors_are_refused(tmp_path, bad):
+    from lit_interventions.dictionary import Dictionary
+
+    weights = _saved_dictionary(tmp_path)
+    tensors = load_file(weights)
+    tensors["vectors"][1, 3] = bad
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=rf"{weights}: refusing to load .*vectors hold NaN/inf \(1 of 3 concepts, e.g. 'b'\)"):
+        Dictionary.load(weights)
+    d = Dictionary(vectors=tensors["vectors"], max_activations=torch.ones(3), concepts=["a", "b", "c"], model="m",
+                   layer=1, method="diffmean")  # fmt: skip
+    with pytest.raises(ValueError, match="refusing to write"):
+        d.save(tmp_path / "again")
+    assert not (tmp_path / "again.safetensors").exists() and not (tmp_path / "again.json").exists()
+
+
+def test_dictionary_writes_are_atomic(tmp_path, monkeypatch):
+    """A write killed midway leaves the previous file whole and no temporary behind."""
+    from lit_interventions import dictionary
+
+    weights = _saved_dictionary(tmp_path)
+    before = weights.read_bytes()
+
+    def killed(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dictionary, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        dictionary.Dictionary.load(weights).save(weights)
+    assert weights.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "dictionary.json", "dictionary.safetensors"]
