@@ -370,3 +370,220 @@ def test_dictionary_writes_are_atomic(tmp_path, monkeypatch):
         dictionary.Dictionary.load(weights).save(weights)
     assert weights.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
         "dictionary.json", "dictionary.safetensors"]
+
+
+# --- the judge server and its client -----------------------------------------------------------------
+
+
+class StubChat:
+    """Stands in for ChatLM: replies at once (or waits for `gate`), fails the first `fail` calls."""
+
+    name, max_new_tokens = "stub", 8
+
+    def __init__(self, fail: int = 0, gate=None):
+        self.calls, self.fail, self.gate = [], fail, gate
+
+    def complete(self, messages, max_tokens=None):
+        self.calls.append((messages, max_tokens))
+        if self.gate is not None:
+            self.gate.wait(10)
+        if len(self.calls) <= self.fail:
+            raise RuntimeError("the GPU fell over")
+        return "Reason. Rating: [[2]]", 5, max_tokens, "stop"
+
+
+@pytest.fixture
+def judge_server():
+    """start(chat, **options) -> (server, base URL) of a judge server on 127.0.0.1, port 0."""
+    from lit_interventions.judge_server import make_server, serve_in_background
+
+    servers = []
+
+    def start(chat=None, **options):
+        server = make_server(chat=chat or StubChat(), host="127.0.0.1", port=0, **options)
+        serve_in_background(server)
+        servers.append(server)
+        return server, "http://%s:%d/v1" % server.server_address[:2]
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _post(base_url: str, body, raw: bool = False):
+    """(status, payload) of a POST to /chat/completions."""
+    data = body if raw else json.dumps(body).encode()
+    request = urllib.request.Request(base_url + "/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _raw(server, data: bytes, wait: float = 10.0) -> bytes:
+    """Send raw bytes and read whatever comes back until the server closes the connection."""
+    with socket.create_connection(server.server_address[:2], timeout=wait) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+USER = [{"role": "user", "content": "Rate this."}]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": 7, "content": "x"}]}, "messages[0].role"),
+    ({"messages": ["hello"]}, "messages[0]"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": USER, "max_tokens": "abc"}, "max_tokens"),
+    ({"messages": USER, "max_tokens": -5}, "max_tokens"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER, "max_tokens": 2.5}, "max_tokens"),
+    ({"messages": USER, "max_tokens": True}, "max_tokens"),
+    ({"messages": USER, "max_completion_tokens": "9"}, "max_completion_tokens"),
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": USER, "temperature": 7}, "temperature"),
+    ({"messages": USER, "top_p": -1}, "top_p"),
+    ({"messages": USER, "n": 3}, "n"),
+    ({"messages": USER, "stream": True}, "stream"),
+    ({"messages": USER, "model": 12}, "model"),
+    ({"messages": USER, "stop": [1]}, "stop"),
+    ([1, 2], "body"),
+    (b"{not json", "body"),
+    (b"\xff\xfe", "body"),
+])  # fmt: skip
+def test_judge_server_rejects_each_bad_field_with_400_naming_it(judge_server, body, field):
+    chat = StubChat()
+    server, url = judge_server(chat)
+    status, payload = _post(url, body, raw=isinstance(body, bytes))
+    assert status == 400, payload
+    assert payload["error"]["param"] == field and f"bad request: {field}:" in payload["error"]["message"]
+    assert not chat.calls  # nothing reached the model
+    assert _post(url, {"messages": USER})[0] == 200  # and the server still serves
+
+
+def test_judge_server_accepts_the_openai_shapes_and_caps_max_tokens(judge_server):
+    chat = StubChat()
+    server, url = judge_server(chat)
+    parts = [{"role": "system", "content": "Be strict."},
+             {"role": "user", "content": [{"type": "text", "text": "Rate "}, {"type": "text", "text": "this."}]}]
+    status, payload = _post(url, {"model": "judge", "messages": parts, "max_tokens": 1000, "temperature": 0,
+                                  "stream": False, "n": 1, "stop": ["\n"], "unknown_field": {"x": 1}})  # fmt: skip
+    assert status == 200 and payload["model"] == "judge"
+    assert payload["choices"][0]["message"]["content"] == "Reason. Rating: [[2]]"
+    messages, max_tokens = chat.calls[0]
+    assert messages[1] == {"role": "user", "content": "Rate this."} and max_tokens == 8  # capped by the server
+
+
+def test_judge_server_refuses_a_huge_body_without_reading_it(judge_server):
+    import resource
+
+    server, url = judge_server(max_body_bytes=1000)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 52428800\r\n\r\n")  # 50 MB announced; the server must not wait for it
+    started = time.monotonic()
+    reply = _raw(server, head + b"{" * 2000)
+    assert reply.startswith(b"HTTP/1.0 413") and b"at most 1000" in reply and time.monotonic() - started < 5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 50_000  # KiB: no 50 MB buffer
+    status, payload = _post(url, {"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert status == 413 and payload["error"]["param"] == "body"
+    missing = _raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert missing.startswith(b"HTTP/1.0 411") and b"Content-Length" in missing
+    bad = _raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -3\r\n\r\n")
+    assert bad.startswith(b"HTTP/1.0 400") and b"Content-Length" in bad
+
+
+def test_judge_server_cuts_off_slow_and_lying_clients(judge_server):
+    chat = StubChat()
+    server, url = judge_server(chat, timeout=0.5)
+    started = time.monotonic()
+    lying = _raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+    assert lying.startswith(b"HTTP/1.0 408") and b"not received within 0.5 s" in lying
+    assert time.monotonic() - started < 5
+    started = time.monotonic()
+    assert _raw(server, b"POST /v1/chat/comp") == b""  # a stalled request line: closed without a reply
+    assert time.monotonic() - started < 5 and not chat.calls
+    assert _post(url, {"messages": USER})[0] == 200
+
+
+def test_judge_server_bounds_requests_in_flight(judge_server):
+    import threading
+
+    gate = threading.Event()
+    chat = StubChat(gate=gate)
+    server, url = judge_server(chat, max_concurrent=1, timeout=0.5)
+    first = {}
+    thread = threading.Thread(target=lambda: first.setdefault("reply", _post(url, {"messages": USER})))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not chat.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, payload = _post(url, {"messages": USER})  # the one slot is busy for longer than the timeout
+    assert status == 503 and "busy" in payload["error"]["message"]
+    gate.set()
+    thread.join(10)
+    assert first["reply"][0] == 200 and len(chat.calls) == 1
+
+
+def test_judge_server_generation_error_is_a_500_reply(judge_server):
+    server, url = judge_server(StubChat(fail=1))
+    status, payload = _post(url, {"messages": USER})
+    assert status == 500 and "the GPU fell over" in payload["error"]["message"]
+
+
+def test_judge_client_retries_with_backoff(judge_server, tmp_path, caplog):
+    from lit_interventions.metrics.judge import make_judge
+
+    chat = StubChat(fail=2)
+    server, url = judge_server(chat)
+    judge = make_judge("openai", base_url=url, model="stub", backoff=0.01, cache=None)
+    assert judge.ask(["Rate this."]) == ["Reason. Rating: [[2]]"] and len(chat.calls) == 3
+    assert "retrying" in caplog.text and "HTTP 500" in caplog.text
+    failing = make_judge("openai", base_url=url, model="stub", backoff=0.01, retries=1, cache=None)
+    chat.fail, chat.calls = 10, []
+    with pytest.raises(ConnectionError, match=r"HTTP 500.*after 2 attempts"):
+        failing.ask(["Rate this."])
+    bad = make_judge("openai", base_url=url, model="stub", max_tokens=-5, backoff=0.01, cache=None)
+    chat.fail, chat.calls = 0, []
+    with pytest.raises(ConnectionError, match=r"HTTP 400.*max_tokens") as err:  # our fault: not retried
+        bad.ask(["Rate this."])
+    assert "attempts" not in str(err.value) and not chat.calls
+
+
+def test_judge_client_caches_replies_on_disk(judge_server, tmp_path):
+    from lit_interventions.metrics.judge import make_judge
+
+    chat = StubChat()
+    server, url = judge_server(chat)
+    options = dict(base_url=url, model="stub", cache=str(tmp_path / "replies"))
+    first = make_judge("openai", **options).score(["dogs"], ["Write."], ["A dog."])
+    assert len(chat.calls) == 3 and len(list((tmp_path / "replies").rglob("*.json"))) == 3
+    again = make_judge("openai", **options).score(["dogs"], ["Write."], ["A dog."])  # a rerun: nothing asked
+    assert len(chat.calls) == 3 and again[0].as_dict() == first[0].as_dict()
+    make_judge("openai", **options).score(["cats"], ["Write."], ["A dog."])  # only the new concept prompt
+    assert len(chat.calls) == 4
+
+
+def test_judge_server_main_parses_with_jsonargparse(monkeypatch):
+    from lit_interventions import judge_server
+
+    ns = judge_server.parser().parse_args(["--port", "0", "--max_body_bytes", "100", "--timeout", "2.5"])
+    assert (ns.port, ns.max_body_bytes, ns.timeout, ns.lm) == (0, 100, 2.5, "smollm2-135m-instruct")
+    monkeypatch.setattr(judge_server, "ChatLM", lambda *a: pytest.fail("loaded a model for a bad dtype"))
+    with pytest.raises(ValueError, match=r"dtype='float8' is not supported; choose one of float32, bfloat16, float16"):
+        judge_server.main(["--dtype", "float8"])
+    with pytest.raises(SystemExit):
+        judge_server.main(["--port", "abc"])
