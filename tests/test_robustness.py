@@ -587,3 +587,27 @@ def test_judge_server_main_parses_with_jsonargparse(monkeypatch):
         judge_server.main(["--dtype", "float8"])
     with pytest.raises(SystemExit):
         judge_server.main(["--port", "abc"])
+
+
+def _das(tmp_path, lm_dir, *extra):
+    import train
+
+    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
+            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
+            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=lit_interventions.callbacks.guard.NonFiniteGuard", *extra]  # fmt: skip
+    return train.main(args=args)
+
+
+def test_guard_lets_a_healthy_das_fit_export(tmp_path, tiny_lm_dir):
+    cli = _das(tmp_path, tiny_lm_dir("gpt_neox"))
+    assert (Path(cli.trainer.log_dir) / "intervention.safetensors").is_file()
+
+
+def test_huge_lr_das_fit_is_stopped_naming_the_lr(tmp_path, tiny_lm_dir):
+    from lit_interventions.callbacks.guard import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"likely cause: a bad learning rate \(lr=1e\+30\)") as err:
+        _das(tmp_path, tiny_lm_dir("gpt_neox"), "--model.lr=1e30", "--model.warmup_ratio=0")
+    assert "\n" not in str(err.value)
+    assert not list(tmp_path.rglob("intervention.*"))

@@ -62,8 +62,8 @@ def likely_cause(trainer, pl_module) -> str:
     """The most probable reason a run went non-finite, in words (checked in this order: the
     learning rate, the frozen LM's weights, the dtype)."""
     hp = getattr(pl_module, "hparams", {}) or {}
-    lrs = [g.get("lr") for opt in (getattr(trainer, "optimizers", None) or []) for g in opt.param_groups]
-    lrs += [hp.get("lr")] if "lr" in hp else []
+    lrs = [hp.get("lr")] if "lr" in hp else []  # as configured; then as scheduled now
+    lrs += [g.get("lr") for opt in (getattr(trainer, "optimizers", None) or []) for g in opt.param_groups]
     for lr in lrs:
         if isinstance(lr, (int, float)) and (not math.isfinite(lr) or abs(lr) > HUGE_LR):
             return f"a bad learning rate (lr={lr}); use a finite lr such as 1e-3"
