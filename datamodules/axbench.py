@@ -42,6 +42,8 @@ class ConceptData:
     eval: pd.DataFrame
     concepts: list[str]
     genres: list[str]
+    train_path: Path | None = None
+    eval_path: Path | None = None
 
 
 def _read_table(directory: Path, stem: str) -> tuple[pd.DataFrame, Path]:
@@ -100,7 +102,37 @@ def load_concepts(concept_dir: str | Path | None = None) -> ConceptData:
         if not genre:  # fall back to the genre written on the concept's positives
             genre = train.loc[train["concept_id"] == i, "concept_genre"].head(1).tolist() or ["text"]
         genres.append(genre[0] if isinstance(genre, (list, tuple)) else str(genre))
-    return ConceptData(train.reset_index(drop=True), evaluation.reset_index(drop=True), concepts, genres)
+    return ConceptData(train.reset_index(drop=True), evaluation.reset_index(drop=True), concepts, genres, train_path,
+                       eval_path)  # fmt: skip
+
+
+def check_counts(data: ConceptData, concept_ids: list[int]) -> None:
+    """Every selected concept needs training positives and, in the eval split, positives and
+    negatives (AUROC and the max activation need both); else a ValueError naming the file, the
+    split, the concept and the count. Called before any model is loaded."""
+    train, evaluation = data.train, data.eval
+    where = {"train": data.train_path or "train_data", "eval": data.eval_path or "latent_eval_data"}
+    chosen = f"{len(concept_ids)} selected concept(s)"
+    train_rows = train[train["concept_id"].isin(concept_ids)]
+    if len(train_rows) == 0:
+        raise ValueError(f"{where['train']}: the train split has 0 rows for the {chosen} "
+                         f"(of {len(train)} rows in the file); a dictionary needs training data")  # fmt: skip
+    eval_rows = evaluation[evaluation["concept_id"].isin(concept_ids)]
+    if len(eval_rows) == 0:
+        raise ValueError(f"{where['eval']}: the eval split has 0 rows for the {chosen} (of {len(evaluation)} rows in "
+                         "the file); detection (AUROC) and the max activations need eval data")  # fmt: skip
+    for c in concept_ids:
+        name = data.concepts[c]
+        positives = int(((train["concept_id"] == c) & (train["category"] == "positive")).sum())
+        if positives == 0:
+            raise ValueError(f"{where['train']}: concept {c} ({name!r}) has 0 positive rows in the train split; "
+                             "each concept needs at least 1")  # fmt: skip
+        rows = evaluation[evaluation["concept_id"] == c]
+        n_pos = int((rows["category"] == "positive").sum())
+        n_neg = len(rows) - n_pos
+        if n_pos == 0 or n_neg == 0:
+            raise ValueError(f"{where['eval']}: concept {c} ({name!r}) has {n_pos} positive and {n_neg} negative rows "
+                             "in the eval split; its AUROC and max activation need at least 1 of each")  # fmt: skip
 
 
 def load_instructions(path: str | Path | None = None) -> list[str]:
@@ -282,6 +314,7 @@ class AxBenchDataModule(LightningDataModule):
                 f"concepts={concepts!r}: {'unknown ids ' + str(bad) if bad else 'need distinct ids'}; "
                 f"valid ids: 0..{len(valid) - 1} ({', '.join(f'{i}={n!r}' for i, n in enumerate(self.data.concepts))})"
             )
+        check_counts(self.data, selected)  # an empty or one-sided split fails here, before any model loads
         self.concept_ids = selected
         self.concepts = [self.data.concepts[i] for i in selected]
         self.concept_genres = [self.data.genres[i] for i in selected]
@@ -314,6 +347,9 @@ class AxBenchDataModule(LightningDataModule):
                 warnings.warn(f"{split}: {truncated} of {len(examples)} responses truncated to max_length={hp.max_length}", stacklevel=2)
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
+        if not self.splits.get(split):
+            path = self.data.train_path if split == "train" else self.data.eval_path
+            raise ValueError(f"{path}: the {split} split has 0 examples for concepts {self.concept_ids}")
         collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side)
         return split_loader(self.splits[split], batch_size, collate_fn, self.trainer, shuffle, seed=self.hparams.seed)
 

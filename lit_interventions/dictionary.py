@@ -19,6 +19,7 @@ AUROC is the same; the released w of a probe is its unit-norm weight).
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,36 @@ def _paths(path: str | Path) -> tuple[Path, Path]:
     path = Path(path)
     stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _atomic(path: Path, write) -> None:
+    """`write(tmp)` to a temporary file beside `path`, then rename it over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_finite(vectors, max_activations, concepts, where: Path, doing: str) -> None:
+    """Vectors must be finite; max_activations may be NaN (never validated) but not ±inf."""
+    vectors = torch.as_tensor(vectors)
+    bad = (~torch.isfinite(vectors.float())).reshape(len(vectors), -1).any(-1) if vectors.dim() else torch.zeros(0)
+    peaks = torch.as_tensor(max_activations).float().reshape(-1)
+    inf = torch.isinf(peaks)
+    if bad.any() or inf.any():
+        rows = bad.nonzero().flatten().tolist() or inf.nonzero().flatten().tolist()
+        names = ", ".join(repr(concepts[r]) if r < len(concepts) else str(r) for r in rows[:3])
+        what = "vectors" if bad.any() else "max_activations"
+        raise ValueError(f"{where}: {doing} a dictionary whose {what} hold NaN/inf ({len(rows)} of "
+                         f"{len(peaks if what == 'max_activations' else vectors)} concepts, e.g. {names}); the "
+                         "training diverged: retrain it (NonFiniteGuard stops such runs)")  # fmt: skip
 
 
 @dataclass
@@ -78,11 +109,11 @@ class Dictionary:
 
     def save(self, path: str | Path) -> Path:
         """Write `path` (.safetensors; the suffix is added if missing) and the card beside it
-        (.json). Returns the .safetensors path."""
+        (.json), each atomically (a temporary file renamed over it: a killed write leaves the old
+        file or none, never half of one). NaN/inf vectors are refused. Returns the .safetensors path."""
         weights, card_path = _paths(path)
+        _check_finite(self.vectors, self.max_activations, self.concepts, weights, "refusing to write")
         weights.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"vectors": self.vectors.contiguous(), "max_activations": self.max_activations.contiguous()},
-                  weights, metadata={"format": FORMAT})  # fmt: skip
         card = {
             **self.card,
             "format": FORMAT,
@@ -96,31 +127,56 @@ class Dictionary:
             "training_data": self.training_data,
             "auroc": self.auroc,
         }
-        card_path.write_text(json.dumps(card, indent=2) + "\n")
+        tensors = {"vectors": self.vectors.contiguous(), "max_activations": self.max_activations.contiguous()}
+        _atomic(weights, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+        _atomic(card_path, lambda tmp: tmp.write_text(json.dumps(card, indent=2) + "\n"))
         return weights
 
     @classmethod
     def load(cls, path: str | Path) -> "Dictionary":
-        """Read a dictionary from its .safetensors path, its .json card path or their stem."""
+        """Read a dictionary from its .safetensors path, its .json card path or their stem. A file
+        that cannot be read, or vectors holding NaN/inf, is a ValueError naming the file."""
         weights, card_path = _paths(path)
         for needed in (weights, card_path):
             if not needed.is_file():
                 raise FileNotFoundError(f"no dictionary file {needed} (a dictionary is NAME.safetensors + NAME.json)")
-        tensors, card = load_file(weights), json.loads(card_path.read_text())
+        redo = "re-export it (rerun the fit that wrote it) or restore a good copy"
+        try:
+            tensors = load_file(weights)
+        except Exception as err:  # SafetensorError (truncated, empty, text), OSError
+            raise ValueError(f"{weights} is not a readable safetensors file ({type(err).__name__}: "
+                             f"{_first_line(err)}); {redo}") from err  # fmt: skip
+        try:
+            card = json.loads(card_path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ValueError(f"{card_path} is not a readable JSON card ({type(err).__name__}: {_first_line(err)}); "
+                             f"{redo}") from err  # fmt: skip
+        if not isinstance(card, dict):
+            raise ValueError(f"{card_path} is not a dictionary card (a JSON object); {redo}")
+        missing = sorted({"concepts", "model", "layer", "method"} - set(card))
+        if missing:
+            raise ValueError(f"{card_path} is not a dictionary card: it lacks {missing}; {redo}")
         missing = {"vectors", "max_activations"} - set(tensors)
         if missing:
             raise ValueError(f"{weights} is not a concept dictionary: it lacks {sorted(missing)}")
+        if tensors["vectors"].dim() != 2:
+            raise ValueError(f"{weights}: vectors must be (concepts, hidden_size); got shape "
+                             f"{tuple(tensors['vectors'].shape)}; {redo}")  # fmt: skip
         if card.get("hidden_size") not in (None, tensors["vectors"].shape[1]):
             raise ValueError(f"{card_path} says hidden_size {card['hidden_size']} but the vectors have "
                              f"{tensors['vectors'].shape[1]}")  # fmt: skip
+        _check_finite(tensors["vectors"], tensors["max_activations"], card["concepts"], weights, "refusing to load")
         known = {"format", "model", "layer", "method", "latent", "hidden_size", "num_concepts", "concepts",
                  "training_data", "auroc"}  # fmt: skip
-        return cls(
-            vectors=tensors["vectors"], max_activations=tensors["max_activations"], concepts=card["concepts"],
-            model=card["model"], layer=card["layer"], method=card["method"],
-            training_data=card.get("training_data"), auroc=card.get("auroc"),
-            card={k: v for k, v in card.items() if k not in known},
-        )  # fmt: skip
+        try:
+            return cls(
+                vectors=tensors["vectors"], max_activations=tensors["max_activations"], concepts=card["concepts"],
+                model=card["model"], layer=card["layer"], method=card["method"],
+                training_data=card.get("training_data"), auroc=card.get("auroc"),
+                card={k: v for k, v in card.items() if k not in known},
+            )  # fmt: skip
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{weights} and {card_path} do not agree: {err}; {redo}") from err
 
     # --- concepts and models -----------------------------------------------------------------
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,28 +78,199 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF file once into a `save_pretrained` directory (safetensors) and return it."""
-    target = _converted_dir(gguf)
-    if (target / "config.json").is_file():
-        return target
+MANIFEST = "manifest.json"  # in a converted directory: size, mtime and sha256 of every file written
+STAGING = ".converting-"  # prefix of a conversion in progress (renamed to its target when complete)
+LOCK = ".lock"  # inside a staging directory: flock-ed by the converting process while it lives
+STALE_UNLOCKED_S = 3600  # a staging directory without a lock file (older versions) is stale after this
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_record(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+
+
+def write_manifest(directory: Path) -> Path:
+    """Record size, mtime and sha256 of every file in `directory` (its manifest.json)."""
+    files = {p.name: _file_record(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in (MANIFEST, LOCK)}
+    path = directory / MANIFEST
+    tmp = directory / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"format": "lit-interventions/model-cache/v1", "files": files}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _safetensors_intact(path: Path) -> str | None:
+    """Why a .safetensors file is unreadable (its header does not parse, or its data is shorter
+    than the header says), or None. Reads the header only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is {size} bytes, too short for a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} declares a {n}-byte header but is {size} bytes"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            return f"{path.name} is {size} bytes but its header describes {8 + n + end}"
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        return f"{path.name} is unreadable ({type(err).__name__}: {err})"
+    return None
+
+
+def check_converted(directory: Path) -> str | None:
+    """Why a converted directory is damaged, or None when it is whole. Against its manifest:
+    every file present with its size; a file whose mtime changed is hashed again (sha256). A
+    directory without a manifest (made by an older version) has its safetensors headers checked
+    and then gets one."""
+    if not (directory / "config.json").is_file():
+        return "config.json is missing"
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        weights = sorted(directory.glob("*.safetensors"))
+        if not weights:
+            return "it holds no .safetensors weights"
+        for path in weights:
+            reason = _safetensors_intact(path)
+            if reason:
+                return reason
+        try:
+            write_manifest(directory)  # trust on first use: from now on, changes are caught
+        except OSError:
+            pass
+        return None
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        assert isinstance(files, dict) and files
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"{MANIFEST} is unreadable"
+    touched = False
+    for name, record in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        stat = path.stat()
+        if stat.st_size != record.get("size"):
+            return f"{name} is {stat.st_size} bytes, not the {record.get('size')} written"
+        if stat.st_mtime_ns != record.get("mtime_ns"):
+            if _sha256(path) != record.get("sha256"):
+                return f"{name} was modified after conversion (its sha256 differs)"
+            touched = True  # same content (copied, touched): record the new mtime below
+    if touched:
+        try:
+            write_manifest(directory)
+        except OSError:
+            pass
+    return None
+
+
+def _lock_is_held(lock: Path) -> bool:
+    """Whether a live process holds the flock on `lock`."""
+    import fcntl
+
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing releases the lock we may have taken
+    return False
+
+
+def clean_stale_staging(parent: Path) -> list[Path]:
+    """Remove `.converting-*` directories left by killed conversions: those whose lock no live
+    process holds (or, without a lock file, older than an hour). Returns what was removed."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for staging in parent.glob(f"{STAGING}*"):
+        if not staging.is_dir():
+            continue
+        lock = staging / LOCK
+        try:
+            if lock.exists():
+                stale = not _lock_is_held(lock)
+            else:
+                stale = time.time() - staging.stat().st_mtime > STALE_UNLOCKED_S
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not staging.exists():
+                removed.append(staging)
+                warnings.warn(f"removed {staging}: a model conversion that did not finish", stacklevel=3)
+    return removed
+
+
+def _dequantize(gguf: Path):
+    """(model, tokenizer) of a GGUF file, dequantized to float32 (30-70 s)."""
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The dequantized weights are plain float tensors: drop the GGUF marker so they can be saved.
     model.config.quantization_config = None
     del model.config.quantization_config
     model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    return model, tokenizer
+
+
+def _discard(directory: Path) -> None:
+    """Move a damaged directory aside (atomic, so concurrent processes agree) and delete it."""
+    trash = directory.with_name(f".damaged-{directory.name}-{os.getpid()}-{time.monotonic_ns()}")
     try:
+        directory.rename(trash)
+    except OSError:
+        return  # another process moved it first (or it is gone)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a `save_pretrained` directory (safetensors) and return it.
+
+    The directory carries a manifest (size, mtime, sha256 of each file); a directory found damaged
+    (truncated, modified, another model's files) is converted again, with a warning naming it.
+    Staging directories of killed conversions are removed."""
+    import fcntl
+
+    target = _converted_dir(gguf)
+    if target.is_dir():
+        damage = check_converted(target)
+        if damage is None:
+            return target
+        warnings.warn(f"the model cache {target} is damaged ({damage}); converting {gguf} again", stacklevel=2)
+        _discard(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(target.parent)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=STAGING))
+    lock_fd = os.open(staging / LOCK, os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while we live: others know this staging is in use
+    try:
+        model, tokenizer = _dequantize(gguf)
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        del model
+        (staging / LOCK).unlink()
+        write_manifest(staging)
         try:
             staging.rename(target)  # atomic: a concurrent process (DDP rank) sees all or nothing
         except OSError:
-            if not (target / "config.json").is_file():
+            if check_converted(target) is not None:
                 raise
     finally:
+        os.close(lock_fd)
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
@@ -159,15 +333,43 @@ def load_lm(name: str = DEFAULT_LM, dtype: str = "float32") -> torch.nn.Module:
     return _load_lm(name, dtype)  # positional, so load_lm(x) and load_lm(x, "float32") share one copy
 
 
+def check_dtype(dtype: str) -> str:
+    """`dtype` if it is one of DTYPES; else a one-line ValueError naming it and the allowed ones.
+    Modules call it in __init__, before anything is loaded."""
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _unreadable_weights(name: str, path: str, err: Exception) -> ValueError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    where = Path(path)
+    cached = where.is_dir() and cache_dir().resolve() in where.resolve().parents
+    fix = (f"delete {where} and it will be converted again" if cached else
+           f"the files in {where} are damaged or belong to another model: save or download them again")  # fmt: skip
+    return ValueError(f"Cannot load the weights of lm={name!r} from {path} ({type(err).__name__}: {first[:300]}); {fix}")
+
+
 @lru_cache(maxsize=2)
 def _load_lm(name: str, dtype: str) -> torch.nn.Module:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    check_dtype(dtype)
     path = resolve(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True)
     except OSError as err:
+        if Path(path).is_dir() and any(Path(path).glob("*.safetensors")):
+            raise _unreadable_weights(name, path, err) from err
         raise _unknown(name, err) from err
+    except Exception as err:  # SafetensorError, size mismatches (RuntimeError), bad headers: name the files
+        if type(err).__name__ in ("SafetensorError", "RuntimeError", "ValueError", "HeaderTooLarge", "EOFError"):
+            raise _unreadable_weights(name, path, err) from err
+        raise
+    missing = list(info.get("missing_keys") or [])
+    if missing:  # transformers fills them with random values and only prints a table
+        unexpected = list(info.get("unexpected_keys") or [])
+        raise _unreadable_weights(name, path, RuntimeError(
+            f"{len(missing)} weights missing, e.g. {sorted(missing)[0]}"
+            + (f"; {len(unexpected)} unexpected, e.g. {sorted(unexpected)[0]}" if unexpected else "")))
     model.eval()
     model.requires_grad_(False)
     return model

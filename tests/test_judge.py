@@ -106,8 +106,10 @@ def test_bad_judge_config_raises(monkeypatch):
 
 
 @pytest.fixture
-def loopback(request):
-    """(base_url, lm) of a judge server on a free loopback port, serving the given LM."""
+def loopback(request, tmp_path, monkeypatch):
+    """(base_url, lm) of a judge server on a free loopback port, serving the given LM. Judge
+    replies are cached under tmp_path."""
+    monkeypatch.setenv("LIT_INTERVENTIONS_JUDGE_CACHE", str(tmp_path / "judge-cache"))
     servers = []
 
     def start(lm, max_new_tokens=8):

@@ -55,7 +55,7 @@ from lit_interventions.interventions.additive import (
 )
 from lit_interventions.interventions.directions import METHODS as DIRECTIONS
 from lit_interventions.interventions.directions import PCADirection
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
+from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, num_layers
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
 from lit_interventions.callbacks.metrics import AUROCCallback
@@ -124,6 +124,9 @@ class SteeringModule(FrozenLMModule):
         direction_seed: int = 0,
     ):
         super().__init__()
+        check_dtype(dtype)  # before anything is loaded
+        if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
+            raise ValueError(f"lr={lr!r} must be a finite number > 0")
         if method not in STEERING_METHODS:
             raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(STEERING_METHODS)}")
         if topk < 1:
@@ -273,6 +276,13 @@ class SteeringModule(FrozenLMModule):
         labels = torch.cat([p[1] for p in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
         hidden = _gather(hidden.to(self.device)).cpu()
         labels = _gather(labels.to(self.device)).cpu()
+        bad = ~torch.isfinite(hidden).all(-1)
+        if bad.any():
+            from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
+
+            raise NonFiniteError(f"the LM's residual stream at layer {self.hparams.layer} is NaN/inf at {int(bad.sum())} "
+                                 f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "
+                                 "Nothing was fitted or exported.")  # fmt: skip
         negatives = hidden[labels == -1]
         if len(negatives) == 0:
             raise ValueError("the training data has no negative tokens: the closed-form methods need negatives")
