@@ -193,7 +193,7 @@ def test_infinite_lr_stops_the_run_before_export(tmp_path, tiny_lm_dir):
     with pytest.raises(ValueError, match=r"lr=inf must be a finite number > 0"):  # refused when given
         _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", lr=float("inf"))
     module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", topk=2)
-    module.hparams.lr = float("inf")  # as a config that slipped past the check would
+    module.optimizer_args.lr = module.hparams.lr = float("inf")  # as a config that slipped past the check would
     with pytest.raises(NonFiniteError) as err:
         trainer.fit(module, datamodule=data)
     message = str(err.value)
@@ -206,7 +206,7 @@ def test_without_the_guard_the_run_exports_nan(tmp_path, tiny_lm_dir):
     """What the tester saw: the same run without the guard ends quietly; the dictionary refuses
     to write NaN vectors, so even then nothing non-finite reaches the disk."""
     module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), guard=False, method="reft_r1", topk=2)
-    module.hparams.lr = float("inf")
+    module.optimizer_args.lr = module.hparams.lr = float("inf")
     with pytest.raises(ValueError, match=r"dictionary.safetensors: refusing to write .*NaN/inf"):
         trainer.fit(module, datamodule=data)
     assert not list(tmp_path.rglob("dictionary.*"))

@@ -62,7 +62,7 @@ class InterchangeModule(SiteModule):
         cache: bool = True,
     ):
         super().__init__()
-        layer = self._check_site(lm, layer)  # the config only: layers are checked before weights load
+        layer = self._check_site(lm, layer, dtype)  # the config only: layers are checked before weights load
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validates both
         self.save_hyperparameters()
         self.hparams.layer = layer

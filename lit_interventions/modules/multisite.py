@@ -64,7 +64,7 @@ class MultiSiteInterchangeModule(SiteModule):
                  seed: int = 0, padding_side: str = "right",
                  intervention: Callable[[int], nn.Module] | None = None):  # fmt: skip
         super().__init__()
-        layer = self._check_site(lm, layer)
+        layer = self._check_site(lm, layer, dtype)
         if not regions:
             raise ValueError("regions is empty: name at least one region to train")
         self.save_hyperparameters()

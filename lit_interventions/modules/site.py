@@ -11,7 +11,7 @@ import torch
 from lightning import LightningModule
 
 from lit_interventions.cache import ActivationCache, input_keys
-from lit_interventions.lm import load_config, load_lm, num_layers
+from lit_interventions.lm import check_dtype, load_config, load_lm, num_layers
 from lit_interventions.sites import check_layer, logits_at, read_site
 
 
@@ -40,8 +40,10 @@ class SiteModule(FrozenLMModule):
 
     intervention: torch.nn.Module
 
-    def _check_site(self, lm: str, layer: int | None) -> int:
-        """The layer, defaulting to the middle one, checked against the config (no weights loaded)."""
+    def _check_site(self, lm: str, layer: int | None, dtype: str = "float32") -> int:
+        """The layer, defaulting to the middle one, checked against the config, and the dtype (no
+        weights loaded)."""
+        check_dtype(dtype)
         config = load_config(lm)
         if layer is None:
             layer = num_layers(config) // 2

@@ -30,7 +30,7 @@ from torchmetrics import MeanMetric
 
 from lit_interventions.interventions.base import CARD, read_tensors, save_intervention, write_tensors
 from lit_interventions.interventions.loreft import LoReFTIntervention
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
 from lit_interventions.sites import check_layer, final_logits, position_ids, residual_hook
@@ -59,8 +59,10 @@ class _SteeringModule(FrozenLMModule):
 
     method = ""
 
-    def _setup_common(self, lm: str, concept_id: int | None, warmup_ratio: float):
-        OptimizerArgs(warmup_ratio=warmup_ratio)  # validates it (lr and weight decay: configure_optimizers)
+    def _setup_common(self, lm: str, concept_id: int | None, lr: float, warmup_ratio: float, weight_decay: float,
+                      dtype: str):  # fmt: skip
+        OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validates them before any load
+        check_dtype(dtype)
         if concept_id is not None and (not isinstance(concept_id, int) or concept_id < 0):
             raise ValueError(f"concept_id={concept_id!r} must be a non-negative integer or None (all rows)")
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -161,7 +163,7 @@ class LoReFTModule(_SteeringModule):
         if layer is None:
             layer = num_layers(config) // 2
         check_layer(layer, num_layers(config))
-        self._setup_common(lm, concept_id, warmup_ratio)
+        self._setup_common(lm, concept_id, lr, warmup_ratio, weight_decay, dtype)
         self.save_hyperparameters()
         self.hparams.layer = layer
         self.intervention = LoReFTIntervention(hidden_size(config), rank)
@@ -226,7 +228,7 @@ class LoRAModule(_SteeringModule):
         for layer in layers or []:
             if not 0 <= layer < n_layers:
                 raise ValueError(f"layers={layers!r}: each must be in 0..{n_layers - 1}")
-        self._setup_common(lm, concept_id, warmup_ratio)
+        self._setup_common(lm, concept_id, lr, warmup_ratio, weight_decay, dtype)
         model = copy.deepcopy(load_lm(lm, dtype))  # peft injects in place: never into the shared copy
         target_modules = list(target_modules) if target_modules else attention_output_modules(model)
         self.save_hyperparameters()
