@@ -1,16 +1,20 @@
-"""Where to intervene: read and write the residual stream of any decoder-only HF causal LM.
+"""Where to intervene: read and write the residual stream of any decoder-only HF causal LM, or
+the output of a block's attention or MLP.
 
-A site is (layer, token position per example). Layers follow pyvene's `block_output`:
+A site is (layer, component, token position per example); see `Site`. Layers follow pyvene's
+`block_output`:
 - `layer = l` for 0 <= l < L is the residual stream after decoder block l;
 - `layer = -1` is the embedding output, i.e. the residual stream before block 0.
 
-Decoder blocks are found generically (`decoder_layers`), not from a per-architecture table, so
-GPT-NeoX, GPT-2, Llama, Gemma 2 and Gemma 3 all work. Positions are per example, shape (batch,).
+Decoder blocks, and their attention and MLP modules, are found generically (`decoder_layers`,
+`component_module`), not from a per-architecture table, so GPT-NeoX, GPT-2, Llama, Gemma 2 and
+Gemma 3 all work. Positions are per example, shape (batch,).
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Callable
 from weakref import WeakKeyDictionary
 
@@ -21,7 +25,13 @@ from transformers import DynamicCache
 from lit_interventions.lm import num_layers
 
 EMBEDDINGS = -1
+BLOCK_OUTPUT, ATTENTION_OUTPUT, MLP_OUTPUT = "block_output", "attention_output", "mlp_output"
+COMPONENTS = (BLOCK_OUTPUT, ATTENTION_OUTPUT, MLP_OUTPUT)
+POSITIONS = ("region", "last", "response")
+# a block's child whose name holds one of these (and a weight matrix) computes the component
+NAME_PATTERNS = {ATTENTION_OUTPUT: ("attn", "attention"), MLP_OUTPUT: ("mlp", "feed_forward", "ffn")}
 _BLOCKS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its decoder blocks, found once
+_CHILDREN: WeakKeyDictionary = WeakKeyDictionary()  # model -> {component: name of the block's child}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -54,6 +64,76 @@ def check_layer(layer: int, n_layers: int) -> None:
         )
 
 
+def _one_of(what: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not one of: {', '.join(allowed)}.")
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an intervention reads and writes: a layer, a component of it and a token position.
+
+    Components, named as in pyvene:
+    - `block_output`: the residual stream after decoder block `layer` (layer -1: the embeddings);
+    - `attention_output`: the output of block `layer`'s attention module, what it adds to the
+      residual stream (Gemma: before its post-attention norm, like pyvene);
+    - `mlp_output`: the output of block `layer`'s MLP module (Gemma: before its post-MLP norm).
+
+    Positions, recorded and validated here (the data gives the token indices):
+    - `region`: the last token of the template region `region` (None: the task's label variable);
+    - `last`: the last non-pad token;
+    - `response`: every response token (steering).
+    """
+
+    layer: int
+    component: str = BLOCK_OUTPUT
+    position: str = "region"
+    region: str | None = None
+
+    def __post_init__(self):
+        _one_of("component", self.component, COMPONENTS)
+        _one_of("position", self.position, POSITIONS)
+        if self.region is not None and self.position != "region":
+            raise ValueError(f"region={self.region!r} is only read with position='region', not {self.position!r}.")
+
+    def check(self, n_layers: int) -> None:
+        check_layer(self.layer, n_layers)
+        if self.layer == EMBEDDINGS and self.component != BLOCK_OUTPUT:
+            raise ValueError(f"layer=-1 (the embeddings) has only block_output, not component={self.component!r}.")
+
+
+def _holds_a_matrix(module: nn.Module) -> bool:
+    """Attention and MLP modules hold weight matrices; norms (Gemma's post_attention_layernorm)
+    and dropouts (GPT-NeoX's post_attention_dropout) do not."""
+    return any(p.dim() == 2 for p in module.parameters())
+
+
+def _child_name(block: nn.Module, component: str) -> str:
+    """The name of the block's direct child that computes `component`."""
+    patterns = NAME_PATTERNS[component]
+    found = [
+        name
+        for name, child in block.named_children()
+        if any(pattern in name.lower() for pattern in patterns) and _holds_a_matrix(child)
+    ]
+    if len(found) != 1:
+        children = [name for name, _ in block.named_children()]
+        raise ValueError(
+            f"Cannot find the {component} module of {type(block).__name__}: {len(found)} of its children "
+            f"{children} have a name containing one of {patterns} and a weight matrix ({found}); exactly one must."
+        )
+    return found[0]
+
+
+def component_module(model: nn.Module, layer: int, component: str) -> nn.Module:
+    """Block `layer`'s attention or MLP module, whose output is `component`. Found once per model."""
+    blocks = decoder_layers(model)
+    names = _CHILDREN.setdefault(model, {})
+    if component not in names:
+        names[component] = _child_name(blocks[0], component)
+    return getattr(blocks[layer], names[component])
+
+
 def _hidden(output):
     return output[0] if isinstance(output, tuple) else output
 
@@ -64,6 +144,22 @@ def _replace_hidden(output, hidden):
 
 def _rows(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[0], device=hidden.device)
+
+
+@contextmanager
+def _output_hook(module: nn.Module, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]):
+    """Call `on_hidden(h)` on the module's output (the first element of a tuple); a returned
+    tensor replaces it."""
+
+    def post_hook(module, args, output):
+        new = on_hidden(_hidden(output))
+        return _replace_hidden(output, new) if new is not None else None
+
+    handle = module.register_forward_hook(post_hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager
@@ -82,17 +178,38 @@ def residual_hook(model: nn.Module, layer: int, on_hidden: Callable[[torch.Tenso
             return (args, {**kwargs, "hidden_states": new}) if new is not None else None
 
         handle = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
     else:
+        with _output_hook(blocks[layer], on_hidden):
+            yield
 
-        def post_hook(module, args, output):
-            new = on_hidden(_hidden(output))
-            return _replace_hidden(output, new) if new is not None else None
 
-        handle = blocks[layer].register_forward_hook(post_hook)
-    try:
+@contextmanager
+def site_hook(
+    model: nn.Module, layer: int, component: str, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]
+):
+    """Call `on_hidden(h)` on `component` of block `layer`, (batch, seq, d); a returned tensor
+    replaces it. `block_output` is `residual_hook`."""
+    Site(layer, component).check(len(decoder_layers(model)))
+    if component == BLOCK_OUTPUT:
+        hook = residual_hook(model, layer, on_hidden)
+    else:
+        hook = _output_hook(component_module(model, layer, component), on_hidden)
+    with hook:
         yield
-    finally:
-        handle.remove()
+
+
+def _block_output_only(component: str, **fast_path) -> None:
+    """The cached fast path (skipped blocks, cached keys and values) starts from the residual stream."""
+    given = [name for name, value in fast_path.items() if value is not None]
+    if component != BLOCK_OUTPUT and given:
+        raise ValueError(
+            f"{' and '.join(given)} need component='block_output', not {component!r}: the cached fast "
+            f"path starts from the residual stream. Leave out {' and '.join(given)} to run the full forward."
+        )
 
 
 class _StopForward(Exception):
@@ -126,13 +243,15 @@ def read_layers(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     keys_values: DynamicCache | None = None,
+    component: str = BLOCK_OUTPUT,
 ) -> dict[int, torch.Tensor]:
-    """The residual stream at every position for each of `layers`, {layer: (batch, seq, d)}, from
-    one forward that stops after the highest of them. An empty `keys_values` cache is filled with
-    the keys and values of the blocks that ran."""
+    """The residual stream (or `component`) at every position for each of `layers`,
+    {layer: (batch, seq, d)}, from one forward that stops after the highest of them. An empty
+    `keys_values` cache is filled with the keys and values of the blocks that ran."""
+    _block_output_only(component, keys_values=keys_values)
     blocks = decoder_layers(model)
     for layer in layers:
-        check_layer(layer, len(blocks))
+        Site(layer, component).check(len(blocks))
     found, top = {}, max(layers)
 
     def grabber(layer):
@@ -145,7 +264,7 @@ def read_layers(
 
     with ExitStack() as stack:
         for layer in set(layers):
-            stack.enter_context(residual_hook(model, layer, grabber(layer)))
+            stack.enter_context(site_hook(model, layer, component, grabber(layer)))
         try:
             run_body(model, input_ids, attention_mask, past=keys_values)
         except _StopForward:
@@ -178,10 +297,16 @@ def _prefix_cache(layer: int, above: torch.Tensor) -> DynamicCache:
 
 @torch.no_grad()
 def read_site(
-    model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+    model: nn.Module,
+    layer: int,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    component: str = BLOCK_OUTPUT,
 ) -> torch.Tensor:
-    """f(x): the residual stream at (layer, positions), (batch, d). The forward stops at `layer`."""
-    hidden = read_layers(model, [layer], input_ids, attention_mask)[layer]
+    """f(x): the residual stream (or `component`) at (layer, positions), (batch, d). The forward
+    stops at `layer`."""
+    hidden = read_layers(model, [layer], input_ids, attention_mask, component=component)[layer]
     return hidden[_rows(hidden), positions]
 
 
@@ -253,12 +378,13 @@ def logits_at(
     start_states: torch.Tensor | None = None,
     vocab: torch.Tensor | None = None,
     prefix: tuple[int, torch.Tensor] | None = None,
+    component: str = BLOCK_OUTPUT,
 ) -> torch.Tensor:
     """Next-token logits at `logit_positions` only, (batch, vocab), or (batch, n) for the token
     ids `vocab` (batch, n) alone.
 
-    With an intervention, the residual stream at (layer, site_positions) is replaced by
-    `intervention(f(b))` during the forward, i.e. p_{f <- f*}.
+    With an intervention, the residual stream (or `component`, see `Site`) at (layer,
+    site_positions) is replaced by `intervention(f(b))` during the forward, i.e. p_{f <- f*}.
 
     With `start_states` (batch, seq, d), the residual stream at `layer` computed earlier for
     these inputs (the LM is frozen, so it never changes), blocks 0..layer are skipped and the
@@ -267,8 +393,10 @@ def logits_at(
     With `prefix` (c, keys and values of the blocks above `layer` for the first c columns,
     (n_above, 2, batch, heads, c, head_dim)), as well as `start_states`, only columns c.. are
     run: under causal attention the columns before every site are unchanged above it as well.
-    The caller keeps c at or before every site (`ActivationCache.prefix`).
+    The caller keeps c at or before every site (`ActivationCache.prefix`). Both are for
+    component='block_output' only.
     """
+    _block_output_only(component, start_states=start_states, prefix=prefix)
     past = None
     if prefix is not None:
         if start_states is None:
@@ -290,6 +418,6 @@ def logits_at(
         if start_states is not None and layer != EMBEDDINGS:
             stack.enter_context(_skip_blocks(model, layer))
         if intervention is not None or start_states is not None:
-            stack.enter_context(residual_hook(model, layer, write))
+            stack.enter_context(site_hook(model, layer, component, write))
         hidden = run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
     return final_logits(model, hidden[_rows(hidden), logit_positions], vocab)
