@@ -89,8 +89,26 @@ def resolve_configs(args: list[str] | None) -> list[str]:
 
 
 def first_reason(message: str) -> str:
-    """The first specific reason in a jsonargparse error (it lists one per type it tried, and the
-    detail of a reason on the lines indented below it)."""
+    """The first specific reason in a jsonargparse error, with the option it is about and the
+    value given: `--trainer.max_epochs: Expected a <class 'int'>; got many`."""
+    reason = _first_reason(message)
+    outer = re.match(r'Parser key "([^"]+)":', message.strip())
+    inner = re.search(r'Parser key "([^"]+)":\s*(.*)', reason)
+    key = None
+    if inner:
+        key = f"{outer.group(1)}.{inner.group(1)}" if outer else inner.group(1)
+        reason = inner.group(2)
+    elif outer:
+        key = outer.group(1)
+    given = re.search(r"^\s*Given value: (.*)$", message, re.M)
+    if given and "Got value" not in reason and not re.match(r"(NestedArg|Namespace)\(", given.group(1)):
+        reason += f"; got {given.group(1)}"
+    return f"--{key}: {reason}" if key else reason
+
+
+def _first_reason(message: str) -> str:
+    """The first reason in a jsonargparse error (it lists one per type it tried, and the detail of
+    a reason on the lines indented below it)."""
     lines = message.strip().splitlines()
     for i, line in enumerate(lines):
         text = line.strip()
@@ -262,6 +280,13 @@ def given_options(args: list[str]) -> dict[str, set[str]]:
     return given
 
 
+def _hidden_size(data):
+    return getattr(data, "hidden_size", None)
+
+
+LINKED = {"model": {"hidden_size"}, "data": set(SHARED)}  # link targets: never parsed from a checkpoint
+
+
 def _plain(value):
     return value.as_dict() if hasattr(value, "as_dict") else value
 
@@ -279,9 +304,15 @@ class InterventionCLI(LightningCLI):
     """LightningCLI with `--model.lm` (and `region`, `multitask`) shared by the data module, bad
     input as one `error:` line, and the run conveniences in this module's docstring."""
 
+    def __init__(self, *args, **kwargs):
+        quiet_lightning()
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser):
         for name in SHARED:  # a link whose target class lacks the argument is skipped
             parser.link_arguments(f"model.init_args.{name}", f"data.init_args.{name}")
+        # a model sized by its data (the SAE: the LM's hidden size, known once the data module is built)
+        parser.link_arguments("data", "model.init_args.hidden_size", compute_fn=_hidden_size, apply_on="instantiate")
 
     def init_parser(self, **kwargs):
         return super().init_parser(**kwargs, exit_on_error=False)  # subcommand parsers too
@@ -316,7 +347,7 @@ class InterventionCLI(LightningCLI):
             known = _parameters(class_path)
             init_args = {}
             for name, value in saved.items():
-                if name not in known or (key == "data" and name in SHARED):
+                if name not in known or name in LINKED[key]:
                     continue  # link targets come from the model
                 if name in given[key]:
                     here = _plain(self.config[subcommand].get(f"{key}.init_args.{name}"))
