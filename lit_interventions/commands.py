@@ -55,6 +55,8 @@ def quiet_lightning() -> None:
     if not any(isinstance(f, _NoAdverts) for f in logger.filters):
         logger.addFilter(_NoAdverts())
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    # train_main passes the command line as `args` (with --config names resolved): not a mistake
+    warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended to run from within Python")
 
 
 # ----------------------------------------------------------------------------- configs by short name
@@ -227,7 +229,7 @@ class LineProgress(ProgressBar):
 
     def on_validation_start(self, trainer, pl_module):
         if trainer.state.fn == "validate":
-            self._print(f"validating {int(sum(self.total_val_batches_current_dataloader for _ in [0]))} batches")
+            self._print("validating")
 
     def on_test_start(self, trainer, pl_module):
         self._print("testing")
@@ -366,8 +368,11 @@ class InterventionCLI(LightningCLI):
                 fail(f"the settings saved in {ckpt_path} do not parse: {first_reason(str(err))}")
 
     def before_instantiate_classes(self):
-        if self.subcommand in ("validate", "test") and not any(a.startswith("--verbose") for a in self._given):
-            self.config[self.subcommand]["verbose"] = False  # RunSummary prints the metrics
+        if self.subcommand in ("validate", "test"):
+            if not any(a.startswith("--verbose") for a in self._given):
+                self.config[self.subcommand]["verbose"] = False  # RunSummary prints the metrics
+            # scoring a checkpoint in a new run directory: nothing of the checkpoint callback's state matters
+            warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
     def instantiate_classes(self):
         """Bad input (unknown task, region, layer, file) is one line on stderr, not a traceback."""
