@@ -184,3 +184,12 @@ def test_train_py_to_a_file_prints_progress_lines_and_no_adverts(tmp_path, tiny_
     assert any(line.startswith("epoch 0 validation") and "val/odds" in line for line in text.splitlines())
     assert "\r" not in text and text.strip().splitlines()[-1] == f"files in {tmp_path}/agr_sv_num_pp/layer1/version_0"
     assert "💡" not in text + done.stderr and "LeafSpec" not in done.stderr
+
+
+def test_the_console_script_is_declared():
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, name = scripts["lit-interventions"].partition(":")
+    assert getattr(importlib.import_module(module), name) is main
