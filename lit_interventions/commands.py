@@ -575,6 +575,14 @@ def main(argv: list[str] | None = None):
         raise SystemExit(2)
     if command in LIGHTNING_SUBCOMMANDS:
         return train_main([command, *rest])
+    program, sys.argv[0] = sys.argv[0], f"{PROG} {command}"  # the usage line names the command
+    try:
+        return _study(command, rest)
+    finally:
+        sys.argv[0] = program
+
+
+def _study(command: str, rest: list[str]):
     if command == "sweep":
         from lit_interventions.sweep import main as sweep_main
 
