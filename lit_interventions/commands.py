@@ -496,7 +496,7 @@ def short_help(args: list[str]) -> None:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             fail(f"--{key}: cannot import {class_path!r}")
-        skip = set(SHARED) if key == "data" else set()
+        skip = set(LINKED[key])  # set by links, not by the user
         parser.add_class_arguments(cls, key, skip=skip, sub_configs=True,
                                    help=f"{class_path} (--{key}.NAME VALUE)")  # fmt: skip
         for name, value in _config_values(args, key).items():  # the config's values as the defaults shown
