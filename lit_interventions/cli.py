@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -15,31 +16,51 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from lit_interventions.results import claim_out_dir  # noqa: F401  (re-exported: the studies' one import)
 
 
-def print_rows(rows: list[dict]) -> None:
-    for row in rows:
-        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+def print_rows(rows: list[dict], out: str | Path | None = None) -> None:
+    """The summary rows as an aligned table (one header line, one line a row), then the
+    directory the files are in."""
+    if rows:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        cells = [[_cell(row.get(k)) for k in columns] for row in rows]
+        widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(columns)]
+        for line in [columns, *cells]:
+            print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+    if out is not None:
+        print(f"files in {out}")
+    sys.stdout.flush()
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def run_cli(function: Callable[..., list[dict]], description: str, args=None, customize=None, ignore=(),
             errors=(ValueError, FileNotFoundError)) -> list[dict]:  # fmt: skip
     """Parse `args` for `function`, call it and print its rows. `customize(parser)` adds or
-    replaces options; keys in `ignore` are parsed but not passed on."""
+    replaces options; keys in `ignore` are parsed but not passed on. Bad input, found by the
+    parser or by `function` (one of `errors`), is one `error:` line on stderr with exit code 2;
+    `--config NAME` finds configs/NAME."""
+    from lit_interventions.commands import Parser, fail, quiet_lightning, resolve_configs
+
+    quiet_lightning()
     for name in ("lightning.pytorch", "lightning.fabric"):  # one Trainer per cell: keep its banner quiet
         logging.getLogger(name).setLevel(logging.ERROR)
-    parser = ArgumentParser(description=description.split("\n\n")[0], default_config_files=[])
+    parser = Parser(description=description.split("\n\n")[0], default_config_files=[])
     parser.add_argument("--config", action=ActionConfigFile)
     if customize is not None:
         customize(parser)
     else:
         parser.add_function_arguments(function, as_positional=False)
-    config = parser.parse_args(args)
+    config = parser.parse_args(resolve_configs(args))
     skip = {"config", *ignore}
     kwargs = {k: v for k, v in config.as_dict().items() if k not in skip and not k.startswith("__")}
     try:
         rows = function(**kwargs)
     except errors as err:
-        parser.exit(2, f"error: {err}\n")
-    print_rows(rows)
+        fail(str(err))
+    print_rows(rows, kwargs.get("out"))
     return rows
 
 

@@ -310,6 +310,11 @@ def _benchmark(args) -> str:
 
 
 def main(args=None) -> None:
+    """`lit-interventions sweep` (and `python -m lit_interventions.sweep`): CausalGym, or RAVEL
+    when the --config file says `benchmark: ravel`."""
+    from lit_interventions.commands import resolve_configs
+
+    args = resolve_configs(args)
     if _benchmark(args) == "ravel":  # configs/sweep_ravel.yaml
         from lit_interventions.ravel_sweep import main as ravel_main
 

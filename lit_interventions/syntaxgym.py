@@ -31,7 +31,6 @@ The output CSV has the header `suite,items,accuracy` and one row per suite; its 
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import re
@@ -39,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Literal, Union
 
 import torch
 
@@ -453,35 +452,42 @@ def write_csv(results: list[SuiteResult], out: Path) -> None:
         writer.writerow([SG_SCORE_ROW, sum(result.items for result in results), f"{sg_score(results):.6f}"])
 
 
-def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m lit_interventions.syntaxgym",
+def _arguments(argv: list[str] | None):
+    from jsonargparse import ActionConfigFile
+
+    from lit_interventions.commands import Parser, resolve_configs
+
+    parser = Parser(
+        prog="lit-interventions syntaxgym",
         description="SyntaxGym accuracy of a frozen LM: per-suite accuracy and the SG score (mean over suites).",
+        default_config_files=[],
     )
-    parser.add_argument("--suites", nargs="+", required=True, help="a directory of *.json suites, or suite files")
-    parser.add_argument("--lm", default=DEFAULT_LM, help="what lit_interventions.lm.load_lm accepts")
-    parser.add_argument("--out", required=True, type=Path, help="CSV: suite,items,accuracy; last row 'SG score'")
-    parser.add_argument("--batch-size", type=int, default=16, help="sentences per forward pass")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: torch's choice); 1 is much faster when other processes share the cores",
-    )
-    return parser.parse_args(argv)
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with these options")
+    parser.add_argument("--suites", type=str, required=True, nargs="+",
+                        help="a directory of *.json suites, or suite files")  # fmt: skip
+    parser.add_argument("--lm", type=str, default=DEFAULT_LM, help="what lit_interventions.lm.load_lm accepts")
+    parser.add_argument("--out", type=str, required=True, help="CSV: suite,items,accuracy; last row 'SG score'")
+    parser.add_argument("--batch_size", "--batch-size", type=int, default=16, help="sentences per forward pass")
+    parser.add_argument("--dtype", type=Literal[tuple(sorted(DTYPES))], default="float32", help="the LM's dtype")
+    parser.add_argument("--threads", type=int | None, default=None,
+                        help="torch CPU threads (default: torch's choice); 1 is much faster when other processes share the cores")  # fmt: skip
+    return parser, parser.parse_args(resolve_configs(argv))
 
 
 def main(argv: list[str] | None = None) -> list[SuiteResult]:
-    args = _arguments(argv)
+    """`lit-interventions syntaxgym` (and `python -m lit_interventions.syntaxgym`)."""
+    from lit_interventions.commands import fail
+
+    parser, args = _arguments(argv)
+    out = Path(args.out)
     try:
         if args.batch_size < 1:
-            raise ValueError(f"--batch-size={args.batch_size} must be a positive integer")
+            raise ValueError(f"--batch_size={args.batch_size} must be a positive integer")
         if args.threads is not None:
             if args.threads < 1:
                 raise ValueError(f"--threads={args.threads} must be a positive integer")
             torch.set_num_threads(args.threads)
-        suites = [load_suite(path) for path in suite_paths(args.suites)]  # all checked before the LM loads
+        suites = [load_suite(path) for path in suite_paths(_flat(args.suites))]  # all checked before the LM loads
         started = time.perf_counter()
         model, tokenizer = load_lm(args.lm, args.dtype), load_tokenizer(args.lm)
         results = []
@@ -489,12 +495,21 @@ def main(argv: list[str] | None = None) -> list[SuiteResult]:
             results.append(evaluate_suite(suite, model, tokenizer, batch_size=args.batch_size))
             print(f"{suite.name:<28} items {results[-1].items:>3}  accuracy {results[-1].accuracy:.3f}", flush=True)
     except (ValueError, FileNotFoundError, ImportError) as err:
-        raise SystemExit(f"syntaxgym: error: {err}") from None
+        fail(str(err))
     score = sg_score(results)
-    write_csv(results, args.out)
+    write_csv(results, out)
     print(f"{SG_SCORE_ROW:<28} suites {len(results):>2}  accuracy {score:.3f}")
-    print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s with model loading)")
+    print(f"wrote {out} ({time.perf_counter() - started:.1f} s with model loading)")
+    print(f"files in {out.parent}", flush=True)
     return results
+
+
+def _flat(values) -> list[str]:
+    """--suites a b c, --suites '[a, b]' or a YAML list: one flat list of paths."""
+    flat = []
+    for value in values if isinstance(values, (list, tuple)) else [values]:
+        flat.extend(_flat(value) if isinstance(value, (list, tuple)) else [str(value)])
+    return flat
 
 
 if __name__ == "__main__":

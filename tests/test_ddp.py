@@ -53,7 +53,7 @@ def _run(tmp_path, name, lm_dir, subcommand, devices, *extra, setup=CAUSALGYM, e
 def test_ddp_validation_equals_single_process(tmp_path, tiny_lm_dir):
     lm_dir = tiny_lm_dir("gpt_neox")
     _, fit_dir = _run(tmp_path, "fit", lm_dir, "fit", 2)  # a DDP fit runs, and rank 0 exports
-    (checkpoint,) = fit_dir.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    (checkpoint,) = fit_dir.glob("**/version_0/checkpoints/*.ckpt")
     assert (checkpoint.parents[1] / "intervention.safetensors").is_file()
     single, _ = _run(tmp_path, "single", lm_dir, "validate", 1, f"--ckpt_path={checkpoint}")
     double, _ = _run(tmp_path, "double", lm_dir, "validate", 2, f"--ckpt_path={checkpoint}")
@@ -64,7 +64,7 @@ def test_ddp_validation_equals_single_process(tmp_path, tiny_lm_dir):
 def _fit_then_validate(tmp_path, lm_dir, setup, env=None):
     """A 2-process DDP fit, then its checkpoint validated by 1 and by 2 processes."""
     _, fit_dir = _run(tmp_path, "fit", lm_dir, "fit", 2, setup=setup, env=env)
-    (checkpoint,) = fit_dir.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    (checkpoint,) = fit_dir.glob("**/version_0/checkpoints/*.ckpt")
     single, _ = _run(tmp_path, "single", lm_dir, "validate", 1, f"--ckpt_path={checkpoint}", setup=setup, env=env)
     double, _ = _run(tmp_path, "double", lm_dir, "validate", 2, f"--ckpt_path={checkpoint}", setup=setup, env=env)
     return single, double, checkpoint
@@ -152,7 +152,7 @@ def test_ddp_sae_validation_equals_single_process(tmp_path, tiny_lm_dir):
     setup = ("configs/sae.yaml", *(f"--data.{k}={v}" for k, v in sizes.items()), "--trainer.max_epochs=2")
     double, fit_dir = _run(tmp_path, "fit", lm_dir, None, 2, setup=setup, program=("-m", "lit_interventions.modules.sae"),
                            lm_option="--data.lm")  # fmt: skip
-    (checkpoint,) = fit_dir.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    (checkpoint,) = fit_dir.glob("**/version_0/checkpoints/*.ckpt")
     assert (checkpoint.parents[1] / "sae.safetensors").is_file()  # rank 0 exported
     data = RavelActivationsDataModule(lm=lm_dir, **sizes)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)

@@ -84,7 +84,9 @@ def test_output_directory_of_another_model_is_refused(tmp_path, tiny_lm_dir):
 def test_command_line(tmp_path, tiny_lm_dir, capsys):
     sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", "--methods=[diffmean]",
                 "--layers=[1]", f"--out={tmp_path / 'cli'}", "--train_pairs=10", "--eval_pairs=4"])  # fmt: skip
-    assert "method=diffmean" in capsys.readouterr().out
+    header, row, files = capsys.readouterr().out.strip().splitlines()[-3:]  # the summary table, then where
+    assert header.split() == ["task", "method", "accuracy", "overall_odds"] and row.split()[:2] == ["agr_sv_num_pp", "diffmean"]
+    assert files == f"files in {tmp_path / 'cli'}"
     with pytest.raises(SystemExit):
         sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", "--methods=[nope]"])
     assert "error: Unknown methods ['nope']" in capsys.readouterr().err

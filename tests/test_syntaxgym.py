@@ -274,10 +274,14 @@ def test_unwanted_regions_are_nan_and_wanted_ones_unchanged(tiny_lm_dir, tokeniz
 
 
 def _error_of(argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as caught:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as caught, contextlib.redirect_stderr(err):
         main(argv)
-    message = str(caught.value.code)
-    assert message.startswith("syntaxgym: error: ") and "\n" not in message
+    message = err.getvalue()
+    assert caught.value.code == 2 and message.startswith("error: ") and message.count("\n") == 1, message
     return message
 
 

@@ -29,7 +29,7 @@ def test_fit_logs_loss_and_odds_to_tensorboard(fitted):
     metrics = cli.trainer.callback_metrics
     for name in ("train/loss", "val/odds", "val/iia", "val/loss"):
         assert torch.isfinite(metrics[name]), name
-    assert log_dir.parent.name == "lightning_logs" and log_dir.name.startswith("version_")
+    assert log_dir.parts[-3:-1] == ("agr_sv_num_pp", "layer1") and log_dir.name.startswith("version_")  # named by the run
     assert list(log_dir.glob("events.out.tfevents.*"))
 
 

@@ -10,7 +10,7 @@ Choices the paper leaves open (common practice, e.g. Bricken et al. 2023):
   so the L1 penalty cannot be dodged by shrinking f and growing W2; W1 starts as W2ᵀ, b2 at the
   mean, b1 at 0; Adam.
 
-Train it: `python -m lit_interventions.modules.sae --config configs/sae.yaml`. After fit,
+Train it: `lit-interventions fit --config configs/sae.yaml`. After fit,
 `sae.safetensors` (W1, b1, W2, b2 on raw activations; no LM weights) and `sae.json` (a card) are
 written to the run's log directory; `SAEFeaturizer.load(path)` reads them.
 """
@@ -196,32 +196,12 @@ class ExportSAE(Callback):
 
 
 def main(args=None):
-    """`python -m lit_interventions.modules.sae --config configs/sae.yaml`: fit, then export."""
-    from lightning.pytorch.cli import LightningCLI
+    """`python -m lit_interventions.modules.sae --config configs/sae.yaml`: the same as
+    `lit-interventions fit --config configs/sae.yaml` (the fit, then ExportSAE)."""
+    from lit_interventions.commands import train_main
 
-    from datamodules.activations import RavelActivationsDataModule
-
-    class SAECLI(LightningCLI):
-        def add_arguments_to_parser(self, parser):
-            parser.link_arguments("data.hidden_size", "model.hidden_size", apply_on="instantiate")
-
-        def instantiate_classes(self):
-            try:
-                super().instantiate_classes()
-            except (ValueError, FileNotFoundError, ImportError) as err:
-                print(f"error: {err}", file=sys.stderr)
-                raise SystemExit(2) from err
-
-    cli = SAECLI(
-        SAEModule,
-        RavelActivationsDataModule,
-        trainer_defaults={"callbacks": [ExportSAE()]},
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=False,
-    )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    return cli
+    args = list(sys.argv[1:] if args is None else args)
+    return train_main(args if args[:1] == ["fit"] else ["fit", *args])
 
 
 if __name__ == "__main__":

@@ -307,17 +307,11 @@ def load_steering_checkpoint(path: str | Path, lm: str | None = None) -> _Steeri
 
 
 def main(args=None):
-    """`python -m lit_interventions.modules.steering_baselines fit --config configs/loreft.yaml`."""
-    from lightning.pytorch.cli import LightningCLI
+    """`python -m lit_interventions.modules.steering_baselines fit --config configs/loreft.yaml`:
+    the same as `lit-interventions fit --config configs/loreft.yaml`."""
+    from lit_interventions.commands import train_main
 
-    from datamodules.axbench import AxBenchDataModule
-
-    class SteeringCLI(LightningCLI):
-        def add_arguments_to_parser(self, parser):
-            parser.link_arguments("model.init_args.lm", "data.lm")
-
-    return SteeringCLI(_SteeringModule, AxBenchDataModule, subclass_mode_model=True,
-                       save_config_kwargs={"overwrite": True}, args=args)  # fmt: skip
+    return train_main(args)
 
 
 if __name__ == "__main__":

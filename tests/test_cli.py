@@ -1,0 +1,195 @@
+"""The `lit-interventions` command: every subcommand's help and error style, a tiny-model fit and its
+checkpoint evaluated with the checkpoint's settings, the run directory's name, the final summary,
+line progress when stdout is a file, no Lightning adverts, configs by short name, the short help."""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_interventions.commands import find_config, main, quiet_lightning
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HELP = {  # subcommand line -> options its help must name
+    ("fit", "--config", "das.yaml"): ["--model.layer", "--model.k", "--data.task", "--trainer.max_epochs", "--help-all"],
+    ("validate", "--config", "configs/das.yaml"): ["--ckpt_path", "--model.layer", "--data.eval_pairs"],
+    ("test", "--config", "ravel/mdas.yaml"): ["--ckpt_path", "--model.objective", "--data.target_attribute"],
+    ("sweep",): ["--tasks", "--methods", "--layers", "--out", "--batch_size"],
+    ("sweep", "--config", "sweep_ravel.yaml"): ["--attributes", "--methods", "--out"],
+    ("calm",): ["--properties", "--layer", "--probe", "--epsilon"],
+    ("steer",): ["--dictionary", "--checkpoint", "--factors", "--judge"],
+    ("syntaxgym",): ["--suites", "--lm", "--out", "--batch_size", "--threads"],
+    ("serve-judge",): ["--lm", "--host", "--port", "--max_new_tokens"],
+    (): ["fit", "validate", "test", "sweep", "calm", "steer", "syntaxgym", "serve-judge"],
+}
+
+
+@pytest.mark.parametrize("line", list(HELP), ids=lambda line: " ".join(line) or "top")
+def test_help_exits_0_and_names_the_key_options(line, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*line, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in HELP[line]:
+        assert option in out, (line, option)
+
+
+def test_short_help_lists_the_modules_options_with_their_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "das.yaml", "--help"])
+    short = capsys.readouterr().out
+    assert "residual stream after this decoder block" in short  # InterchangeModule's docs
+    assert "task name in the template file" in short  # CausalGymDataModule's docs
+    assert "default: 9" in short  # the config's value, not the class default
+    assert "--trainer.gradient_clip_val" not in short and len(short.splitlines()) < 200
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "das.yaml", "--help-all"])
+    assert exit_info.value.code == 0
+    assert "--trainer.gradient_clip_val" in capsys.readouterr().out  # LightningCLI's full help
+
+
+BAD = {  # a bad value for each subcommand -> part of its one-line error
+    ("fit", "--config", "das.yaml", "--trainer.max_epochs", "many"): "max_epochs",
+    ("validate", "--config", "das.yaml", "--model.k", "one"): "k",
+    ("test", "--config", "das.yaml", "--data.eval_pairs", "x"): "eval_pairs",
+    ("sweep", "--config", "sweep_causalgym.yaml", "--batch_size", "big"): "batch_size",
+    ("sweep", "--config", "sweep_ravel.yaml", "--benchmark", "causal"): "benchmark",
+    ("calm", "--layer", "nine"): "layer",
+    ("steer", "--instructions", "ten"): "instructions",
+    ("syntaxgym", "--suites", "x", "--out", "o.csv", "--batch_size", "0"): "--batch_size=0 must be a positive integer",
+    ("serve-judge", "--port", "http"): "port",
+    ("serve-judge", "--port", "70000"): "--port=70000 is not a port",
+    ("train",): "invalid choice: 'train'",
+}
+
+
+@pytest.mark.parametrize("line", list(BAD), ids=lambda line: " ".join(line))
+def test_bad_value_is_one_error_line_with_exit_2(line, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(line))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and BAD[line] in err[0], err
+
+
+def test_configs_are_found_by_short_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout: found under the package's checkout
+    assert Path(find_config("das.yaml")) == ROOT / "configs" / "das.yaml"
+    assert Path(find_config("ravel/mdas.yaml")) == ROOT / "configs" / "ravel" / "mdas.yaml"
+    assert find_config("nope.yaml") == "nope.yaml"  # left as given: the parser reports it
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "das.yaml").write_text("model: {}\n")
+    assert Path(find_config("das.yaml")).resolve() == (tmp_path / "configs" / "das.yaml").resolve()  # ./configs first
+
+
+def test_leafspec_deprecation_is_filtered():
+    from lightning.pytorch.utilities._pytree import _tree_flatten
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_lightning()
+        _tree_flatten(torch.zeros(2))
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+
+
+# ----------------------------------------------------------------------------- a tiny-model run
+
+TASK, REGION = "npi_any_subj-relc", "det"  # not das.yaml's task: test/validate must take it from the checkpoint
+SMALL = ["--model.layer=1", "--data.train_pairs=12", "--data.eval_pairs=4", "--trainer.val_check_interval=1.0"]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, tiny_lm_dir):
+    """`lit-interventions fit --config das.yaml` with overrides; stdout as pytest captures it."""
+    root = tmp_path_factory.mktemp("cli_fit")
+    lm = tiny_lm_dir("gpt_neox")
+    args = ["fit", "--config", "das.yaml", f"--model.lm={lm}", f"--trainer.default_root_dir={root}", *SMALL,
+            f"--data.task={TASK}", f"--model.region={REGION}", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    cli = main(args)
+    (checkpoint,) = Path(cli.trainer.log_dir).glob("checkpoints/*.ckpt")
+    return cli, Path(cli.trainer.log_dir), checkpoint, lm
+
+
+def test_fit_names_its_run_directory_by_task_and_layer(fitted):
+    cli, log_dir, _, _ = fitted
+    assert log_dir.parts[-3:] == (TASK, "layer1", "version_0")
+    assert (log_dir / "intervention.safetensors").is_file() and (log_dir / "config.yaml").is_file()
+    assert list(log_dir.glob("events.out.tfevents.*"))
+
+
+def _summary(out: str, log_dir: Path) -> list[str]:
+    """The metric lines of the final summary (between its title and `files in`)."""
+    lines = out.strip().splitlines()
+    assert lines[-1] == f"files in {log_dir}", lines[-1]
+    start = max(i for i, line in enumerate(lines) if line.endswith("metrics"))
+    return lines[start + 1 : -1]
+
+
+@pytest.mark.parametrize("subcommand,split", [("test", "test"), ("validate", "val")])
+def test_checkpoint_settings_are_used_and_the_summary_printed(fitted, tmp_path, capsys, subcommand, split):
+    """`--config das.yaml --ckpt_path` (das.yaml names another task and no region) scores the
+    checkpoint's task and region; the summary is sorted and aligned, with the run directory."""
+    cli, _, checkpoint, lm = fitted
+    capsys.readouterr()
+    tested = main([subcommand, "--config", "das.yaml", f"--ckpt_path={checkpoint}", f"--trainer.default_root_dir={tmp_path}",
+                   "--trainer.enable_progress_bar=false"])  # fmt: skip
+    assert tested.datamodule.hparams.task == TASK and tested.model.hparams.region == REGION
+    assert tested.model.hparams.lm == lm and tested.datamodule.hparams.train_pairs == 12
+    torch.testing.assert_close(tested.model.intervention.basis, cli.model.intervention.basis.detach())
+    metrics = _summary(capsys.readouterr().out, Path(tested.trainer.log_dir))
+    names = [line.split()[0] for line in metrics]
+    assert names == sorted(names) and f"{split}/odds" in names
+    assert len({line.rindex(" ") for line in metrics}) == 1  # values in one column
+    value = float(next(line for line in metrics if line.startswith(f"{split}/odds ")).split()[-1])
+    assert value == pytest.approx(tested.trainer.callback_metrics[f"{split}/odds"].item(), abs=1e-4)
+
+
+def test_ckpt_path_alone_reads_the_runs_config(fitted, tmp_path):
+    _, _, checkpoint, _ = fitted
+    tested = main(["test", f"--ckpt_path={checkpoint}", f"--trainer.default_root_dir={tmp_path}",
+                   "--trainer.enable_progress_bar=false"])  # fmt: skip
+    assert tested.datamodule.hparams.task == TASK and "test/odds" in tested.trainer.callback_metrics
+
+
+def test_an_option_that_contradicts_the_checkpoint_is_an_error(fitted, tmp_path, capsys):
+    _, _, checkpoint, lm = fitted
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test", "--config", "das.yaml", f"--ckpt_path={checkpoint}", "--model.k", "4", "--data.task=agr_gender",
+              f"--model.lm={lm}", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    assert exit_info.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "--model.k is 4 but the checkpoint has 1" in err
+    assert f"--data.task is 'agr_gender' but the checkpoint has '{TASK}'" in err
+    assert "--model.lm" not in err  # the same value: no conflict
+
+
+def test_train_py_to_a_file_prints_progress_lines_and_no_adverts(tmp_path, tiny_lm_dir):
+    """`python train.py fit ... > log.txt`: progress as lines, the summary at the end, no Lightning
+    tips and no LeafSpec warning."""
+    log = tmp_path / "log.txt"
+    args = [sys.executable, "train.py", "fit", "--config", "das.yaml", f"--model.lm={tiny_lm_dir('gpt2')}", *SMALL,
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        done = subprocess.run(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = log.read_text()
+    steps = [line for line in text.splitlines() if line.startswith("epoch 0 step ")]
+    assert steps and steps[-1].startswith("epoch 0 step 6/6") and "train/loss" in steps[-1], text
+    assert any(line.startswith("epoch 0 validation") and "val/odds" in line for line in text.splitlines())
+    assert "\r" not in text and text.strip().splitlines()[-1] == f"files in {tmp_path}/agr_sv_num_pp/layer1/version_0"
+    assert "💡" not in text + done.stderr and "LeafSpec" not in done.stderr
+
+
+def test_the_console_script_is_declared():
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, name = scripts["lit-interventions"].partition(":")
+    assert getattr(importlib.import_module(module), name) is main
