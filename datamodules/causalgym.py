@@ -118,6 +118,9 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
         positions = torch.tensor([getattr(e, f"{side}_positions")[region] for e in examples])
         batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = ids, mask
         batch[f"{side}_pos"] = positions + shift  # (batch,)
+        shared = set.intersection(*(set(getattr(e, f"{side}_positions")) for e in examples))
+        batch[f"{side}_region_pos"] = {r: torch.tensor([getattr(e, f"{side}_positions")[r] for e in examples]) + shift
+                                       for r in sorted(shared)}  # every region of every row: composed sites  # fmt: skip
         batch[f"{side}_pos_list"] = batch[f"{side}_pos"].tolist()
         batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
         batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])

@@ -34,6 +34,8 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lit_interventions.callbacks.guard import NonFiniteError, NonFiniteGuard
+
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "lit-interventions"
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
@@ -254,11 +256,16 @@ def run_name(model, data) -> str:
     elif dhp.get("entity_type"):
         parts.append(str(dhp["entity_type"]))
     layer = mhp.get("layer", dhp.get("layer"))
-    layers = mhp.get("layers")
+    sites = getattr(model, "sites", None) or []  # composed sites (InterchangeModule)
+    layers = mhp.get("layers") or [site.layer for site in sites]
+    if sites:
+        layer = None  # composed sites: every layer is named
     if isinstance(layer, int):
         parts.append(f"layer{layer}")
     elif isinstance(layers, (list, tuple)) and layers:
         parts.append("layers" + "+".join(str(x) for x in layers))
+    if mhp.get("component") not in (None, "block_output"):
+        parts[-1:] = [f"{parts[-1]}_{mhp['component']}"] if parts else [mhp["component"]]
     return "/".join(part.replace(os.sep, "_") for part in parts) or "lightning_logs"
 
 
@@ -378,6 +385,9 @@ class InterventionCLI(LightningCLI):
         """Bad input (unknown task, region, layer, file) is one line on stderr, not a traceback."""
         try:
             super().instantiate_classes()
+            check = getattr(self.model, "check_data", None)  # a module that needs something of its data
+            if check is not None and self.datamodule is not None:
+                check(self.datamodule)
         except (ValueError, FileNotFoundError, ImportError) as err:
             fail(first_reason(str(err)))
 
@@ -396,7 +406,7 @@ def trainer_defaults() -> dict:
     from lit_interventions.callbacks.dictionary import ExportDictionary
     from lit_interventions.callbacks.export import ExportIntervention
 
-    return {"callbacks": [ExportIntervention(), ExportDictionary(), RunSummary()]}
+    return {"callbacks": [NonFiniteGuard(), ExportIntervention(), ExportDictionary(), RunSummary()]}
 
 
 def _checkpoint_config(args: list[str]) -> list[str]:
@@ -416,14 +426,18 @@ def train_main(args=None, run: bool = True):
     if args[:1] and args[0] in LIGHTNING_SUBCOMMANDS and any(a in ("-h", "--help") for a in args):
         short_help(args)  # exits
     args = ["--help" if a == "--help-all" else a for a in args]
-    return InterventionCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        trainer_defaults=trainer_defaults(),
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=run,
-    )
+    try:
+        return InterventionCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults=trainer_defaults(),
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+    except NonFiniteError as err:  # the guard stopped the run: one line, a failing exit, nothing exported
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from err
 
 
 # ----------------------------------------------------------------------------- short help

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.fitted import DirectionInterchange
+from lit_interventions.modules.interchange import InterchangeModule
 
 COMMON = ["--trainer.enable_progress_bar=false", "--trainer.max_epochs=1"]
 
@@ -88,9 +90,12 @@ def test_mdas_on_causalgym_trains_on_cause_and_iso_pairs(tmp_path, tiny_lm_dir):
     assert "val/odds" in cli.trainer.callback_metrics
 
 
-def test_data_without_iso_pairs_is_refused_for_a_multitask_objective(tmp_path, tiny_lm_dir):
-    with pytest.raises(ValueError, match="set --data.multitask true"):
+def test_data_without_iso_pairs_is_refused_for_a_multitask_objective(tmp_path, tiny_lm_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         _fit("configs/mdas.yaml", tmp_path, tiny_lm_dir("gpt2"), "--data.multitask=false", "--data.train_pairs=4")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "set --data.multitask true" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("overrides,kind", [
@@ -130,3 +135,55 @@ def test_fitted_interventions_export_and_reload(tmp_path):
         loaded, card = load_intervention(tmp_path / type(fitted).__name__)
         torch.testing.assert_close(loaded(base, source), fitted(base, source))
     assert DirectionInterchange(8).export() == {}  # nothing fitted, nothing exported
+
+
+def test_das_at_a_sub_block_component(tmp_path, tiny_lm_dir):
+    """configs/das_mlp.yaml: DAS at the MLP output, trained, scored, and its odds equal to an
+    interchange written by hand at the real MLP module with the trained basis."""
+    from lit_interventions.sites import logits_at, read_site
+
+    cli = _fit("configs/das_mlp.yaml", tmp_path, tiny_lm_dir("gpt_neox"), "--data.train_pairs=24", "--data.eval_pairs=8")
+    module = cli.model
+    assert module.component == "mlp_output" and not module.hparams.cache
+    assert Path(cli.trainer.log_dir).parent.name == "layer1_mlp_output"
+    batch = next(iter(cli.datamodule.loader("dev", 16)))
+    W = module.intervention.basis.detach()  # (1, d)
+    mlp = module.lm.gpt_neox.layers[1].mlp
+    source = read_site(module.lm, 1, batch["source_input_ids"], batch["source_attention_mask"], batch["source_pos"],
+                       component="mlp_output")  # fmt: skip
+    captured = {}
+    handle = mlp.register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
+    module.lm(input_ids=batch["source_input_ids"], attention_mask=batch["source_attention_mask"])
+    handle.remove()
+    rows = torch.arange(len(source))
+    torch.testing.assert_close(source, captured["h"][rows, batch["source_pos"]])  # the real MLP's output
+    edited = logits_at(module.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"], 1,
+                       batch["base_pos"], lambda b: b + (source - b) @ W.T @ W, component="mlp_output")  # fmt: skip
+    torch.testing.assert_close(module.intervened_logits(batch), edited)
+    assert (edited - module.clean_logits(batch)).abs().max() > 1e-4  # the edit changes the output
+
+
+def test_two_sites_composed(tmp_path, tiny_lm_dir):
+    """configs/das_two_sites.yaml: DAS on the subject (layer 0 here) and on the object (layer 1) in
+    one forward; each part trains; the composition equals both edits applied by hand."""
+    from lit_interventions.interventions.base import load_intervention
+
+    cli = _fit("configs/das_two_sites.yaml", tmp_path, tiny_lm_dir("llama"), "--data.train_pairs=24",
+               "--data.eval_pairs=8", '--model.sites=[{"layer": 0, "region": "subject"}, {"layer": 1, "region": "object"}]')  # fmt: skip
+    module = cli.model
+    first, second = module.intervention.parts
+    assert not torch.allclose(first.basis, second.basis)  # two subspaces, trained apart
+    batch = next(iter(cli.datamodule.loader("dev", 16)))
+    both = module.intervened_logits(batch)
+    # the subject's part alone, as a one-site module with the same basis
+    alone = InterchangeModule(lm=module.hparams.lm, layer=0, region="subject", cache=False)
+    alone.intervention.rotate.weight = first.basis.detach().clone()
+    subject_only = alone.intervened_logits(batch)
+    module.intervention.parts[1] = FixedSubspaceIntervention(torch.zeros(1, 32))  # the object's part: a no-op
+    torch.testing.assert_close(module.intervened_logits(batch), subject_only)  # then the composition is the one site
+    assert (both - subject_only).abs().max() > 1e-4  # and the object's trained part adds its own edit
+    module.intervention.parts[1] = second
+    loaded, card = load_intervention(cli.trainer.log_dir)  # exported through the protocol
+    assert [p.basis.shape for p in loaded.parts] == [(1, 32), (1, 32)]
+    torch.testing.assert_close(loaded.parts[1].basis, second.basis.detach())
+    assert Path(cli.trainer.log_dir).parent.name == "layers0+1"

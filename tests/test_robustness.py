@@ -222,22 +222,20 @@ def test_nan_weights_in_the_lm_name_the_directory(tmp_path, tiny_lm_dir):
     assert not list(tmp_path.rglob("dictionary.*"))
 
 
-def test_guard_through_train_py_exits_before_export(tmp_path, tiny_lm_dir):
-    """train.main with the guard added on the command line: a DAS fit on an LM with NaN weights
-    raises (a non-zero exit) and writes no intervention."""
+def test_guard_through_train_py_exits_before_export(tmp_path, tiny_lm_dir, capsys):
+    """train.main (the guard is a default callback): a DAS fit on an LM with NaN weights exits
+    non-zero with one line and writes no intervention."""
     import train
-
-    from lit_interventions.callbacks.guard import NonFiniteError
 
     bad = _nan_copy(tmp_path, tiny_lm_dir("gpt_neox"))
     args = ["fit", "--config", "configs/das.yaml", f"--model.lm={bad}", "--model.layer=1",
             f"--trainer.default_root_dir={tmp_path / 'run'}", "--data.train_pairs=12", "--data.eval_pairs=4",
-            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=lit_interventions.callbacks.guard.NonFiniteGuard"]  # fmt: skip
-    with pytest.raises(NonFiniteError) as err:
+            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
         train.main(args=args)
-    message = str(err.value)
-    assert "\n" not in message and " at step 0 " in message and str(bad) in message
+    assert exit_info.value.code == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: ") and " at step 0 " in message and str(bad) in message
     assert not list((tmp_path / "run").rglob("intervention.*"))
 
 
@@ -595,8 +593,8 @@ def _das(tmp_path, lm_dir, *extra):
     args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
             f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
             "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=lit_interventions.callbacks.guard.NonFiniteGuard", *extra]  # fmt: skip
-    return train.main(args=args)
+            *extra]  # fmt: skip
+    return train.main(args=args)  # NonFiniteGuard is a default callback
 
 
 def test_guard_lets_a_healthy_das_fit_export(tmp_path, tiny_lm_dir):
@@ -604,10 +602,10 @@ def test_guard_lets_a_healthy_das_fit_export(tmp_path, tiny_lm_dir):
     assert (Path(cli.trainer.log_dir) / "intervention.safetensors").is_file()
 
 
-def test_huge_lr_das_fit_is_stopped_naming_the_lr(tmp_path, tiny_lm_dir):
-    from lit_interventions.callbacks.guard import NonFiniteError
-
-    with pytest.raises(NonFiniteError, match=r"likely cause: a bad learning rate \(lr=1e\+30\)") as err:
+def test_huge_lr_das_fit_is_stopped_naming_the_lr(tmp_path, tiny_lm_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         _das(tmp_path, tiny_lm_dir("gpt_neox"), "--model.lr=1e30", "--model.warmup_ratio=0")
-    assert "\n" not in str(err.value)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "likely cause: a bad learning rate (lr=1e+30)" in err[-1]
     assert not list(tmp_path.rglob("intervention.*"))

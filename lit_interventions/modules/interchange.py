@@ -14,17 +14,21 @@ and the labels the data module gives them (`site_labels`); they take no optimize
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
 from lit_interventions.interventions import RotatedSpaceIntervention
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config
+from lit_interventions.interventions.compose import Composition
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.metrics import InterchangeOdds
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective
 from lit_interventions.optim import OptimizerArgs
+from lit_interventions.sites import BLOCK_OUTPUT, Site, final_logits, read_site, run_body, site_hook
 
 
 class InterchangeModule(SiteModule):
@@ -46,6 +50,12 @@ class InterchangeModule(SiteModule):
         cache: reuse the frozen LM's states at the layer, and the keys and values above it of the
             tokens before the site (computed once per distinct sentence), so a step runs only the
             blocks above the layer, from the site on; False recomputes everything every step.
+            The cache serves one site at the block output; other sites run the full forward.
+        component: where in block `layer` the site is: block_output (the residual stream),
+            attention_output or mlp_output (`sites.Site`).
+        sites: several sites intervened on together in one forward (each `Site(layer, component,
+            position, region)` gets its own `intervention(d)`): a composition, e.g. DAS on the
+            subject and on the object. Replaces `layer`, `region` and `component`.
     """
 
     def __init__(
@@ -60,14 +70,26 @@ class InterchangeModule(SiteModule):
         warmup_ratio: float = 0.1,
         dtype: str = "float32",
         cache: bool = True,
+        component: str = BLOCK_OUTPUT,
+        sites: list[Site] | None = None,
     ):
         super().__init__()
-        layer = self._check_site(lm, layer, dtype)  # the config only: layers are checked before weights load
+        if sites is not None and not sites:
+            raise ValueError("sites is empty: give at least one Site, or leave it null for layer/region/component")
+        sites = None if sites is None else [Site(**site) if isinstance(site, dict) else site for site in sites]
+        self.sites = sites  # (the hparams keep what was given: dicts when the CLI built the module)
+        n_layers = num_layers(load_config(lm))
+        for site in sites or [Site(layer if layer is not None else n_layers // 2, component)]:
+            site.check(n_layers)  # validates the component too, before any weights load
+        layer = self._check_site(lm, sites[0].layer if sites else layer, dtype)
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validates both
         self.save_hyperparameters()
         self.hparams.layer = layer
+        if sites is not None or component != BLOCK_OUTPUT:
+            self.hparams.cache = False  # the cached fast path reads one site's block output
         d = hidden_size(load_config(lm))
-        self.intervention = RotatedSpaceIntervention(d, k) if intervention is None else intervention(d)
+        build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
+        self.intervention = build(d) if sites is None else Composition([build(d) for _ in sites])
         self.objective = CounterfactualLoss() if objective is None else objective
         self.eval_outputs: set[str] = set()  # "clean": a metric callback also needs p(· | b)
 
@@ -82,10 +104,50 @@ class InterchangeModule(SiteModule):
         present = {type(callback) for callback in self.trainer.callbacks}
         return [callback for callback in data.metric_callbacks() if type(callback) not in present]
 
+    def check_data(self, data) -> None:
+        """Refuse data this module cannot train on (the CLI calls it before any work)."""
+        if self.objective.uses_iso and not getattr(data.hparams, "multitask", False):
+            raise ValueError(f"objective {self.objective!r} trains on Iso examples: set --data.multitask true")
+        regions = getattr(getattr(data, "template", None), "regions", None)
+        for site in self.sites or []:
+            if site.position == "region" and site.region is not None and regions and site.region not in regions:
+                raise ValueError(f"site region {site.region!r} is not a region of task {data.task!r}; "
+                                 f"regions: {', '.join(regions)}")  # fmt: skip
+
+    # --- several sites, composed ----------------------------------------------------------------
+
+    def _positions(self, batch: dict, side: str, site: Site) -> torch.Tensor:
+        """The token of `site` in each row of one side: a region's last token, or the last token."""
+        if site.position == "last":
+            return batch[f"{side}_last"]
+        if site.position != "region":
+            raise ValueError(f"an interchange site reads one token per row, not position={site.position!r}")
+        if site.region is None:
+            return batch[f"{side}_pos"]
+        regions = batch.get(f"{side}_region_pos", {})
+        if site.region not in regions:
+            raise ValueError(f"region {site.region!r} is not in every {side} sentence of this batch "
+                             f"(found: {', '.join(regions) or 'none'})")  # fmt: skip
+        return regions[site.region]
+
+    def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sites is None:
+            return super().intervened_logits(batch, vocab)
+        sites = self.sites
+        sources = [read_site(self.lm, site.layer, batch["source_input_ids"], batch["source_attention_mask"],
+                             self._positions(batch, "source", site), component=site.component) for site in sites]  # fmt: skip
+        with ExitStack() as stack:
+            for site, part, source in zip(sites, self.intervention.parts, sources):
+                stack.enter_context(site_hook(self.lm, site.layer, site.component,
+                                              _writer(part, source, self._positions(batch, "base", site))))  # fmt: skip
+            hidden = run_body(self.lm, batch["base_input_ids"], batch["base_attention_mask"]).last_hidden_state
+        rows = torch.arange(len(hidden), device=hidden.device)
+        return final_logits(self.lm, hidden[rows, batch["base_last"]], vocab)
+
     def setup(self, stage: str) -> None:
         data = self.trainer.datamodule if self._trainer is not None else None
-        if self.objective.uses_iso and data is not None and not getattr(data.hparams, "multitask", False):
-            raise ValueError(f"objective {self.objective!r} trains on Iso examples: set --data.multitask true")
+        if data is not None:
+            self.check_data(data)
 
     # --- training -------------------------------------------------------------------------------
 
@@ -128,6 +190,8 @@ class InterchangeModule(SiteModule):
         penalty = getattr(self.intervention, "penalty", None)
         if penalty is not None:
             self.log("train/mask_size", penalty(), batch_size=size)
+        if torch.is_tensor(getattr(self.intervention, "temperature", None)):  # DBM's annealed T
+            self.log("train/temperature", self.intervention.temperature, batch_size=size)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         return loss
 
@@ -178,3 +242,15 @@ class InterchangeModule(SiteModule):
             self.intervention = own
         scores = {name: {k: v.item() for k, v in metric.compute().items()} for name, metric in metrics.items()}
         return scores if interventions is not None else scores[""]
+
+
+def _writer(intervention: nn.Module, source: torch.Tensor, positions: torch.Tensor):
+    """A hook that replaces the states at `positions` (one per row) by intervention(f(b), f(s))."""
+
+    def write(hidden):  # (batch, seq, d)
+        hidden = hidden.clone()
+        rows = torch.arange(len(hidden), device=hidden.device)
+        hidden[rows, positions] = intervention(hidden[rows, positions], source).to(hidden.dtype)
+        return hidden
+
+    return write

@@ -12,7 +12,7 @@ from lightning import LightningModule
 
 from lit_interventions.cache import ActivationCache, input_keys
 from lit_interventions.lm import check_dtype, load_config, load_lm, num_layers
-from lit_interventions.sites import check_layer, logits_at, read_site
+from lit_interventions.sites import BLOCK_OUTPUT, check_layer, logits_at, read_site
 
 
 class FrozenLMModule(LightningModule):
@@ -87,6 +87,11 @@ class SiteModule(FrozenLMModule):
             raise ValueError(f"the cache holds layers {cache.layers}, not layer {self.hparams.layer}")
         self._frozen["cache"] = cache
 
+    @property
+    def component(self) -> str:
+        """Where in the block the site is (`sites.COMPONENTS`); the residual stream by default."""
+        return self.hparams.get("component") or BLOCK_OUTPUT
+
     def _states(self, batch, side: str) -> torch.Tensor | None:
         """The cached residual stream at the layer for one side of the batch (None: no cache)."""
         cache = self.activations
@@ -109,7 +114,7 @@ class SiteModule(FrozenLMModule):
         states = self._states(batch, side)
         if states is None:
             return read_site(self.lm, self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
-                             batch[f"{side}_pos"])  # fmt: skip
+                             batch[f"{side}_pos"], component=self.component)  # fmt: skip
         return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
 
     def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,6 +132,7 @@ class SiteModule(FrozenLMModule):
             start_states=self._states(batch, "base"),
             vocab=vocab,
             prefix=self._prefix(batch),
+            component=self.component,
         )
 
     def clean_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,56 @@
+"""Several interventions applied together, one per site, in one forward (pyvene's list of
+representations): e.g. DAS on the subject and DAS on the verb of one sentence. The module that
+runs the LM gives each part the states of its own site."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lit_interventions.interventions.base import Intervention, class_path, import_class
+
+
+class Composition(Intervention):
+    """Parts applied at their own sites: forward([f(b) at site i], [f(s) at site i]) →
+    [f*_i(f(b)_i, f(s)_i)], each part on its own states."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        if not parts:
+            raise ValueError("a composition needs at least one intervention")
+        self.parts = nn.ModuleList(parts)
+
+    @property
+    def trains(self) -> bool:
+        return any(getattr(part, "trains", False) for part in self.parts)
+
+    def forward(self, base: list[torch.Tensor], source: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        if source is None:
+            source = [None] * len(self.parts)
+        if len(base) != len(self.parts) or len(source) != len(self.parts):
+            raise ValueError(f"a composition of {len(self.parts)} parts needs that many base and source states; "
+                             f"got {len(base)} and {len(source)}")  # fmt: skip
+        return [part(b, s) for part, b, s in zip(self.parts, base, source)]
+
+    def penalty(self) -> torch.Tensor:
+        """The sum of the parts' penalties (a mask's ‖σ(m/T)‖₁); parts without one add nothing."""
+        return sum((part.penalty() for part in self.parts if hasattr(part, "penalty")), torch.zeros(()))
+
+    def anneal(self, step: int, total: int) -> None:
+        for part in self.parts:
+            if hasattr(part, "anneal"):
+                part.anneal(step, total)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {f"{i}.{name}": tensor for i, part in enumerate(self.parts) for name, tensor in part.export().items()}
+
+    def config(self) -> dict:
+        return {"parts": [{"class_path": class_path(part), "config": part.config()} for part in self.parts]}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], parts: list[dict]) -> Composition:
+        rebuilt = []
+        for i, part in enumerate(parts):
+            own = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == str(i)}
+            rebuilt.append(import_class(part["class_path"]).from_tensors(own, **part["config"]))
+        return cls(rebuilt)
