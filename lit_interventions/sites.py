@@ -64,6 +64,15 @@ def check_layer(layer: int, n_layers: int) -> None:
         )
 
 
+def site_layer(config, layer: int | None) -> int:
+    """`layer`, or the middle decoder block when None, checked against the model's config (no
+    weights loaded): the default site of every module and study."""
+    n_layers = num_layers(config)
+    layer = n_layers // 2 if layer is None else layer
+    check_layer(layer, n_layers)
+    return layer
+
+
 def _one_of(what: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{what}={value!r} is not one of: {', '.join(allowed)}.")

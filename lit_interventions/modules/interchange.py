@@ -78,10 +78,10 @@ class InterchangeModule(SiteModule):
             raise ValueError("sites is empty: give at least one Site, or leave it null for layer/region/component")
         sites = None if sites is None else [Site(**site) if isinstance(site, dict) else site for site in sites]
         self.sites = sites  # (the hparams keep what was given: dicts when the CLI built the module)
-        n_layers = num_layers(load_config(lm))
-        for site in sites or [Site(layer if layer is not None else n_layers // 2, component)]:
-            site.check(n_layers)  # validates the component too, before any weights load
         layer = self._check_site(lm, sites[0].layer if sites else layer, dtype)
+        n_layers = num_layers(load_config(lm))
+        for site in sites or [Site(layer, component)]:
+            site.check(n_layers)  # the component too (layer -1 has only block_output), before any weights load
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validates both
         self.save_hyperparameters()
         self.hparams.layer = layer

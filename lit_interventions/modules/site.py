@@ -11,8 +11,8 @@ import torch
 from lightning import LightningModule
 
 from lit_interventions.cache import ActivationCache, input_keys
-from lit_interventions.lm import check_dtype, load_config, load_lm, num_layers
-from lit_interventions.sites import BLOCK_OUTPUT, check_layer, logits_at, read_site
+from lit_interventions.lm import check_dtype, load_config, load_lm
+from lit_interventions.sites import BLOCK_OUTPUT, logits_at, read_site, site_layer
 
 
 class FrozenLMModule(LightningModule):
@@ -45,9 +45,7 @@ class SiteModule(FrozenLMModule):
         weights loaded)."""
         check_dtype(dtype)
         config = load_config(lm)
-        if layer is None:
-            layer = num_layers(config) // 2
-        check_layer(layer, num_layers(config))
+        layer = site_layer(config, layer)
         return layer
 
     @property

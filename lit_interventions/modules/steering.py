@@ -55,11 +55,11 @@ from lit_interventions.interventions.additive import (
 )
 from lit_interventions.interventions.directions import METHODS as DIRECTIONS
 from lit_interventions.interventions.directions import PCADirection
-from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, num_layers
+from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
 from lit_interventions.callbacks.metrics import AUROCCallback
-from lit_interventions.sites import check_layer, final_logits, read_layers, residual_hook, run_body
+from lit_interventions.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 
 TRAINED = ("reft_r1", "ssv")
 CLOSED_FORM = ("diffmean", "pca", "lat", "probe")
@@ -135,9 +135,7 @@ class SteeringModule(FrozenLMModule):
             raise ValueError(f"l1={l1!r} must be >= 0")
         self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validates them
         config = load_config(lm)  # the config only: the layer is checked before weights load
-        if layer is None:
-            layer = num_layers(config) // 2
-        check_layer(layer, num_layers(config))
+        layer = site_layer(config, layer)
         self.save_hyperparameters()
         self.hparams.layer = layer
         self.automatic_optimization = method in TRAINED

@@ -33,7 +33,7 @@ from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
-from lit_interventions.sites import check_layer, final_logits, position_ids, residual_hook
+from lit_interventions.sites import final_logits, position_ids, residual_hook, site_layer
 
 # Attention output projections by architecture, in the order they are tried.
 ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
@@ -160,9 +160,7 @@ class LoReFTModule(_SteeringModule):
                  dtype: str = "float32"):  # fmt: skip
         super().__init__()
         config = load_config(lm)
-        if layer is None:
-            layer = num_layers(config) // 2
-        check_layer(layer, num_layers(config))
+        layer = site_layer(config, layer)
         self._setup_common(lm, concept_id, lr, warmup_ratio, weight_decay, dtype)
         self.save_hyperparameters()
         self.hparams.layer = layer
