@@ -1,5 +1,6 @@
 """Our hooks + RotatedSpaceIntervention give the same outputs as pyvene's
-LowRankRotatedSpaceIntervention for the same parameters (Llama and GPT-NeoX)."""
+LowRankRotatedSpaceIntervention for the same parameters (Llama and GPT-NeoX), at pyvene's
+block_output, attention_output and mlp_output."""
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from tests.conftest import HIDDEN  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("component", ["block_output", "attention_output", "mlp_output"])
 @pytest.mark.parametrize("layer,k", [(0, 1), (1, 1), (2, 3)])
-def test_matches_pyvene_low_rank_rotation(tiny_lm, arch, layer, k):
+def test_matches_pyvene_low_rank_rotation(tiny_lm, arch, component, layer, k):
     model = tiny_lm(arch)
     g = torch.Generator().manual_seed(layer * 10 + k)
     base = torch.randint(3, model.config.vocab_size, (3, 6), generator=g)
@@ -22,7 +24,7 @@ def test_matches_pyvene_low_rank_rotation(tiny_lm, arch, layer, k):
     base_pos, source_pos = torch.tensor([1, 3, 5]), torch.tensor([2, 0, 5])
 
     config = pyvene.IntervenableConfig(
-        representations=[pyvene.RepresentationConfig(layer=layer, component="block_output", low_rank_dimension=k)],
+        representations=[pyvene.RepresentationConfig(layer=layer, component=component, low_rank_dimension=k)],
         intervention_types=pyvene.LowRankRotatedSpaceIntervention,
     )
     intervenable = pyvene.IntervenableModel(config, model)
@@ -38,8 +40,8 @@ def test_matches_pyvene_low_rank_rotation(tiny_lm, arch, layer, k):
     _, pv_out = intervenable({"input_ids": base, "attention_mask": mask}, [{"input_ids": source, "attention_mask": mask}],
                              unit_locations=locations)  # fmt: skip
     last = torch.full((3,), 5)
-    source_state = read_site(model, layer, source, mask, source_pos)
-    our_logits = logits_at(model, base, mask, last, layer, base_pos, lambda h: ours(h, source_state))
+    source_state = read_site(model, layer, source, mask, source_pos, component=component)
+    our_logits = logits_at(model, base, mask, last, layer, base_pos, lambda h: ours(h, source_state), component=component)
     torch.testing.assert_close(our_logits, pv_out.logits[:, -1], rtol=1e-4, atol=1e-5)
     clean = logits_at(model, base, mask, last)
     assert (our_logits - clean).abs().max() > 1e-4  # the intervention did something

@@ -105,37 +105,3 @@ def test_the_cached_fast_path_is_for_the_residual_stream_only(tiny_lm):
     states = torch.zeros(3, ids.shape[1], HIDDEN)
     with pytest.raises(ValueError, match="start_states need component='block_output', not 'mlp_output'"):
         logits_at(model, ids, mask, last, 1, last, lambda h: h, start_states=states, component="mlp_output")
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-@pytest.mark.parametrize("component", SUB_BLOCK)
-@pytest.mark.parametrize("layer,k", [(0, 1), (2, 3)])
-def test_das_at_a_sub_block_matches_pyvene(tiny_lm, arch, component, layer, k):
-    """As tests/test_pyvene_parity.py, at pyvene's attention_output and mlp_output."""
-    pyvene = pytest.importorskip("pyvene")
-    model = tiny_lm(arch)
-    g = torch.Generator().manual_seed(layer * 10 + k)
-    base = torch.randint(3, model.config.vocab_size, (3, 6), generator=g)
-    source = torch.randint(3, model.config.vocab_size, (3, 6), generator=g)
-    mask = torch.ones_like(base)
-    base_pos, source_pos = torch.tensor([1, 3, 5]), torch.tensor([2, 0, 5])
-
-    config = pyvene.IntervenableConfig(
-        representations=[pyvene.RepresentationConfig(layer=layer, component=component, low_rank_dimension=k)],
-        intervention_types=pyvene.LowRankRotatedSpaceIntervention,
-    )
-    intervenable = pyvene.IntervenableModel(config, model)
-    pv_intervention = next(iter(intervenable.interventions.values()))
-    pv_intervention = pv_intervention[0] if isinstance(pv_intervention, (tuple, list)) else pv_intervention
-    ours = RotatedSpaceIntervention(HIDDEN, k)
-    with torch.no_grad():  # pyvene's weight is (d, k) = Wᵀ
-        pv_intervention.rotate_layer.weight = ours.basis.detach().T.clone()
-
-    locations = {"sources->base": ([[[p] for p in source_pos.tolist()]], [[[p] for p in base_pos.tolist()]])}
-    _, pv_out = intervenable({"input_ids": base, "attention_mask": mask}, [{"input_ids": source, "attention_mask": mask}],
-                             unit_locations=locations)  # fmt: skip
-    last = torch.full((3,), 5)
-    source_state = read_site(model, layer, source, mask, source_pos, component=component)
-    our_logits = logits_at(model, base, mask, last, layer, base_pos, lambda h: ours(h, source_state), component=component)
-    torch.testing.assert_close(our_logits, pv_out.logits[:, -1], rtol=1e-4, atol=1e-5)
-    assert (our_logits - logits_at(model, base, mask, last)).abs().max() > 1e-4  # the intervention did something
