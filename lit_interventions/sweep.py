@@ -12,8 +12,7 @@ method with the same 1-D interchange and the same odds metric as `train.py`
 Writes, resumably (a rerun skips finished sites and reuses trained DAS subspaces; an interruption
 loses at most one site's scoring or one layer's DAS training):
 - DIR/results.csv: task, method, layer, region, odds, iia [, control_odds, control_iia];
-- DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity, both over
-  the regions from the first label-variable region on (the paper's code never scores earlier ones);
+- DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
 - DIR/das/TASK_LAYER.safetensors: the trained DAS subspaces, {region: W (k × d)}.
 """
