@@ -125,6 +125,7 @@ def load_ravel(ravel_dir: str | Path | None, entity_type: str) -> RavelData:
 
 SPLIT_SETTINGS = ("entity", "context")
 SOURCES = ("attribute", "wikipedia", "mixed")
+CAUSE_LABELS = ("model", "gold")
 CAUSE, ISO = 0, 1
 SKIPPED_ATTRIBUTES = ("Latitude", "Longitude")  # numeric: RAVEL scores them within ±2, not by first token
 _NO_SPACE_BEFORE_VALUE = tuple(" \t\n\"'([{")  # a prompt ending in one of these is followed directly by the value
@@ -192,7 +193,10 @@ class RavelDataModule(LightningDataModule):
     """RAVEL Cause / Iso interchange examples for one entity type and target attribute A*.
 
     Cause: base = a template of A* filled with E, source mentions E' with A*(E') ≠ A*(E) in its
-    first token, label = A*(E'). Iso: base queries another attribute A of E, label = A(E).
+    first token, label = what the model itself answers for the base template filled with E'
+    (the official RAVEL pipeline's `inv_label`, the model's output for `base_prompt % E'`), and
+    only examples where that answer differs from the base's are kept. Iso: base queries another
+    attribute A of E, label = A(E).
     The site is the last token of the entity in base and source (RAVEL, Huang et al. 2024, §3).
 
     Args:
@@ -205,6 +209,9 @@ class RavelDataModule(LightningDataModule):
         source: `attribute` (an attribute prompt of another entity), `wikipedia` (a Wikipedia
             prompt that mentions E'), or `mixed` (each source drawn from one of the two).
         multitask: train batches also hold Iso examples (MDAS / MDBM); otherwise Cause only.
+        cause_label: `model` (the model's own answer for the base template with E', as the
+            official code; an example whose gold label the model would not produce itself is
+            unsolvable for every method) or `gold` (the first token of A*(E'), as before).
         train_size, eval_size: Cause examples per split; Iso examples are as many again,
             spread over the other attributes (train: only with multitask).
         max_candidates: at most this many (entity, template) pairs are checked per attribute
@@ -221,6 +228,7 @@ class RavelDataModule(LightningDataModule):
         split: str = "entity",
         source: str = "attribute",
         multitask: bool = False,
+        cause_label: str = "model",
         train_size: int = 1000,
         eval_size: int = 200,
         max_candidates: int = 200,
@@ -235,6 +243,8 @@ class RavelDataModule(LightningDataModule):
             raise ValueError(f"split={split!r}; choose one of {', '.join(SPLIT_SETTINGS)}")
         if source not in SOURCES:
             raise ValueError(f"source={source!r}; choose one of {', '.join(SOURCES)}")
+        if cause_label not in CAUSE_LABELS:
+            raise ValueError(f"cause_label={cause_label!r}; choose one of {', '.join(CAUSE_LABELS)}")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
         for name, value in (("train_size", train_size), ("eval_size", eval_size), ("max_candidates", max_candidates),
@@ -277,6 +287,7 @@ class RavelDataModule(LightningDataModule):
         self.prefix = bos_prefix(self.tokenizer)
         model = load_lm(self.lm)
         kept = {s: self.filter_split(model, s) for s in SPLITS}
+        self._model, self._answers = model, AnswerCache(self.lm)  # Cause labels: the model's answers
         train_bases = {(q.entity, q.template) for qs in kept["train"].values() for q in qs}
         for s in SPLITS:
             if s != "train":  # never an eval base that is also a train base (disjoint by construction)
@@ -285,6 +296,19 @@ class RavelDataModule(LightningDataModule):
             n = self.hparams.train_size if s == "train" else self.hparams.eval_size
             with_iso = s != "train" or self.hparams.multitask
             self.splits[s] = self.make_examples(kept[s], self.source_pool(kept[s], s), n, with_iso, rng, s)
+        self._answers.save()
+        del self._model, self._answers
+
+    @torch.no_grad()
+    def model_answers(self, queries: list[Query]) -> list[int]:
+        """The model's argmax next token for each query, from the answer cache or computed (during
+        setup only)."""
+        todo = sorted({tuple(q.ids): q for q in queries if self._answers.get(q.ids) is None}.values(), key=lambda q: len(q.ids))
+        for k in range(0, len(todo), 64):
+            chunk = todo[k : k + 64]
+            for q, p in zip(chunk, self.predict_next(self._model, chunk)):
+                self._answers.put(q.ids, p)
+        return [self._answers.get(q.ids) for q in queries]
 
     def candidates(self, attribute: str, split: str) -> list[tuple[str, str]]:
         """(entity, template) pairs of `attribute` in `split`, at most max_candidates of them."""
@@ -396,26 +420,43 @@ class RavelDataModule(LightningDataModule):
                 f"{len(bases)} have no informative source (an entity whose {queried!r} value differs in its "
                 f"first token) among {len(sources)} source prompts"
             )
-        out, order = [], []
+        out, order, tried = [], [], 0
+        own_answer = kind == CAUSE and self.hparams.cause_label == "model"
         while len(out) < n:
-            if not order:
-                order = list(range(len(usable)))
-                rng.shuffle(order)  # every base once before any repeats
-            base, ok = usable[order.pop()]
-            pool = pools[rng.choice(sorted(pools))]  # `mixed`: each source kind half the time
-            choices = [q for q in pool if q.entity in ok] or [q for q in sources if q.entity in ok]
-            src = rng.choice(choices)
-            value = d.entities[(src if kind == CAUSE else base).entity][queried]
-            out.append(
-                RavelExample(
-                    base.ids, src.ids, {"entity": base.entity_pos}, {"entity": src.entity_pos},
-                    base_label=self.value_token(base.template, d.entities[base.entity][queried]),
-                    source_label=self.value_token(base.template, value),
-                    attribute=self.attributes.index(queried), kind=kind,
-                    base_entity=self.entity_index[base.entity], source_entity=self.entity_index[src.entity],
-                    base_template=base.template, source_template=src.template,
-                )  # fmt: skip
-            )
+            drawn = []
+            for _ in range(n - len(out)):
+                if not order:
+                    order = list(range(len(usable)))
+                    rng.shuffle(order)  # every base once before any repeats
+                base, ok = usable[order.pop()]
+                pool = pools[rng.choice(sorted(pools))]  # `mixed`: each source kind half the time
+                choices = [q for q in pool if q.entity in ok] or [q for q in sources if q.entity in ok]
+                drawn.append((base, rng.choice(choices)))
+            if own_answer:  # y = what the model says for the base template with E' (official `inv_label`)
+                labels = self.model_answers([self.encode(src.entity, base.template, queried) for base, src in drawn])
+            else:
+                labels = [self.value_token(base.template, d.entities[(src if kind == CAUSE else base).entity][queried])
+                          for base, src in drawn]  # fmt: skip
+            for (base, src), label in zip(drawn, labels):
+                base_label = self.value_token(base.template, d.entities[base.entity][queried])
+                if own_answer and label == base_label:
+                    continue  # the model's answer would not change: no Cause example
+                out.append(
+                    RavelExample(
+                        base.ids, src.ids, {"entity": base.entity_pos}, {"entity": src.entity_pos},
+                        base_label=base_label, source_label=label,
+                        attribute=self.attributes.index(queried), kind=kind,
+                        base_entity=self.entity_index[base.entity], source_entity=self.entity_index[src.entity],
+                        base_template=base.template, source_template=src.template,
+                    )  # fmt: skip
+                )
+            tried += len(drawn)
+            if len(out) < n and tried >= 20 * n + 200:
+                raise ValueError(
+                    f"No {what} examples for attribute {queried!r} in the {split} split: {len(out)} of {tried} drawn "
+                    f"(base, source) pairs change the model's answer for the base template with the source entity "
+                    f"(cause_label='model'); try cause_label='gold' or more max_candidates"
+                )
         return out
 
     # -- loaders ------------------------------------------------------------------------------

@@ -103,6 +103,15 @@ class TaskTemplate:
         index = regions.index(self.label_variables[0])
         return regions[index - 1] if index > 0 else self.label_variables[0]
 
+    @property
+    def scored_regions(self) -> list[str]:
+        """The regions OverallOdds and selectivity are taken over: from the first region, in
+        template order, that is a label variable, on (the official `das.py` loops from
+        `first_var_pos`). Earlier regions precede the alternation: under causal attention base
+        and source states are identical there and every method scores exactly 0."""
+        first = next((i for i, name in enumerate(self.regions) if name in self.label_variables), 0)
+        return self.regions[first:]
+
     def label_words(self) -> dict[str, list[str]]:
         """Label words per type, exactly as they are tokenised."""
         prefix = " " if self.result_prepend_space else ""

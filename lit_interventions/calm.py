@@ -16,7 +16,9 @@ Steps:
 2. train a probe g_Z per property on train entities, keep its best val epoch, score it on test;
 3. per task, per test example and per property Z: attack g_Z toward another kept value z′ (PGD,
    FGSM) and, as the control, add a random ±ε perturbation; write h + δ back into the forward;
-4. score competence (top-k overlap with the causal graph's prediction, k = 1..k_max), the
+4. score competence (top-k overlap with the causal graph's prediction, k = 1..k_max, ranked
+   within the task's answer vocabulary: the first tokens of the queried attribute's values, as
+   the paper ranks within the task's answer vocabulary, App. B.2), the
    targeted probe's success and accuracy after the attack, and the collateral damage (accuracy
    of the other properties' probes after it).
 
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from datamodules.ravel import RavelData, load_ravel
+from datamodules.ravel import RavelData, _first_token, load_ravel, value_separator
 from lit_interventions.cli import run_cli
 from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
 from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer, num_layers
@@ -156,6 +158,15 @@ def _other_class(label: int, n_classes: int, rng: random.Random) -> int:
     return rng.choice([c for c in range(n_classes) if c != label])
 
 
+def answer_vocabulary(tokenizer, data: RavelData, task: str, templates: list[str]) -> torch.Tensor:
+    """The task's answer vocabulary (CALM App. B.2: predictions are ranked within it): the first
+    token of every value of the queried attribute in the data, as it follows each of the task's
+    templates (with the space `value_separator` puts before it), sorted token ids."""
+    seps = {value_separator(t) for t in templates}
+    ids = {_first_token(tokenizer, sep + value) for value in set(data.values(task).values()) for sep in seps}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
 def _first_tokens(tokenizer, value: str) -> set[int]:
     return {ids[0] for ids in (tokenizer(w, add_special_tokens=False).input_ids for w in (value, " " + value)) if ids}
 
@@ -196,10 +207,15 @@ def _make_batch(prompts, states, h, data, classes, probes, pad_id, device) -> _B
 
 
 @torch.no_grad()
-def _record(t: Counter, batch: _Batch, probes, prop: str, target, delta, clean, edited, k_max: int) -> None:
-    """Add one batch of do(prop = target) to the counts of a (method, property)."""
+def _record(t: Counter, batch: _Batch, probes, prop: str, target, delta, clean, edited, k_max: int,
+            candidates: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Add one batch of do(prop = target) to the counts of a (method, property); the top-k overlap
+    and the top-1 change are taken within `candidates` (the task's answer vocabulary) if given."""
     t["n"] += len(target)
-    t["overlap"] += competence_scores(clean, edited, torch.zeros(len(target), dtype=torch.bool), k_max).sum().item()
+    t["overlap"] += competence_scores(clean, edited, torch.zeros(len(target), dtype=torch.bool), k_max,
+                                      candidates).sum().item()  # fmt: skip
+    if candidates is not None:
+        clean, edited = clean[:, candidates], edited[:, candidates]
     t["top1_changed"] += (edited.argmax(-1) != clean.argmax(-1)).sum().item()
     moved = batch.h + delta
     for other, probe in probes.items():
@@ -303,7 +319,8 @@ def run_calm(
         epsilon: the L∞ radius, > 0. epsilon_relative: multiply it by the site's coordinate scale
             (the median per-coordinate std of the train states); False = absolute, as in the paper.
         alpha, steps: PGD step (default ε/10) and T (40).
-        k_max: competence averages top-k overlap over k = 1..k_max (10).
+        k_max: competence averages top-k overlap over k = 1..k_max (10), ranked within the task's
+            answer vocabulary (k stops at its size if that is smaller).
     """
     # -- validate everything before the LM's weights are read
     methods = _check_names(methods, list(ATTACKS), "methods") if methods is not None else list(ATTACKS)
@@ -380,7 +397,8 @@ def run_calm(
         rows = [i for i, p in enumerate(prompts["test"]) if p.attribute == task]
         if not rows:
             raise ValueError(f"task {task!r} has no test prompt within max_tokens={max_tokens}")
-        metric = {m: Competence(k_max) for m in names}
+        vocabulary = answer_vocabulary(tokenizer, data, task, templates[task])  # competence ranks within it
+        metric = {m: Competence(k_max, candidates=vocabulary) for m in names}
         tally = {(m, prop): Counter() for m in names for prop in properties}
         lm_correct = 0
         for chunk in _batches(rows, batch_size):
@@ -398,7 +416,7 @@ def run_calm(
                 for m, delta in deltas.items():
                     edited = batch.logits(model, layer, delta)
                     metric[m].update(clean, edited, causal)
-                    _record(tally[(m, prop)], batch, g, prop, target, delta, clean, edited, k_max)
+                    _record(tally[(m, prop)], batch, g, prop, target, delta, clean, edited, k_max, vocabulary)
         for m in names:
             mine = [_result_row(task, m, prop, tally[(m, prop)]) for prop in properties]
             results.extend(mine)
@@ -410,7 +428,8 @@ def run_calm(
                 "target_success": _mean(r["target_success"] for r in mine),
                 "collateral_acc_before": _mean(r["collateral_acc_before"] for r in mine),
                 "collateral_acc_after": _mean(r["collateral_acc_after"] for r in mine),
-                "lm_accuracy": lm_correct / len(rows), "n_examples": len(rows), "epsilon": epsilon, "epsilon_abs": eps,
+                "lm_accuracy": lm_correct / len(rows), "n_examples": len(rows), "answer_vocabulary": len(vocabulary),
+                "epsilon": epsilon, "epsilon_abs": eps,
             })  # fmt: skip
     _write(out_dir, results, summary, {
         "lm": lm, "layer": layer, "hidden_size": d, "site": POSITION, "entity_type": entity_type,

@@ -162,25 +162,31 @@ def task_accuracy(task, templates, lm, sizes, cache, dtype="float32", batch_size
     return right / total
 
 
-def overall(cells: dict[tuple[int, str], float]) -> float:
-    """CausalGym eq. 19: the mean over layers of the best region's AvgOdds."""
+def overall(cells: dict[tuple[int, str], float], regions=None) -> float:
+    """CausalGym eq. 19: the mean over layers of the best region's AvgOdds, the regions limited
+    to `regions` if given (the task's `scored_regions`: from the first label-variable region on)."""
     best = defaultdict(lambda: -math.inf)
-    for (layer, _), value in cells.items():
-        best[layer] = max(best[layer], value)
+    for (layer, region), value in cells.items():
+        if regions is None or region in regions:
+            best[layer] = max(best[layer], value)
     return float(np.mean(list(best.values()))) if best else math.nan
 
 
-def summarise(results: list[dict], accuracy: dict[str, float], regions: dict[str, list[str]], out: Path) -> list[dict]:
-    """summary.csv and one heatmap per task and method."""
+def summarise(results: list[dict], accuracy: dict[str, float], regions: dict[str, list[str]], out: Path,
+              scored: dict[str, list[str]] | None = None) -> list[dict]:  # fmt: skip
+    """summary.csv and one heatmap per task and method. `scored` ({task: regions}, default: all
+    of them) limits the overall odds and the selectivity to the regions from the first
+    label-variable region on, as the paper's code does; the heatmaps show every region."""
     grouped = defaultdict(dict)
     for row in results:
         grouped[(row["task"], row["method"])][(int(row["layer"]), row["region"])] = row
     summary = []
     for (task, method), cells in grouped.items():
         odds = {site: float(r["odds"]) for site, r in cells.items()}
-        line = {"task": task, "method": method, "accuracy": accuracy.get(task, math.nan), "overall_odds": overall(odds)}
+        kept = None if scored is None else scored[task]
+        line = {"task": task, "method": method, "accuracy": accuracy.get(task, math.nan), "overall_odds": overall(odds, kept)}
         if all(r.get("control_odds") not in (None, "") for r in cells.values()):
-            line["selectivity"] = overall({s: float(r["odds"]) - float(r["control_odds"]) for s, r in cells.items()})
+            line["selectivity"] = overall({s: float(r["odds"]) - float(r["control_odds"]) for s, r in cells.items()}, kept)
         summary.append(line)
         layers = sorted({layer for layer, _ in cells})
         names = [r for r in regions[task] if any((layer, r) in cells for layer in layers)]
@@ -294,7 +300,7 @@ def run_sweep(
                accuracy)  # fmt: skip
     results = [r for r in read_rows(results_path)
                if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
-    return summarise(results, accuracy, regions, out)
+    return summarise(results, accuracy, regions, out, {task: load_task(task, templates).scored_regions for task in tasks})
 
 
 def _benchmark(args) -> str:

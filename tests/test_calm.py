@@ -189,6 +189,22 @@ def test_competence_with_candidate_vocabulary():
     assert full.compute()["competence"].item() == pytest.approx((0 + 1) / 2)
 
 
+def test_competence_within_candidates_by_hand():
+    # vocabulary of 8; the answer vocabulary is {2, 4, 6}. Clean ranking 7 > 2 > 0 > 4 > 6 ...,
+    # intervened 4 > 7 > 2 > 6 ...: within the candidates, clean 2 > 4 > 6 and intervened 4 > 2 > 6.
+    clean = _ranking(7, 2, 0, 4, 6, vocab=8)[None]
+    edited = _ranking(4, 7, 2, 6, vocab=8)[None]
+    candidates = torch.tensor([2, 4, 6])
+    # k = 1: {2} vs {4} -> 0; k = 2: {2, 4} vs {4, 2} -> 1; k = 3: all three -> 1 (k_max=10 stops at 3)
+    environmental = competence_scores(clean, edited, torch.tensor([False]), k_max=10, candidates=candidates)
+    assert environmental.item() == pytest.approx(2 / 3)
+    causal = competence_scores(clean, edited, torch.tensor([True]), k_max=10, candidates=candidates)
+    assert causal.item() == pytest.approx(1 / 3)
+    # over the full vocabulary the non-answer token 7 counts
+    full = competence_scores(clean, edited, torch.tensor([False]), k_max=3)
+    assert full.item() == pytest.approx((0 + 1 / 2 + 2 / 3) / 3)  # {7}/{4}; {7,2}/{4,7}; {7,2,0}/{4,7,2}
+
+
 def test_competence_bad_inputs():
     with pytest.raises(ValueError, match="k_max"):
         Competence(k_max=0)
@@ -223,6 +239,33 @@ def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):
         run_calm(lm=tiny_lm_dir("llama"), out=str(tmp_path / "x"), probes=str(tmp_path / "probes"), **(SMALL | {"layer": 2}))
     with pytest.raises(ValueError, match="gpt2"):
         run_calm(lm=tiny_lm_dir("gpt2"), out=str(tmp_path / "y"), probes=str(tmp_path / "probes"), **SMALL)
+
+
+def test_study_ranks_within_each_task_answer_vocabulary(tiny_lm_dir, tmp_path, monkeypatch):
+    """Every Competence of a task gets the first tokens of the queried attribute's values."""
+    from datamodules.ravel import load_ravel, value_separator
+    from lit_interventions import calm
+    from lit_interventions.lm import load_tokenizer
+
+    seen = []
+
+    class Recording(calm.Competence):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.candidates)
+
+    monkeypatch.setattr(calm, "Competence", Recording)
+    lm = tiny_lm_dir("llama")
+    summary = calm.run_calm(lm=lm, tasks=["Country", "Continent"], methods=["fgsm"], out=str(tmp_path), **SMALL)
+    tokenizer, data = load_tokenizer(lm), load_ravel(None, "city")
+    templates = json.loads((tmp_path / "summary.json").read_text())["config"]["templates"]
+    for task, candidates in zip(["Country", "Country", "Continent", "Continent"], seen):  # fgsm, random per task
+        seps = {value_separator(t) for t in templates[task]}
+        expected = sorted({tokenizer(sep + v, add_special_tokens=False).input_ids[0]
+                           for v in {a[task] for a in data.entities.values() if a.get(task)} for sep in seps})  # fmt: skip
+        assert candidates is not None and candidates.tolist() == expected
+    assert len(seen) == 4 and len(seen[0]) != len(seen[2])  # countries and continents differ
+    assert [row["answer_vocabulary"] for row in summary] == [len(seen[0])] * 2 + [len(seen[2])] * 2
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,7 @@ def test_unknown_attribute_lists_the_attributes():
     ({"padding_side": "middle"}, "padding_side='middle'"),
     ({"train_size": 0}, "train_size=0 must be a positive integer"),
     ({"max_candidates": -1}, "max_candidates=-1"),
+    ({"cause_label": "source"}, "cause_label='source'"),
 ])  # fmt: skip
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -220,6 +221,43 @@ def test_cause_and_iso_labels(module):
     pairs = {(names[e.base_entity], names[e.source_entity]) for s in dm.splits.values() for e in s if e.kind == CAUSE}
     us_uk = {"London", "Manchester", "Liverpool", "Edinburgh", "Chicago", "Boston", "Seattle", "Miami"}
     assert not any(a in us_uk and b in us_uk for a, b in pairs)
+
+
+def test_cause_labels_are_the_model_own_answer(tiny_lm_dir, tmp_path, monkeypatch):
+    """Cause label = the tiny model's own answer for (base template, source entity), as the
+    official pipeline's `inv_label`; `cause_label="gold"` keeps A*(E')."""
+    real = RavelDataModule.predict_next
+    wrong = lambda q: (len(q.entity) + len(q.template)) % 3 == 0  # noqa: E731  the model "errs" on a third of the pairs
+
+    def predict_next(self, model, queries):  # gold where it knows, the real tiny model's argmax elsewhere
+        # (one prompt at a time: the random model's near-tied logits must not depend on the batch)
+        return [real(self, model, [q])[0] if wrong(q) else self.value_token(q.template, self.data.entities[q.entity][q.attribute])
+                for q in queries]  # fmt: skip
+
+    monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path))  # answers cached by this test only
+    monkeypatch.setattr(RavelDataModule, "predict_next", predict_next)
+    dm = RavelDataModule(lm=tiny_lm_dir("gemma3"), train_size=60, eval_size=30, max_candidates=60)
+    dm.setup()
+    from lit_interventions.lm import load_lm
+
+    model = load_lm(dm.lm)
+    names, changed, n_cause = dm.entity_names, 0, 0
+    for split in dm.splits.values():
+        for e in split:
+            if e.kind != CAUSE:
+                assert e.source_label == e.base_label
+                continue
+            n_cause += 1
+            query = dm.encode(names[e.source_entity], e.base_template, dm.target_attribute)
+            assert e.source_label == predict_next(dm, model, [query])[0]  # the model's own answer
+            assert e.source_label != e.base_label  # the answer changes
+            gold = dm.value_token(e.base_template, dm.values(dm.target_attribute)[e.source_entity])
+            changed += e.source_label != gold
+    assert n_cause == 60 + 30 + 30 and changed > 0  # some labels differ from the gold value
+    gold = RavelDataModule(**{**dm.hparams, "cause_label": "gold"})
+    gold.setup()
+    for e in (e for split in gold.splits.values() for e in split if e.kind == CAUSE):
+        assert e.source_label == gold.value_token(e.base_template, gold.values("Country")[e.source_entity])
 
 
 def test_wikipedia_sources(module):

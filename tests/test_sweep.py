@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from datamodules.templates import load_task
 from lit_interventions import sweep
 
 
@@ -24,6 +25,35 @@ def test_overall_odds_by_hand():
     assert sweep.overall({(0, "a"): 1.0, (0, "b"): 2.0, (1, "a"): 4.0, (1, "b"): -1.0}) == 3.0
 
 
+def test_overall_and_selectivity_skip_regions_before_the_label_variable(tmp_path):
+    # agr_sv_num_pp: regions The | subject prep the object; the label variable is `subject`, so
+    # `The` (before the alternation, odds exactly 0) is left out, as the paper's code never scores it.
+    assert load_task("agr_sv_num_pp", None).scored_regions == ["subject", "prep", "the", "object"]
+    assert load_task("garden_npz_obj", None).scored_regions[0] == "comma"  # after While the / subject / verb
+    assert load_task("agr_gender", None).scored_regions[0] == "name"  # the label variable comes first
+    odds = {  # layer 0: every scored region negative; layer 1: positive
+        (0, "The"): 0.0, (0, "subject"): -0.5, (0, "prep"): -1.5, (0, "the"): -2.0, (0, "object"): -0.25,
+        (1, "The"): 0.0, (1, "subject"): 3.0, (1, "prep"): 1.0, (1, "the"): 0.5, (1, "object"): 2.0,
+    }
+    control = {  # control odds above the task's everywhere after `The`: selectivity < 0 at both layers
+        (0, "The"): 0.0, (0, "subject"): 0.5, (0, "prep"): 0.5, (0, "the"): 0.0, (0, "object"): 0.75,
+        (1, "The"): 0.0, (1, "subject"): 4.0, (1, "prep"): 2.0, (1, "the"): 1.0, (1, "object"): 2.5,
+    }
+    rows = [{"task": "agr_sv_num_pp", "method": "das", "layer": str(layer), "region": region, "odds": str(value),
+             "control_odds": str(control[(layer, region)])} for (layer, region), value in odds.items()]  # fmt: skip
+    regions = {"agr_sv_num_pp": ["The", "subject", "prep", "the", "object"]}
+    scored = {"agr_sv_num_pp": load_task("agr_sv_num_pp", None).scored_regions}
+    (line,) = sweep.summarise(rows, {"agr_sv_num_pp": 0.9}, regions, tmp_path, scored)
+    # layer 0: max(-0.5, -1.5, -2.0, -0.25) = -0.25; layer 1: 3.0 -> (-0.25 + 3.0) / 2
+    assert line["overall_odds"] == 1.375
+    # odds − control: layer 0: -1.0, -2.0, -2.0, -1.0 -> -1.0; layer 1: -1.0, -1.0, -0.5, -0.5 -> -0.5
+    assert line["selectivity"] == -0.75
+    # counting `The` (0 at every layer) as before: (0 + 3.0) / 2 and (0 + 0) / 2
+    (old,) = sweep.summarise(rows, {"agr_sv_num_pp": 0.9}, regions, tmp_path)
+    assert (old["overall_odds"], old["selectivity"]) == (1.5, 0.0)
+    assert (tmp_path / "heatmaps" / "agr_sv_num_pp_das.png").is_file()  # the heatmap keeps every region
+
+
 def test_sweep_writes_results_summary_and_heatmaps(tmp_path, tiny_lm_dir):
     summary = _run(tmp_path, tiny_lm_dir("llama"), control=True)
     out = tmp_path / "out"
@@ -37,7 +67,7 @@ def test_sweep_writes_results_summary_and_heatmaps(tmp_path, tiny_lm_dir):
     assert all(float(r["odds"]) == 0.0 for r in rows if r["region"] == "The")
     by_method = {line["method"]: line for line in summary}
     vanilla = {(int(r["layer"]), r["region"]): float(r["odds"]) for r in rows if r["method"] == "vanilla"}
-    assert by_method["vanilla"]["overall_odds"] == pytest.approx(sweep.overall(vanilla))
+    assert by_method["vanilla"]["overall_odds"] == pytest.approx(sweep.overall(vanilla, regions[1:]))
     assert "selectivity" in by_method["vanilla"] and 0.0 <= by_method["vanilla"]["accuracy"] <= 1.0
     assert (out / "heatmaps" / "agr_sv_num_pp_diffmean.png").stat().st_size > 1000
     assert len(_rows(out / "summary.csv")) == 2
@@ -103,7 +133,7 @@ def test_other_data_sizes_are_refused_and_control_is_added_on_rerun(tmp_path, ti
     assert {int(r["layer"]) for r in _rows(tmp_path / "out" / "results.csv")} == {0, 1}
     assert summary[0]["overall_odds"] == pytest.approx(
         sweep.overall({(1, r["region"]): float(r["odds"]) for r in _rows(tmp_path / "out" / "results.csv")
-                       if r["layer"] == "1"})  # fmt: skip
+                       if r["layer"] == "1"}, regions=["subject", "prep", "the", "object"])  # fmt: skip
     )  # the summary covers the layers asked for
 
 
