@@ -30,6 +30,7 @@ from lit_interventions.callbacks.metrics import DisentangleCallback
 from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
 from lit_interventions.sites import logits_at
 from lit_interventions.surprisal import bos_prefix
+from lit_interventions.tokens import pad_batch, token_covering
 
 BUILTIN_RAVEL = Path(__file__).parent / "data" / "ravel"
 SPLITS = ("train", "val", "test")
@@ -143,11 +144,7 @@ def encode_prompt(tokenizer, prefix: str, template: str, entity: str) -> tuple[l
     start = len(prefix) + template.index("%s")
     text = prefix + template.replace("%s", entity, 1)
     enc = tokenizer(text, return_offsets_mapping=True)
-    last_char = start + len(entity) - 1
-    pos = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= last_char < b]
-    if not pos:
-        raise ValueError(f"No token covers the end of entity {entity!r} in {text!r}")
-    return enc["input_ids"], pos[-1]
+    return enc["input_ids"], token_covering(enc["offset_mapping"], start + len(entity) - 1, text)
 
 
 @dataclass
@@ -525,9 +522,5 @@ def _first_token(tokenizer, text: str) -> int:
 
 
 def _right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    ids, mask, _ = pad_batch(seqs, pad_id)
     return ids.to(device), mask.to(device)

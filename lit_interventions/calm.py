@@ -41,11 +41,12 @@ import torch
 from datamodules.ravel import RavelData, _first_token, load_ravel, value_separator
 from lit_interventions.cli import run_cli
 from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer, num_layers
+from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.metrics.competence import Competence, competence_scores
 from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
-from lit_interventions.sites import check_layer, logits_at, read_layers
+from lit_interventions.sites import logits_at, read_layers, site_layer
 from lit_interventions.surprisal import bos_prefix
+from lit_interventions.tokens import pad_batch, token_covering
 
 RANDOM = "random"  # the control: ±ε per coordinate, same size as the attacks
 POSITION = "entity_last"
@@ -117,17 +118,12 @@ def tokenize_prompt(tokenizer, template: str, entity: str, attribute: str) -> Pr
     prefix = bos_prefix(tokenizer)
     text = prefix + template.replace("%s", entity)
     enc = tokenizer(text, return_offsets_mapping=True)
-    last_char = len(prefix) + template.index("%s") + len(entity) - 1
-    covering = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a <= last_char]
-    return Prompt(entity, attribute, template, enc["input_ids"], covering[-1], len(enc["input_ids"]) - 1)
+    site = token_covering(enc["offset_mapping"], len(prefix) + template.index("%s") + len(entity) - 1, text)
+    return Prompt(entity, attribute, template, enc["input_ids"], site, len(enc["input_ids"]) - 1)
 
 
 def _pad(prompts: list[Prompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p.ids) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p.ids)], mask[i, : len(p.ids)] = torch.tensor(p.ids), 1
+    ids, mask, _ = pad_batch([p.ids for p in prompts], pad_id)
     return ids, mask
 
 
@@ -343,8 +339,7 @@ def run_calm(
     properties = _check_names(properties, data.attributes, f"properties of entity type {entity_type!r}:")
     tasks = _check_names(tasks, properties, "tasks (must be among the properties)")
     config = load_config(lm)
-    layer = num_layers(config) // 2 if layer is None else layer
-    check_layer(layer, num_layers(config))
+    layer = site_layer(config, layer)
     d = hidden_size(config)
     loaded = {}
     if probes is not None:
