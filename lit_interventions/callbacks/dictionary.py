@@ -6,6 +6,8 @@ from pathlib import Path
 
 from lightning import Callback
 
+from lit_interventions.hub import dictionary_config, trainer_command, write_hub_files
+
 WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
 
 
@@ -17,7 +19,9 @@ def _training_data(trainer) -> str:
 
 class ExportDictionary(Callback):
     """After fit, rank 0 writes `<log_dir>/dictionary.safetensors` (vectors, max activations) and
-    `dictionary.json` (model, layer, method, concepts, hidden size, training data, val AUROC).
+    `dictionary.json` (model, layer, method, concepts, hidden size, training data, val AUROC, command),
+    plus `config.json` and a `README.md` model card (the Hugging Face layout: the log directory
+    loads with `Dictionary.from_pretrained` and uploads with `push_to_hub`).
     A module without `to_dictionary` (not a SteeringModule) is skipped, so the callback can sit in
     the CLI's defaults beside the DAS export."""
 
@@ -27,4 +31,7 @@ class ExportDictionary(Callback):
         directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
-        pl_module.to_dictionary(training_data=_training_data(trainer)).save(Path(directory) / WEIGHTS)
+        dictionary = pl_module.to_dictionary(training_data=_training_data(trainer))
+        dictionary.card.setdefault("command", trainer_command(trainer))
+        dictionary.save(Path(directory) / WEIGHTS)
+        write_hub_files(directory, dictionary_config(dictionary, WEIGHTS))
