@@ -43,7 +43,7 @@ def test_csv_logger_writes_metrics_csv_and_the_artifact(tmp_path, tiny_lm_dir):
     assert train_loss and len(val_odds) == 2 and all(float(v) == float(v) for v in train_loss + val_odds)
     # the exported artifact sits beside metrics.csv, in the hub layout, and loads back
     assert cli.trainer.log_dir == str(log_dir)
-    for name in ("intervention.safetensors", "intervention.json", "config.json", "README.md"):
+    for name in ("hparams.yaml", "intervention.safetensors", "intervention.json", "config.json", "README.md"):
         assert (log_dir / name).is_file(), name
     config = json.loads((log_dir / "config.json").read_text())
     assert config["layer"] == 1 and config["metrics"]["val/odds"] == pytest.approx(float(val_odds[-1]), rel=1e-4)
