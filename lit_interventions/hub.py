@@ -75,16 +75,33 @@ def run_command(argv: list[str] | None = None) -> str:
     return shlex.join([*head, *argv[1:]])
 
 
-def trainer_command(trainer) -> str:
+def export_dir(trainer, log_dir: str | Path | None) -> Path:
+    """Where a fit's artifact goes: `trainer.log_dir` (the version directory) for TensorBoard and
+    CSV; for other loggers, whose log_dir is their shared save_dir (W&B: "." by default), the run's
+    own `save_dir/<name>/<version>`, the directory Lightning's checkpoints go under. `log_dir`:
+    `trainer.log_dir`, asked on every rank before (a collective under DDP)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    logger = getattr(trainer, "logger", None)
+    directory = log_dir or trainer.default_root_dir
+    if logger is None or isinstance(logger, (TensorBoardLogger, CSVLogger)):
+        return Path(directory)
+    version = logger.version
+    version = version if isinstance(version, str) else f"version_{version}"
+    return Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version
+
+
+def trainer_command(trainer, log_dir: str | Path | None = None) -> str:
     """The command that ran this fit: the process's command line when it is `train.py` or
     `lit-interventions`; otherwise (a fit started from Python) the equivalent command line
-    reading the resolved config LightningCLI saved beside the logs."""
+    reading the resolved config LightningCLI saved in `log_dir` (`trainer.log_dir`, asked on
+    every rank before: a collective under DDP)."""
     program = Path(sys.argv[0]).name if sys.argv else ""
     if program in ("train.py", "lit-interventions", "lit-interventions.exe"):
         return run_command()
     stage = getattr(getattr(trainer, "state", None), "fn", None)
     stage = getattr(stage, "value", stage) or "fit"
-    log_dir = getattr(trainer, "log_dir", None) or getattr(trainer, "default_root_dir", ".")
+    log_dir = log_dir or getattr(trainer, "default_root_dir", None) or "."
     return shlex.join(["lit-interventions", str(stage), "--config", str(Path(log_dir) / "config.yaml")])
 
 
@@ -222,11 +239,24 @@ def model_card(config: dict):
 # --- files ---------------------------------------------------------------------------------------
 
 
+def _ours(directory: Path) -> bool:
+    try:
+        return json.loads((directory / CONFIG).read_text()).get("library_name") == LIBRARY
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def write_hub_files(directory: str | Path, config: dict) -> Path:
-    """config.json and the README.md card into `directory`, each written atomically."""
+    """config.json and the README.md card into `directory`, each written atomically. A config.json
+    or README.md already there that lit-interventions did not write (a project's README, a model's
+    config) is never replaced: FileExistsError."""
     from lit_interventions.interventions.base import _replace_atomically
 
     directory = Path(directory)
+    if not _ours(directory) and any((directory / name).exists() for name in (CONFIG, README)):
+        found = [name for name in (CONFIG, README) if (directory / name).exists()]
+        raise FileExistsError(f"{directory} already holds {' and '.join(found)} not written by lit-interventions; "
+                              "refusing to replace them (save into a directory of its own)")  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(config, indent=2) + "\n"  # fails before anything is written if not JSON-able
     card = str(model_card(config))

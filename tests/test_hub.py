@@ -193,3 +193,46 @@ def test_base_model_ids(tmp_path):
     assert hub.base_model("model.gguf") is None and hub.base_model(None) is None
     (tmp_path / "config.json").write_text(json.dumps({"_name_or_path": "EleutherAI/pythia-70m"}))
     assert hub.base_model(str(tmp_path)) == "EleutherAI/pythia-70m"
+
+
+def test_export_dictionary_callback_writes_the_hub_layout(tmp_path, monkeypatch):
+    """ExportDictionary writes dictionary.safetensors + dictionary.json as before, plus config.json
+    and README.md with the command that ran (here: a fit started from Python)."""
+    from types import SimpleNamespace
+
+    from lit_interventions.callbacks.dictionary import ExportDictionary
+
+    d = _dictionary("smollm2-135m-instruct")
+    d.card.pop("command")
+    module = SimpleNamespace(to_dictionary=lambda training_data: d)
+    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path), is_global_zero=True,
+                              datamodule=None, state=SimpleNamespace(fn="fit"), logger=None)  # fmt: skip
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    ExportDictionary().on_fit_end(trainer, module)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "dictionary.json",
+                                                          "dictionary.safetensors"]  # fmt: skip
+    command = f"lit-interventions fit --config {tmp_path / 'config.yaml'}"
+    assert json.loads((tmp_path / "config.json").read_text())["command"] == command
+    assert json.loads((tmp_path / "dictionary.json").read_text())["command"] == command
+    assert command in (tmp_path / "README.md").read_text()
+    loaded = Dictionary.from_pretrained(tmp_path)  # dictionary.json is read first when both exist
+    assert torch.equal(loaded.vectors, d.vectors) and loaded.card["command"] == command
+    monkeypatch.setattr("sys.argv", ["/usr/bin/lit-interventions", "fit", "--config", "configs/diffmean.yaml"])
+    assert hub.trainer_command(trainer, tmp_path) == "lit-interventions fit --config configs/diffmean.yaml"
+    monkeypatch.setattr("sys.argv", ["train.py", "fit", "--model.lm", "a b"])
+    assert hub.trainer_command(trainer, tmp_path) == "python train.py fit --model.lm 'a b'"
+
+
+def test_a_readme_or_config_of_someone_else_is_never_replaced(tmp_path):
+    (tmp_path / "README.md").write_text("# my project\n")
+    with pytest.raises(FileExistsError, match="README.md not written by lit-interventions"):
+        _das().save_pretrained(tmp_path, CARD)
+    assert (tmp_path / "README.md").read_text() == "# my project\n" and not (tmp_path / "config.json").exists()
+    (tmp_path / "README.md").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(FileExistsError, match="config.json"):
+        _dictionary("smollm2-135m-instruct").save_pretrained(tmp_path)
+    # its own files are replaced: saving twice works
+    out = _das().save_pretrained(tmp_path / "own", CARD)
+    _das().save_pretrained(out, {**CARD, "layer": 4})
+    assert json.loads((out / "config.json").read_text())["layer"] == 4

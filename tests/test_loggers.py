@@ -77,5 +77,10 @@ def test_wandb_logger_offline(tmp_path, tiny_lm_dir, monkeypatch):
         wandb.finish()
     (offline,) = (save_dir / "wandb").glob("offline-run-*")
     assert list(offline.glob("run-*.wandb"))  # the run, ready for `wandb sync`
-    # the artifact goes to the logger's save_dir (Lightning's trainer.log_dir for W&B), in the hub layout
-    assert (save_dir / "config.json").is_file() and (save_dir / "intervention.safetensors").is_file()
+    # the artifact goes to the run's own directory (where Lightning puts its checkpoints), not into
+    # the save_dir every W&B run shares (Lightning's trainer.log_dir), in the hub layout
+    run_dir = save_dir / "lit-interventions" / run.id
+    assert list((run_dir / "checkpoints").glob("*.ckpt"))
+    for name in ("intervention.safetensors", "intervention.json", "config.json", "README.md"):
+        assert (run_dir / name).is_file(), name
+    assert not (save_dir / "config.json").exists() and not (save_dir / "README.md").exists()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import warnings
 
 from lightning import Callback
 
-from lit_interventions.hub import dictionary_config, trainer_command, write_hub_files
+from lit_interventions.hub import dictionary_config, export_dir, trainer_command, write_hub_files
 
 WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
 
@@ -28,10 +28,15 @@ class ExportDictionary(Callback):
     def on_fit_end(self, trainer, pl_module):
         if not hasattr(pl_module, "to_dictionary"):  # another kind of module: nothing to export
             return
-        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
         dictionary = pl_module.to_dictionary(training_data=_training_data(trainer))
-        dictionary.card.setdefault("command", trainer_command(trainer))
-        dictionary.save(Path(directory) / WEIGHTS)
-        write_hub_files(directory, dictionary_config(dictionary, WEIGHTS))
+        dictionary.card.setdefault("command", trainer_command(trainer, log_dir))
+        directory = export_dir(trainer, log_dir)
+        dictionary.save(directory / WEIGHTS)
+        try:
+            write_hub_files(directory, dictionary_config(dictionary, WEIGHTS))
+        except FileExistsError as err:  # a README.md / config.json of someone else's: keep it
+            warnings.warn(f"ExportDictionary wrote {WEIGHTS} and dictionary.json but not the model card: {err}",
+                          stacklevel=1)  # fmt: skip

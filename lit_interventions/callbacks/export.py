@@ -5,11 +5,12 @@ layout: the log directory loads with `from_pretrained` and uploads with `push_to
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from lightning import Callback
 
-from lit_interventions.hub import intervention_config, trainer_command, write_hub_files
+from lit_interventions.hub import export_dir, intervention_config, trainer_command, write_hub_files
 from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: older imports)
     CARD,
     WEIGHTS,
@@ -33,7 +34,7 @@ class ExportIntervention(Callback):
     module has no intervention, or one that exports no tensors."""
 
     def on_fit_end(self, trainer, pl_module):
-        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         intervention = getattr(pl_module, "intervention", None)
         if not trainer.is_global_zero or not isinstance(intervention, InterventionProtocol):
             return
@@ -50,12 +51,16 @@ class ExportIntervention(Callback):
             "hidden_size": next(iter(tensors.values())).shape[-1],
             "data": {k: v for k, v in data_hp.items() if k != "lm" and not k.startswith("_")},  # not _class_path
             "metrics": _metrics(trainer),
-            "command": trainer_command(trainer),
+            "command": trainer_command(trainer, log_dir),
         }
         if hp.get("component") not in (None, "block_output"):
             card["component"] = hp.get("component")
         if "task" in data_hp:  # CausalGym
             card.update(region=getattr(trainer.datamodule, "region", hp.get("region")), task=data_hp["task"],
                         templates=data_hp.get("templates") or "builtin", control=data_hp.get("control"))  # fmt: skip
+        directory = export_dir(trainer, log_dir)
         save_intervention(directory, intervention, card)
-        write_hub_files(directory, intervention_config(intervention, card))
+        try:
+            write_hub_files(directory, intervention_config(intervention, card))
+        except FileExistsError as err:  # a README.md / config.json of someone else's: keep it
+            warnings.warn(f"ExportIntervention wrote {WEIGHTS} and {CARD} but not the model card: {err}", stacklevel=1)
