@@ -291,8 +291,13 @@ def local_directory(directory_or_hub_id: str | Path, *, revision: str | None = N
         raise FileNotFoundError(f"{name!r} is neither a directory nor a hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(name, revision=revision, token=token, cache_dir=cache_dir,
-                                  local_files_only=local_files_only, library_name=LIBRARY))  # fmt: skip
+    try:
+        return Path(snapshot_download(name, revision=revision, token=token, cache_dir=cache_dir,
+                                      local_files_only=local_files_only, library_name=LIBRARY))  # fmt: skip
+    except Exception as err:  # RepositoryNotFoundError, offline, no cached copy, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise FileNotFoundError(f"{name!r} is not a local directory, and as a hub id it could not be downloaded "
+                                f"({type(err).__name__}: {first})") from err  # fmt: skip
 
 
 def from_pretrained(directory_or_hub_id: str | Path, **download: Any):

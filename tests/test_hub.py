@@ -101,6 +101,12 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
     assert calls[0][0] == "someone/das-agr" and calls[0][1]["revision"] == "v1"
     assert calls[0][1]["library_name"] == "lit-interventions"
     assert type(hub.from_pretrained("someone/das-agr")) is RotatedSpaceIntervention and len(calls) == 2
+    def offline(repo_id, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("no cached copy and the hub is unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(FileNotFoundError, match="'runs/das_typo' is not a local directory.*LocalEntryNotFoundError"):
+        hub.from_pretrained("runs/das_typo")
     with pytest.raises(FileNotFoundError, match="neither a directory nor a hub id"):
         hub.from_pretrained(tmp_path / "no" / "such" / "dir")
     assert len(calls) == 2
