@@ -6,7 +6,12 @@ On disk, two files with one stem:
 - `NAME.json`: the card — model, layer, method, concept names, hidden size, how a latent is
   read (`latent`: "linear" h·w or "relu" ReLU(h·w)), the training data and the eval AUROC.
 
+`save_pretrained(directory)` / `from_pretrained(directory_or_hub_id)` / `push_to_hub(repo_id)` use
+the Hugging Face layout instead (`dictionary.safetensors`, the card in `config.json`, a generated
+`README.md` model card; see `lit_interventions.hub`); `load` reads both.
+
     d = Dictionary.load("runs/reft_r1/.../dictionary.safetensors")
+    d = Dictionary.from_pretrained("checkpoints/axbench/builtin-diffmean")   # or a hub id
     scores = d.detect(["Rent a van for the weekend.", "2 + 2 = 4"])    # (2, concepts)
     with d.steer(lm, "references to rental services", factor=1.0) as model:
         out = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0)
@@ -33,13 +38,25 @@ from lit_interventions.sites import check_layer, read_layers, residual_hook
 from lit_interventions.surprisal import bos_prefix
 
 FORMAT = "lit-interventions/concept-dictionary/v1"
+WEIGHTS_NAME = "dictionary.safetensors"  # the weights file of a save_pretrained directory
 RELU_METHODS = ("reft_r1", "ssv")
 
 
 def _paths(path: str | Path) -> tuple[Path, Path]:
     path = Path(path)
+    if path.is_dir():  # a save_pretrained (or run) directory: dictionary.safetensors + its card
+        path = path / WEIGHTS_NAME
     stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+
+def _card_path(weights: Path, card_path: Path) -> tuple[Path, bool]:
+    """NAME.json, or the directory's config.json (the hub layout) when there is no NAME.json.
+    The flag says whether it is config.json."""
+    hub = weights.parent / "config.json"
+    if not card_path.is_file() and hub.is_file() and card_path.name != "config.json":
+        return hub, True
+    return card_path, False
 
 
 def _first_line(err: Exception) -> str:
@@ -112,9 +129,14 @@ class Dictionary:
         (.json), each atomically (a temporary file renamed over it: a killed write leaves the old
         file or none, never half of one). NaN/inf vectors are refused. Returns the .safetensors path."""
         weights, card_path = _paths(path)
-        _check_finite(self.vectors, self.max_activations, self.concepts, weights, "refusing to write")
-        weights.parent.mkdir(parents=True, exist_ok=True)
-        card = {
+        card = self.card_dict()
+        self._write_weights(weights)
+        _atomic(card_path, lambda tmp: tmp.write_text(json.dumps(card, indent=2) + "\n"))
+        return weights
+
+    def card_dict(self) -> dict:
+        """The card `save` writes to NAME.json (and `save_pretrained` into config.json)."""
+        return {
             **self.card,
             "format": FORMAT,
             "model": self.model,
@@ -127,19 +149,54 @@ class Dictionary:
             "training_data": self.training_data,
             "auroc": self.auroc,
         }
+
+    def _write_weights(self, weights: Path) -> None:
+        _check_finite(self.vectors, self.max_activations, self.concepts, weights, "refusing to write")
+        weights.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"vectors": self.vectors.contiguous(), "max_activations": self.max_activations.contiguous()}
         _atomic(weights, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
-        _atomic(card_path, lambda tmp: tmp.write_text(json.dumps(card, indent=2) + "\n"))
-        return weights
+
+    # --- the Hugging Face layout (lit_interventions.hub) ---------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """`directory` as a hub model repository: `dictionary.safetensors`, `config.json` (the card
+        plus class path, base model, site, metrics and the command in `card["command"]`) and a
+        generated `README.md` model card. Returns the directory."""
+        from lit_interventions.hub import dictionary_config, write_hub_files
+
+        directory = Path(directory)
+        config = dictionary_config(self, WEIGHTS_NAME)
+        json.dumps(config)  # not JSON-able: fails before anything is written
+        self._write_weights(directory / WEIGHTS_NAME)
+        write_hub_files(directory, config)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory_or_hub_id: str | Path, **download) -> "Dictionary":
+        """A dictionary from a local directory (config.json, or an older dictionary.json) or a hub
+        repository, downloaded with `huggingface_hub.snapshot_download` (`download`: revision,
+        token, cache_dir, local_files_only)."""
+        from lit_interventions.hub import local_directory
+
+        return cls.load(local_directory(directory_or_hub_id, **download))
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """save_pretrained to a temporary directory, then upload it to `repo_id` (HfApi.upload_folder;
+        kwargs: private, token, commit_message, revision, create_pr). Returns the CommitInfo."""
+        from lit_interventions.hub import push_object
+
+        return push_object(self, repo_id, **kwargs)
 
     @classmethod
     def load(cls, path: str | Path) -> "Dictionary":
         """Read a dictionary from its .safetensors path, its .json card path or their stem. A file
         that cannot be read, or vectors holding NaN/inf, is a ValueError naming the file."""
         weights, card_path = _paths(path)
+        card_path, hub = _card_path(weights, card_path)
         for needed in (weights, card_path):
             if not needed.is_file():
-                raise FileNotFoundError(f"no dictionary file {needed} (a dictionary is NAME.safetensors + NAME.json)")
+                raise FileNotFoundError(f"no dictionary file {needed} (a dictionary is NAME.safetensors + NAME.json, "
+                                        "or a directory of dictionary.safetensors + config.json)")  # fmt: skip
         redo = "re-export it (rerun the fit that wrote it) or restore a good copy"
         try:
             tensors = load_file(weights)
@@ -168,6 +225,10 @@ class Dictionary:
         _check_finite(tensors["vectors"], tensors["max_activations"], card["concepts"], weights, "refusing to load")
         known = {"format", "model", "layer", "method", "latent", "hidden_size", "num_concepts", "concepts",
                  "training_data", "auroc"}  # fmt: skip
+        if hub:  # what config.json adds to the card (rebuilt by save_pretrained); a copied "training" command
+            known |= {"library_name", "kind", "weights", "class_path", "base_model", "site", "metrics"}
+            if card.get("command") is not None and card.get("command") == card.get("training"):
+                known.add("command")
         try:
             return cls(
                 vectors=tensors["vectors"], max_activations=tensors["max_activations"], concepts=card["concepts"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -11,20 +12,70 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def odds_heatmap(odds: np.ndarray, layers: list[int], regions: list[str], title: str, path: str | Path) -> Path:
-    """odds: (layers, regions) AvgOdds, NaN where a site was not run. Layer 0 at the bottom."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(regions), 1.2 + 0.32 * len(layers)))
-    image = ax.imshow(np.ma.masked_invalid(odds), origin="lower", aspect="auto", cmap="magma")
-    ax.set_xticks(range(len(regions)), regions, rotation=45, ha="right")
-    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+DPI = 120
+
+
+def _grid_size(n_rows: int, n_cols: int, col_labels: list[str]) -> tuple[float, float, float, float, float]:
+    """(figure width, figure height, cell width, cell height, x-label rotation), inches and degrees:
+    cells sized from the grid (larger when there are few, never below a readable size), room for
+    the region labels, the title and the colour bar."""
+    cell_w = float(np.clip(7.0 / max(n_cols, 1), 0.6, 1.2))
+    cell_h = float(np.clip(6.0 / max(n_rows, 1), 0.22, 0.6))
+    longest = max((len(str(label)) for label in col_labels), default=1)
+    rotation = 0.0 if longest * 0.075 < 0.9 * cell_w else 40.0  # labels that fit their cell stay flat
+    label_h = 0.3 if rotation == 0 else 0.2 + 0.075 * longest * np.sin(np.radians(rotation))
+    axes_h = max(n_rows * cell_h, 1.0)  # room for a readable colour bar beside a short grid
+    width = 0.9 + n_cols * cell_w + 1.3  # y labels | cells | colour bar and its label
+    height = 0.6 + axes_h + label_h + 0.45  # title | cells | region labels | x label
+    return width, height, cell_w, axes_h / max(n_rows, 1), rotation
+
+
+def heatmap_figure(odds: np.ndarray, layers: list[int], regions: list[str], title: str):
+    """The layer × region figure of `odds_heatmap`: (fig, ax). Cells are sized from the grid, so
+    1 layer or 40, 1 region or 12, each cell stays visible and its labels apart; values are
+    written in the cells when they fit; NaN (not run) cells are grey."""
+    odds = np.asarray(odds, dtype=float).reshape(len(layers), len(regions))
+    width, height, cell_w, cell_h, rotation = _grid_size(len(layers), len(regions), regions)
+    fig, ax = plt.subplots(figsize=(width, height), dpi=DPI, layout="constrained")
+    cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")  # not run: grey, not "lowest"
+    finite = odds[np.isfinite(odds)]
+    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if vmin == vmax:
+        vmin, vmax = vmin - 0.5, vmax + 0.5
+    image = ax.imshow(np.ma.masked_invalid(odds), origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax,
+                      interpolation="nearest")  # fmt: skip
+    ax.set_xticks(range(len(regions)), [str(r) for r in regions], rotation=rotation,
+                  ha="right" if rotation else "center", rotation_mode="anchor" if rotation else "default",
+                  fontsize=8)  # fmt: skip
+    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=8 if len(layers) <= 24 else 7)
     ax.set_xlabel("region (last token)")
     ax.set_ylabel("layer")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label="log odds-ratio")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # minor ticks between cells: a thin white grid separates them
+    ax.set_xticks(np.arange(-0.5, len(regions), 1), minor=True)
+    ax.set_yticks(np.arange(-0.5, len(layers), 1), minor=True)
+    ax.grid(which="minor", color="white", linewidth=0.8)
+    ax.tick_params(which="minor", length=0)
+    chars = max(20, int(width * 12))  # about 12 characters of 9 pt per inch
+    ax.set_title(textwrap.fill(title, chars), fontsize=9)
+    if cell_h >= 0.22 and cell_w >= 0.45 and odds.size <= 200:  # values in the cells when they fit
+        for i, j in zip(*np.nonzero(np.isfinite(odds))):
+            value = odds[i, j]
+            dark = (value - vmin) / (vmax - vmin) < 0.55  # magma is dark at the bottom
+            ax.text(j, i, f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}", ha="center", va="center",
+                    fontsize=7 if cell_h < 0.3 else 8, color="white" if dark else "black")  # fmt: skip
+    bar = fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02, aspect=max(8, min(25, 10 * cell_h * len(layers))))
+    bar.set_label("log odds-ratio")
+    bar.ax.tick_params(labelsize=8)
+    return fig, ax
+
+
+def odds_heatmap(odds: np.ndarray, layers: list[int], regions: list[str], title: str, path: str | Path) -> Path:
+    """odds: (layers, regions) AvgOdds, NaN where a site was not run. Layer 0 at the bottom.
+    Readable for 1..40 layers and 1..12 regions (see `heatmap_figure`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, _ = heatmap_figure(odds, layers, regions, title)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 

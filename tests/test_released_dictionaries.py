@@ -1,9 +1,11 @@
 """The released AxBench concept dictionaries in checkpoints/axbench/ (smollm2-135m-instruct, layer 15).
 
-Fast tests read the files only (shape, card, unit norm, max activations); the slow test runs the
-LM and checks that each dictionary scores a text about one of its concepts above an unrelated one.
+Fast tests read the files only (shape, card, unit norm, max activations, the Hugging Face layout);
+the slow test runs the LM and checks that each dictionary scores a text about one of its concepts
+above an unrelated one.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,23 @@ def test_card_and_vectors(data, method):
     assert (d.max_activations > 0).sum() >= 9
     assert set(d.auroc["per_concept"]) == set(d.concepts)
     assert 0.5 < d.auroc["mean"] <= 1.0  # better than chance on the held-out eval set
+
+
+@pytest.mark.parametrize("data,method", RUNS)
+def test_hub_layout(data, method):
+    """Each directory is a hub model repository: dictionary.safetensors, config.json, README.md."""
+    from huggingface_hub import ModelCard
+
+    directory = RELEASED / f"{data}-{method}"
+    assert sorted(p.name for p in directory.iterdir()) == ["README.md", "config.json", "dictionary.safetensors"]
+    config = json.loads((directory / "config.json").read_text())
+    assert config["kind"] == "dictionary" and config["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert config["command"].startswith("python train.py fit --config configs/") and config["layer"] == LAYER
+    card = ModelCard.load(directory / "README.md")
+    assert card.data.library_name == "lit-interventions" and card.data.base_model == config["base_model"]
+    assert "residual stream after block 15" in card.text and config["command"] in card.text
+    by_directory, by_file = Dictionary.from_pretrained(directory), _load(data, method)
+    assert torch.equal(by_directory.vectors, by_file.vectors) and by_directory.card == by_file.card
 
 
 @pytest.mark.parametrize("data", list(DATASETS))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import warnings
 
 from lightning import Callback
+
+from lit_interventions.hub import dictionary_config, export_dir, trainer_command, write_hub_files
 
 WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
 
@@ -17,14 +19,24 @@ def _training_data(trainer) -> str:
 
 class ExportDictionary(Callback):
     """After fit, rank 0 writes `<log_dir>/dictionary.safetensors` (vectors, max activations) and
-    `dictionary.json` (model, layer, method, concepts, hidden size, training data, val AUROC).
+    `dictionary.json` (model, layer, method, concepts, hidden size, training data, val AUROC, command),
+    plus `config.json` and a `README.md` model card (the Hugging Face layout: the log directory
+    loads with `Dictionary.from_pretrained` and uploads with `push_to_hub`).
     A module without `to_dictionary` (not a SteeringModule) is skipped, so the callback can sit in
     the CLI's defaults beside the DAS export."""
 
     def on_fit_end(self, trainer, pl_module):
         if not hasattr(pl_module, "to_dictionary"):  # another kind of module: nothing to export
             return
-        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
-        pl_module.to_dictionary(training_data=_training_data(trainer)).save(Path(directory) / WEIGHTS)
+        dictionary = pl_module.to_dictionary(training_data=_training_data(trainer))
+        dictionary.card.setdefault("command", trainer_command(trainer, log_dir))
+        directory = export_dir(trainer, log_dir)
+        dictionary.save(directory / WEIGHTS)
+        try:
+            write_hub_files(directory, dictionary_config(dictionary, WEIGHTS))
+        except FileExistsError as err:  # a README.md / config.json of someone else's: keep it
+            warnings.warn(f"ExportDictionary wrote {WEIGHTS} and dictionary.json but not the model card: {err}",
+                          stacklevel=1)  # fmt: skip

@@ -1,12 +1,16 @@
-"""Write the trained intervention next to the TensorBoard logs when fit ends."""
+"""Write the trained intervention next to the TensorBoard logs when fit ends: intervention.safetensors
+with intervention.json (the card), plus config.json and a README.md model card (the Hugging Face
+layout: the log directory loads with `from_pretrained` and uploads with `push_to_hub`)."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from lightning import Callback
 
+from lit_interventions.hub import export_dir, intervention_config, trainer_command, write_hub_files
 from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: older imports)
     CARD,
     WEIGHTS,
@@ -26,10 +30,11 @@ def _metrics(trainer) -> dict[str, float]:
 class ExportIntervention(Callback):
     """After fit, rank 0 writes `pl_module.intervention` through the intervention protocol
     (`save_intervention`: its tensors, class path and config) with a card (model, site, data,
-    metrics). Skipped when the module has no intervention, or one that exports no tensors."""
+    metrics, command), and the same as config.json + a README.md model card. Skipped when the
+    module has no intervention, or one that exports no tensors."""
 
     def on_fit_end(self, trainer, pl_module):
-        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         intervention = getattr(pl_module, "intervention", None)
         if not trainer.is_global_zero or not isinstance(intervention, InterventionProtocol):
             return
@@ -46,8 +51,16 @@ class ExportIntervention(Callback):
             "hidden_size": next(iter(tensors.values())).shape[-1],
             "data": {k: v for k, v in data_hp.items() if k != "lm" and not k.startswith("_")},  # not _class_path
             "metrics": _metrics(trainer),
+            "command": trainer_command(trainer, log_dir),
         }
+        if hp.get("component") not in (None, "block_output"):
+            card["component"] = hp.get("component")
         if "task" in data_hp:  # CausalGym
             card.update(region=getattr(trainer.datamodule, "region", hp.get("region")), task=data_hp["task"],
                         templates=data_hp.get("templates") or "builtin", control=data_hp.get("control"))  # fmt: skip
+        directory = export_dir(trainer, log_dir)
         save_intervention(directory, intervention, card)
+        try:
+            write_hub_files(directory, intervention_config(intervention, card))
+        except FileExistsError as err:  # a README.md / config.json of someone else's: keep it
+            warnings.warn(f"ExportIntervention wrote {WEIGHTS} and {CARD} but not the model card: {err}", stacklevel=1)

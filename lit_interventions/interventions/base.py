@@ -64,6 +64,34 @@ class Intervention(nn.Module):
             raise NotImplementedError(f"{cls.__name__} does not rebuild from tensors {sorted(tensors)}")
         return cls(**config)
 
+    # the Hugging Face layout: config.json + README.md card beside the tensors (lit_interventions.hub)
+
+    def save_pretrained(self, directory: str | Path, card: dict | None = None) -> Path:
+        """Write this intervention as a hub model repository directory (module `save_pretrained`);
+        `card`: model, layer, region/component, data, metrics, command, ... Returns the directory."""
+        return save_pretrained(directory, self, card)
+
+    @classmethod
+    def from_pretrained(cls, directory_or_hub_id: str | Path, **download: Any) -> Intervention:
+        """The intervention saved in a local directory or a hub repository (`snapshot_download`;
+        `download`: revision, token, cache_dir, local_files_only). Refuses one of another class."""
+        from lit_interventions.hub import local_directory
+
+        intervention = load_pretrained(local_directory(directory_or_hub_id, **download))
+        if not isinstance(intervention, cls):
+            raise TypeError(f"{directory_or_hub_id} holds a {class_path(intervention)}, not a {class_path(cls)}; "
+                            "load it with lit_interventions.hub.from_pretrained")  # fmt: skip
+        return intervention
+
+    def push_to_hub(self, repo_id: str, card: dict | None = None, **kwargs: Any):
+        """save_pretrained to a temporary directory, then upload it to `repo_id`
+        (`lit_interventions.hub.push_to_hub`; kwargs: private, token, commit_message, revision, create_pr)."""
+        from lit_interventions.hub import push_to_hub
+
+        with tempfile.TemporaryDirectory(prefix="lit-interventions-push-") as tmp:
+            save_pretrained(tmp, self, card)
+            return push_to_hub(tmp, repo_id, **kwargs)
+
     def _require_source(self, source: torch.Tensor | None) -> torch.Tensor:
         if source is None:
             raise ValueError(f"{type(self).__name__} is an interchange intervention: source is required, got None")
@@ -152,3 +180,48 @@ def load_intervention(directory: str | Path) -> tuple[InterventionProtocol, dict
         raise ValueError(f"{Path(directory) / CARD}: class_path={card['class_path']!r} is not an intervention class "
                          "(no from_tensors)")  # fmt: skip
     return cls.from_tensors(tensors, **card.get("config", {})), card
+
+
+# --- the Hugging Face layout (config.json + README.md card; see lit_interventions.hub) ---------------
+
+
+def save_pretrained(directory: str | Path, intervention: InterventionProtocol, card: dict | None = None) -> Path:
+    """`directory` as a hub model repository: `intervention.safetensors`, `config.json` (class path,
+    config, and the card's model, layer/site, data, metrics, command) and a `README.md` model card.
+    Returns the directory."""
+    from lit_interventions.hub import intervention_config, write_hub_files
+
+    directory = Path(directory)
+    tensors = {k: v.detach().cpu().contiguous().float() for k, v in intervention.export().items()}
+    _check_finite(tensors, directory / WEIGHTS, "write")
+    config = intervention_config(intervention, card or {})
+    json.dumps(config)  # not JSON-able: fails before anything is written
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _replace_atomically(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp))
+    write_hub_files(directory, config)
+    return directory
+
+
+def load_pretrained(directory: str | Path) -> InterventionProtocol:
+    """The intervention `save_pretrained` (config.json) or `save_intervention` (intervention.json,
+    older directories) wrote to the local `directory`."""
+    from safetensors.torch import load_file
+
+    from lit_interventions.hub import CONFIG, read_config
+
+    directory = Path(directory)
+    config = read_config(directory) if (directory / CONFIG).is_file() else {}
+    if "class_path" not in config:  # an older directory (intervention.json only), or config.json not ours
+        if not (directory / CARD).is_file():
+            raise FileNotFoundError(f"{directory} holds neither a lit-interventions config.json nor {CARD}")
+        return load_intervention(directory)[0]
+    weights = directory / config.get("weights", WEIGHTS)
+    tensors = load_file(weights)
+    _check_finite(tensors, weights, "load")
+    cls = import_class(config["class_path"])
+    if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
+        raise ValueError(f"{directory / CONFIG}: class_path={config['class_path']!r} is not an intervention class "
+                         "(no from_tensors)")  # fmt: skip
+    return cls.from_tensors(tensors, **config.get("config", {}))
