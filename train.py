@@ -8,7 +8,8 @@ DataModule by `class_path` (CausalGym DAS, RAVEL DAS/MDAS/DBM/MDBM, AxBench dict
 See `lit_interventions.commands` for what every run gets (run names, summaries, progress lines).
 """
 
-from lit_interventions.commands import InterventionCLI, first_reason, train_main
+from lit_interventions.cli_lightning import InterventionCLI, train_main
+from lit_interventions.parsing import first_reason
 
 __all__ = ["InterventionCLI", "first_reason", "main"]
 

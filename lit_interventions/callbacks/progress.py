@@ -1,0 +1,107 @@
+"""The callbacks every Lightning run gets for its output: the final metrics table with the run
+directory (`RunSummary`) and line-based progress when stdout is not a terminal (`LineProgress`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ProgressBar
+
+
+def _scalars(metrics) -> dict[str, float]:
+    values = {}
+    for key, value in metrics.items():
+        value = torch.as_tensor(value)
+        if value.numel() == 1:
+            values[key] = float(value)
+    return dict(sorted(values.items()))
+
+
+def metrics_table(metrics: dict[str, float]) -> str:
+    """One metric a line, names aligned."""
+    if not metrics:
+        return "(no metrics logged)"
+    width = max(map(len, metrics))
+    return "\n".join(f"{name:<{width}}  {value:.4f}" if math.isfinite(value) else f"{name:<{width}}  {value}"
+                     for name, value in metrics.items())  # fmt: skip
+
+
+def _shown(path: str | Path) -> str:
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+class RunSummary(Callback):
+    """At the end of fit, validate and test, rank 0 prints the last value of every logged metric
+    (sorted, aligned) and the run directory."""
+
+    def _report(self, trainer, what: str) -> None:
+        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        if not trainer.is_global_zero:
+            return
+        print(f"\n{what} metrics\n{metrics_table(_scalars(trainer.callback_metrics))}\nfiles in {_shown(directory)}",
+              flush=True)  # fmt: skip
+
+    def on_fit_end(self, trainer, pl_module):
+        self._report(trainer, "fit: final")
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.state.fn == "validate":
+            self._report(trainer, "validate:")
+
+    def on_test_end(self, trainer, pl_module):
+        self._report(trainer, "test:")
+
+
+class LineProgress(ProgressBar):
+    """Progress as plain lines (flushed), for stdout that is not a terminal (`> log.txt`): one line
+    every `every` training steps (default: about 20 lines an epoch) and one per validation."""
+
+    def __init__(self, every: int | None = None):
+        super().__init__()
+        self.every = every
+        self._enabled = True
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def _print(self, text: str) -> None:
+        if self._enabled:
+            print(text, flush=True)
+
+    def _values(self, trainer, pl_module, prefix: str) -> str:
+        metrics = self.get_metrics(trainer, pl_module)
+        return "  ".join(f"{k} {float(v):.4f}" for k, v in sorted(metrics.items())
+                         if k.startswith(prefix) and isinstance(v, (int, float)))  # fmt: skip
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        total = self.total_train_batches
+        every = self.every or (max(1, int(total) // 20) if math.isfinite(total) else 50)
+        done = batch_idx + 1
+        if done % every == 0 or done == total:
+            shown = int(total) if math.isfinite(total) else "?"
+            self._print(f"epoch {trainer.current_epoch} step {done}/{shown}  {self._values(trainer, pl_module, 'train')}")
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._print(f"epoch {trainer.current_epoch} validation  {self._values(trainer, pl_module, 'val')}")
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.state.fn == "validate":
+            self._print("validating")
+
+    def on_test_start(self, trainer, pl_module):
+        self._print("testing")
