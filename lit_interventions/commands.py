@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ArgumentParser
 
 from lit_interventions.callbacks.progress import LineProgress, RunSummary, metrics_table
 from lit_interventions.cli_lightning import (
@@ -74,31 +74,15 @@ COMMANDS = {
     "steer": "AxBench steering evaluation",
     "syntaxgym": "SyntaxGym accuracy of a frozen LM",
     "serve-judge": "serve a local chat model as an OpenAI-style judge",
+    "data": "download a published dataset (CausalGym, SyntaxGym, RAVEL, AxBench), sha256-checked",
 }
 
 
 def serve_judge(args=None) -> None:
-    """`serve-judge`: parsed here (jsonargparse), run by `judge_server.main`."""
-    parser = Parser(prog=f"{PROG} serve-judge", default_config_files=[],
-                            description="Serve a chat LM behind an OpenAI-style /v1/chat/completions endpoint.")  # fmt: skip
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_argument("--lm", type=str, default="smollm2-135m-instruct", help="the chat model (what load_lm accepts)")
-    parser.add_argument("--host", type=str, default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
-    parser.add_argument("--max_new_tokens", type=int, default=256, help="tokens generated per answer at most")
-    parser.add_argument("--dtype", type=str, default="float32", help="float32, bfloat16 or float16")
-    ns = parser.parse_args(resolve_configs(args))
-    if ns.port < 0 or ns.port > 65535:
-        parser.error(f"--port={ns.port} is not a port (0..65535)")
-    if ns.max_new_tokens < 1:
-        parser.error(f"--max_new_tokens={ns.max_new_tokens} must be a positive integer")
+    """`serve-judge`: `judge_server.main` (jsonargparse, the same error style)."""
     from lit_interventions import judge_server
-    from lit_interventions.lm import DTYPES
 
-    if ns.dtype not in DTYPES:
-        parser.error(f"--dtype={ns.dtype!r}; choose one of {', '.join(sorted(DTYPES))}")
-    judge_server.main(["--lm", ns.lm, "--host", ns.host, "--port", str(ns.port),
-                       "--max_new_tokens", str(ns.max_new_tokens), "--dtype", ns.dtype])  # fmt: skip
+    judge_server.main(args)
 
 
 def _top_parser() -> ArgumentParser:
@@ -146,6 +130,10 @@ def _study(command: str, rest: list[str]):
         from lit_interventions.syntaxgym import main as syntaxgym_main
 
         return syntaxgym_main(rest)
+    if command == "data":
+        from lit_interventions.data import main as data_main
+
+        return data_main(rest)
     return serve_judge(rest)
 
 

@@ -352,10 +352,10 @@ def download(name: str, dest_dir: str | Path, base_url: str | None = None, timeo
 
 def main(args: list[str] | None = None) -> list[Path]:
     """`lit-interventions data NAME --out DIR` (or `python -m lit_interventions.data NAME --out DIR`)."""
-    from jsonargparse import ArgumentParser
+    from lit_interventions.parsing import Parser, fail
 
     listing = "\n".join(f"  {d.name:<20} {d.description}" for d in DATASETS.values())
-    parser = ArgumentParser(
+    parser = Parser(
         prog="lit-interventions data",
         description=f"Download a published dataset, checked against its sha256. Datasets:\n{listing}",
     )
@@ -368,7 +368,7 @@ def main(args: list[str] | None = None) -> list[Path]:
         print(f"{dataset.name}: {dataset.source} ({dataset.license}) -> {cfg.out}")
         paths = download(cfg.name, cfg.out, base_url=cfg.base_url)
     except (ValueError, OSError) as err:
-        raise SystemExit(f"data: error: {err}") from None
+        fail(str(err))  # one `error:` line, exit code 2, as every command
     print(f"{dataset.name}: {len(paths)} files in {cfg.out}")
     return paths
 

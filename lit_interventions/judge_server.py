@@ -252,13 +252,15 @@ def serve_in_background(server: ThreadingHTTPServer) -> threading.Thread:
 
 
 def parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ActionConfigFile
 
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], prog="serve-judge")
+    from lit_interventions.parsing import PROG, Parser
+
+    parser = Parser(description=__doc__.split("\n\n")[0], prog=f"{PROG} serve-judge", default_config_files=[])
     parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_argument("--lm", type=str, default="smollm2-135m-instruct", help="the LM that answers")
-    parser.add_argument("--host", type=str, default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--lm", type=str, default="smollm2-135m-instruct", help="the chat model (what load_lm accepts)")
+    parser.add_argument("--host", type=str, default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="cap on the tokens of a reply")
     parser.add_argument("--dtype", type=str, default="float32")
     parser.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger bodies get 413")
@@ -268,10 +270,22 @@ def parser():
 
 
 def main(args=None) -> None:
+    """`lit-interventions serve-judge` (or `python -m lit_interventions.judge_server`)."""
     from lit_interventions.lm import check_dtype
+    from lit_interventions.parsing import fail, resolve_configs
 
-    ns = parser().parse_args(args)
-    check_dtype(ns.dtype)
+    ns = parser().parse_args(resolve_configs(args))
+    if not 0 <= ns.port <= 65535:
+        fail(f"--port={ns.port} is not a port (0..65535)")
+    for name in ("max_new_tokens", "max_body_bytes", "max_concurrent"):
+        if getattr(ns, name) < 1:
+            fail(f"--{name}={getattr(ns, name)} must be a positive integer")
+    if not ns.timeout > 0:
+        fail(f"--timeout={ns.timeout} must be > 0 seconds")
+    try:
+        check_dtype(ns.dtype)
+    except ValueError as err:
+        fail(str(err))
     server = make_server(ns.lm, ns.host, ns.port, ns.max_new_tokens, ns.dtype, ns.max_body_bytes, ns.timeout,
                          ns.max_concurrent)  # fmt: skip
     host, port = server.server_address[:2]

@@ -24,8 +24,9 @@ HELP = {  # subcommand line -> options its help must name
     ("calm",): ["--properties", "--layer", "--probe", "--epsilon"],
     ("steer",): ["--dictionary", "--checkpoint", "--factors", "--judge"],
     ("syntaxgym",): ["--suites", "--lm", "--out", "--batch_size", "--threads"],
-    ("serve-judge",): ["--lm", "--host", "--port", "--max_new_tokens"],
-    (): ["fit", "validate", "test", "sweep", "calm", "steer", "syntaxgym", "serve-judge"],
+    ("serve-judge",): ["--lm", "--host", "--port", "--max_new_tokens", "--max_body_bytes", "--timeout"],
+    ("data",): ["name", "--out", "--base_url", "axbench-concept10"],
+    (): ["fit", "validate", "test", "sweep", "calm", "steer", "syntaxgym", "serve-judge", "data"],
 }
 
 
@@ -64,6 +65,8 @@ BAD = {  # a bad value for each subcommand -> part of its one-line error
     ("syntaxgym", "--suites", "x", "--out", "o.csv", "--batch_size", "0"): "--batch_size=0 must be a positive integer",
     ("serve-judge", "--port", "http"): "port",
     ("serve-judge", "--port", "70000"): "--port=70000 is not a port",
+    ("serve-judge", "--timeout", "0"): "--timeout=0.0 must be > 0 seconds",
+    ("data", "ravle", "--out", "x"): "unknown dataset 'ravle'",
     ("train",): "invalid choice: 'train'",
 }
 

@@ -168,9 +168,10 @@ def test_unknown_dataset_is_a_one_line_error_listing_the_valid_ones(tmp_path, ca
     message = str(err.value)
     assert "\n" not in message and "'ravle'" in message
     assert all(name in message for name in ("causalgym", "syntaxgym", "ravel", "axbench-concept10"))
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         main(["ravle", "--out", str(tmp_path)])
-    assert str(exit_.value) == f"data: error: {message}"
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
 
 
 def test_main_downloads(tiny, tmp_path, capsys):
@@ -187,8 +188,8 @@ def test_python_dash_m_runs(tmp_path):
         text=True,
         cwd=Path(__file__).resolve().parents[1],
     )
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [f"data: error: unknown dataset 'nope'; valid: {', '.join(data.DATASETS)}"]
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: unknown dataset 'nope'; valid: {', '.join(data.DATASETS)}"]
 
 
 def test_registry_is_well_formed():
