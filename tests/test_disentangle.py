@@ -230,7 +230,7 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
     import train
     from datamodules.ravel import RavelDataModule
 
-    from tests.test_ravel_data import oracle
+    from tests.helpers import oracle
 
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=tiny_lm_dir("llama")).data.entities)))
