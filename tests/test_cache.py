@@ -10,7 +10,7 @@ from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.sites import logits_at, read_layers
 from tests.conftest import ARCHS, HIDDEN, LAYERS
-from tests.test_sites import _batch
+from tests.helpers import token_batch as _batch
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -76,7 +76,7 @@ def test_ddp_ravel_cause_iso_equal_single_process(tmp_path, tiny_lm_dir, monkeyp
     written to the on-disk answer cache first (an oracle that knows every city), so the
     subprocesses read them instead of asking the random tiny model."""
     from datamodules.ravel import RavelDataModule
-    from tests.test_ravel_data import oracle
+    from tests.helpers import oracle
 
     lm_dir = tiny_lm_dir("llama")
     env = {"LIT_INTERVENTIONS_CACHE": str(tmp_path / "cache")}

@@ -184,6 +184,43 @@ def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask
     assert metric.count.sum().item() == 4
 
 
+def _plant_answers(monkeypatch) -> list:
+    """A tiny random model answers no RAVEL query (Cause = Iso = 0, which a broken metric matches
+    too), so plant a signal: in each validation batch, rows 1, 2, 4, 5, ... get the module's own
+    intervened prediction as their label. Returns the (predicted, label, attribute, kind) of every
+    row of the last validation epoch, for Cause / Iso by hand."""
+    seen = []
+    original = InterchangeModule.validation_step
+
+    def validation_step(self, batch, batch_idx):
+        with torch.no_grad():
+            predicted = self.intervened_logits(batch).argmax(-1)
+        planted = torch.arange(len(predicted), device=predicted.device) % 3 != 0
+        batch["label"] = torch.where(planted, predicted, batch["label"])  # the callback reads this batch
+        if batch_idx == 0:
+            seen.clear()
+        if not self.trainer.sanity_checking:
+            seen.extend(zip(predicted.tolist(), batch["label"].tolist(), batch["attribute"].tolist(),
+                            batch["kind"].tolist()))  # fmt: skip
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(InterchangeModule, "validation_step", validation_step)
+    return seen
+
+
+def _cause_iso_by_hand(seen, attributes) -> dict:
+    """RAVEL's Cause (share of Cause rows predicted right) and Iso (the share per attribute over its
+    Iso rows, then the mean over the attributes)."""
+    cause = [p == label for p, label, _, kind in seen if kind == CAUSE]
+    iso = {}
+    for p, label, attribute, kind in seen:
+        if kind == ISO:
+            iso.setdefault(attributes[attribute], []).append(p == label)
+    per_attribute = {a: sum(r) / len(r) for a, r in iso.items()}
+    return {"cause": sum(cause) / len(cause), "iso": sum(per_attribute.values()) / len(per_attribute),
+            "iso_per_attribute": per_attribute}  # fmt: skip
+
+
 @pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "pca", "full_swap"])
 def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monkeypatch):
     """Each RAVEL method's config fits (or validates) end to end on a tiny model, with the data
@@ -193,7 +230,7 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
     import train
     from datamodules.ravel import RavelDataModule
 
-    from tests.test_ravel_data import oracle
+    from tests.helpers import oracle
 
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=tiny_lm_dir("llama")).data.entities)))
@@ -203,10 +240,17 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
             "--data.max_candidates=40", "--trainer.enable_progress_bar=false"]  # fmt: skip
     if subcommand == "fit":
         args += ["--trainer.max_epochs=1", "--model.k=4"] if "das" in config else ["--trainer.max_epochs=1"]
+    seen = _plant_answers(monkeypatch)
     cli = train.main(args=args)
     metrics = cli.trainer.callback_metrics
-    for name in ("val/cause", "val/iso", "val/disentangle", "val/iso/Continent", "val/iso/Language"):
-        assert 0.0 <= metrics[name].item() <= 1.0, name
+    # Cause / Iso recomputed by hand from the module's own intervened predictions on the val rows
+    by_hand = _cause_iso_by_hand(seen, cli.datamodule.attributes)
+    assert 0.5 < by_hand["cause"] < 1.0 and 0.5 < by_hand["iso"] < 1.0  # the planted signal, not all or nothing
+    assert set(by_hand["iso_per_attribute"]) >= {"Continent", "Language"}
+    assert metrics["val/cause"].item() == pytest.approx(by_hand["cause"], abs=1e-6)
+    assert metrics["val/iso"].item() == pytest.approx(by_hand["iso"], abs=1e-6)
+    for attribute, value in by_hand["iso_per_attribute"].items():
+        assert metrics[f"val/iso/{attribute}"].item() == pytest.approx(value, abs=1e-6), attribute
     assert metrics["val/disentangle"].item() == pytest.approx((metrics["val/cause"] + metrics["val/iso"]).item() / 2)
     assert cli.datamodule.hparams.multitask == config.startswith("m")  # linked from the model
     if config == "pca":  # fitted on the train states (a random tiny model's states may predict nothing:

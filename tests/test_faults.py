@@ -1,7 +1,6 @@
 """Nothing lost, nothing silent: damaged results files, two runs on one --out, rejected runs, too
 many pairs asked for, and a crash in the middle of writing a unit."""
 
-import csv
 import os
 import shutil
 import subprocess
@@ -14,11 +13,7 @@ import pytest
 from datamodules.templates import load_task, sample_pairs
 from lit_interventions import results, sweep
 from lit_interventions.results import OutDirBusy, OutDirLock, ResultsStore, Table
-
-
-def _rows(path):
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+from tests.helpers import csv_rows as _rows
 
 
 def _run(out, lm_dir, **kwargs):

@@ -4,12 +4,12 @@ OpenAI-compatible server on loopback serving a local LM."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import pytest
 
 from lit_interventions.judge_server import make_server, serve_in_background
+from tests.helpers import free_port as _free_port
 from lit_interventions.metrics.judge import (
     PROMPTS,
     OpenAIJudge,
@@ -78,12 +78,6 @@ def test_prompts_carry_concept_instruction_and_response():
     assert "golden retrievers" in concept and "The Seine flows." in concept and "Describe Paris." not in concept
     assert "Describe Paris." in instruct and "The Seine flows." in instruct and "golden retrievers" not in instruct
     assert "The Seine flows." in fluency and "golden retrievers" not in fluency and "Rating: [[" in fluency
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_unreachable_endpoint_fails_check_naming_the_url():

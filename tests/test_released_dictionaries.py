@@ -46,7 +46,18 @@ def test_card_and_vectors(data, method):
     # a ReFT-r1 row can die (ReLU(h·w) = 0 on every eval token): builtin's "SQL queries" row did
     assert (d.max_activations > 0).sum() >= 9
     assert set(d.auroc["per_concept"]) == set(d.concepts)
-    assert 0.5 < d.auroc["mean"] <= 1.0  # better than chance on the held-out eval set
+    per_concept = [d.auroc["per_concept"][name] for name in d.concepts]
+    # the recorded mean is the mean of the recorded per-concept AUROCs
+    assert d.auroc["mean"] == pytest.approx(sum(per_concept) / len(per_concept), abs=1e-6)
+    # a dead ReFT-r1 row scores 0 on every eval text: all ties, AUROC exactly 0.5
+    for name, largest in zip(d.concepts, d.max_activations.tolist()):
+        if largest == 0:
+            assert d.auroc["per_concept"][name] == 0.5, name
+    # DiffMean separates every concept on the held-out eval set; the short ReFT-r1 runs most of them
+    if method == "diffmean":
+        assert min(per_concept) > 0.85 and d.auroc["mean"] > 0.95, d.auroc
+    else:
+        assert sum(v > 0.85 for v in per_concept) >= 6 and d.auroc["mean"] > 0.8, d.auroc
 
 
 @pytest.mark.parametrize("data,method", RUNS)

@@ -9,7 +9,7 @@ from torch import nn
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.sites import Site, _child_name, logits_at, position_ids, read_site
 from tests.conftest import ARCHS, HIDDEN, LAYERS
-from tests.test_sites import _batch
+from tests.helpers import token_batch as _batch
 
 SUB_BLOCK = ["attention_output", "mlp_output"]
 

@@ -6,20 +6,7 @@ import torch
 from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.sites import decoder_layers, logits_at, read_site
 from tests.conftest import ARCHS, HIDDEN, LAYERS
-
-
-def _batch(vocab_size, lengths=(6, 4, 5), seed=0, padding_side="right"):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    last = torch.zeros(len(lengths), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        start = width - n if padding_side == "left" else 0
-        ids[i, start : start + n] = torch.randint(3, vocab_size, (n,), generator=g)
-        mask[i, start : start + n] = 1
-        last[i] = start + n - 1
-    return ids, mask, last
+from tests.helpers import token_batch as _batch
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from lit_interventions.dictionary import Dictionary
 from lit_interventions.lm import load_lm, load_tokenizer
 from lit_interventions.metrics.judge import Judge, JudgeScore, harmonic_mean
 from lit_interventions.steer_eval import choose_and_report, generate, main, run_steer_eval
+from tests.helpers import free_port as _free_port
 
 INSTRUCTIONS = ["The dog is here.", "The dog is not here.", "Is the dog here?", "The dog was here."]
 
@@ -139,12 +139,6 @@ def test_choose_and_report_by_hand():
     assert [(r["concept"], r["factor"], r["overall"]) for r in summary] == [("a", 1.0, 0.0), ("b", 1.0, 0.5)]  # tie: smaller
     a_select = next(r for r in factors if r["concept"] == "a" and r["factor"] == 1.0 and r["half"] == "select")
     assert a_select["overall"] == 1.5 and a_select["n"] == 2
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_validation_before_generation(setup, tmp_path, monkeypatch, tiny_lm_dir):

@@ -1,0 +1,51 @@
+"""Helpers shared by several test files (fixtures stay in conftest.py)."""
+
+from __future__ import annotations
+
+import csv
+import socket
+from pathlib import Path
+
+import torch
+
+
+def token_batch(vocab_size, lengths=(6, 4, 5), seed=0, padding_side="right"):
+    """(input_ids, attention_mask, last) of random token rows of the given lengths, padded with 0
+    on the given side; ids are drawn from 3.. (past the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    last = torch.zeros(len(lengths), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        start = width - n if padding_side == "left" else 0
+        ids[i, start : start + n] = torch.randint(3, vocab_size, (n,), generator=g)
+        mask[i, start : start + n] = 1
+        last[i] = start + n - 1
+    return ids, mask, last
+
+
+def oracle(known):
+    """A stand-in for RavelDataModule.predict_next (the model's answers): correct exactly on the
+    entities in `known`."""
+
+    def predict_next(self, model, queries):
+        return [
+            self.value_token(q.template, self.data.entities[q.entity][q.attribute]) if q.entity in known else -1
+            for q in queries
+        ]
+
+    return predict_next
+
+
+def csv_rows(path: Path) -> list[dict]:
+    """A CSV file's rows as dicts."""
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (at the time of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
