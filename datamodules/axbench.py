@@ -7,7 +7,14 @@ concept id it is evaluated for) and `metadata.jsonl` ({concept_id, concept, ref,
 concept_genres_map}). The built-in set in `datamodules/data/axbench/` is ours (see its README).
 
 Batches carry the LM loss mask on the response (`response_mask`), the sequence label for
-detection (`label`, `category`) and per-token concept labels (`token_labels`).
+detection (`label`, `category`), per-token concept labels (`token_labels`) and `content_mask`:
+every real token after the chat prefix (the template tokens every prompt starts with: BOS, a
+default system turn, the user header), where AxBench intervenes, runs the TopK and pools detection
+(its `prefix_length` with `exclude_bos: true`).
+
+`genre_negatives: true` gives ReFT-r1 AxBench's `train_on_negative` data: each pool negative
+appears once for every selected concept of its genre, with that concept's id and label 0 (a
+negative of no selected genre is left out); the closed-form methods need the shared pool (false).
 """
 
 from __future__ import annotations
@@ -182,6 +189,7 @@ class Example:
     label: int
     category: int
     truncated: bool = False
+    prefix: int = 0  # the chat-prefix tokens (BOS, template) the ids start with
 
 
 def encode(tokenizer, instruction: str, response: str, chat: bool, max_length: int, end_of_turn: bool) -> tuple[list[int], list[int], list[int], bool]:
@@ -211,8 +219,28 @@ def encode(tokenizer, instruction: str, response: str, chat: bool, max_length: i
     return prompt_ids, response_ids, end_ids, truncated
 
 
+def chat_prefix(tokenizer, chat: bool, max_length: int = 10_000) -> list[int]:
+    """The token ids every formatted prompt starts with (AxBench's `get_prefix_length`: the
+    common start of the prompts of the instructions "1" and "2"): BOS and the chat template's
+    system turn and user header; BOS alone without a chat template."""
+    a = encode(tokenizer, "1", "x", chat, max_length, False)[0]
+    b = encode(tokenizer, "2", "x", chat, max_length, False)[0]
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def common_length(ids: list[int], prefix: list[int]) -> int:
+    n = 0
+    while n < min(len(ids), len(prefix)) and ids[n] == prefix[n]:
+        n += 1
+    return n
+
+
 def tokenize_rows(rows: pd.DataFrame, tokenizer, chat: bool, max_length: int, end_of_turn: bool, concept_index: dict[int, int]) -> list[Example]:
     examples = []
+    prefix = chat_prefix(tokenizer, chat, max_length)
     for instruction, response, category, concept in zip(rows["input"], rows["output"], rows["category"], rows["concept_id"]):
         prompt_ids, response_ids, end_ids, truncated = encode(tokenizer, instruction, response, chat, max_length, end_of_turn)
         start = len(prompt_ids)
@@ -226,6 +254,7 @@ def tokenize_rows(rows: pd.DataFrame, tokenizer, chat: bool, max_length: int, en
                 label=int(category == "positive"),
                 category=CATEGORIES[category],
                 truncated=truncated,
+                prefix=min(common_length(prompt_ids, prefix), len(prompt_ids) - 1),
             )
         )
     return examples
@@ -233,7 +262,8 @@ def tokenize_rows(rows: pd.DataFrame, tokenizer, chat: bool, max_length: int, en
 
 def collate(examples: list[Example], pad_id: int, padding_side: str = "right") -> dict:
     """Pad to the longest example. `response_mask` is the LM loss mask (response + end-of-turn token);
-    `output_mask` covers the response text only; `token_labels` is the concept id on the response
+    `output_mask` covers the response text only; `content_mask` every token after the chat prefix;
+    `token_labels` is the concept id on the response
     text of positives, -1 elsewhere. `keys` are the unpadded ids and first real positions, for
     `ActivationCache`."""
     width = max(len(e.ids) for e in examples)
@@ -242,6 +272,7 @@ def collate(examples: list[Example], pad_id: int, padding_side: str = "right") -
     attention_mask = torch.zeros(shape, dtype=torch.long)
     response_mask = torch.zeros(shape, dtype=torch.long)
     output_mask = torch.zeros(shape, dtype=torch.long)
+    content_mask = torch.zeros(shape, dtype=torch.long)
     token_labels = torch.full(shape, NEGATIVE_POOL, dtype=torch.long)
     starts = []
     for i, e in enumerate(examples):
@@ -250,6 +281,7 @@ def collate(examples: list[Example], pad_id: int, padding_side: str = "right") -
         attention_mask[i, offset : offset + len(e.ids)] = 1
         response_mask[i, offset + e.response_start : offset + e.response_end] = 1
         output_mask[i, offset + e.response_start : offset + e.output_end] = 1
+        content_mask[i, offset + e.prefix : offset + len(e.ids)] = 1
         if e.label == 1:
             token_labels[i, offset + e.response_start : offset + e.output_end] = e.concept_id
         starts.append(offset)
@@ -258,6 +290,7 @@ def collate(examples: list[Example], pad_id: int, padding_side: str = "right") -
         "attention_mask": attention_mask,  # (batch, seq)
         "response_mask": response_mask,  # (batch, seq)
         "output_mask": output_mask,  # (batch, seq)
+        "content_mask": content_mask,  # (batch, seq)
         "token_labels": token_labels,  # (batch, seq)
         "concept_id": torch.tensor([e.concept_id for e in examples], dtype=torch.long),  # (batch,)
         "label": torch.tensor([e.label for e in examples], dtype=torch.long),  # (batch,)
@@ -282,6 +315,9 @@ class AxBenchDataModule(LightningDataModule):
             without one the text is `instruction\\n\\nresponse`.
         end_of_turn: append the end-of-turn token (or EOS) after an untruncated response, inside
             `response_mask`, so that an LM loss teaches the model to stop.
+        genre_negatives: train negatives per concept (AxBench's `train_on_negative` data): each
+            pool negative once for every selected concept of its genre, with that concept's id
+            and label 0. False: the shared pool once, concept_id -1 (the closed-form methods).
     """
 
     def __init__(
@@ -296,6 +332,7 @@ class AxBenchDataModule(LightningDataModule):
         padding_side: str = "right",
         chat_template: bool | None = None,
         end_of_turn: bool = True,
+        genre_negatives: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -318,6 +355,7 @@ class AxBenchDataModule(LightningDataModule):
         self.concept_ids = selected
         self.concepts = [self.data.concepts[i] for i in selected]
         self.concept_genres = [self.data.genres[i] for i in selected]
+        self.genre_negatives = bool(genre_negatives)
         self.instructions = load_instructions()
         self.splits: dict[str, list[Example]] = {}
 
@@ -325,9 +363,15 @@ class AxBenchDataModule(LightningDataModule):
         """The selected rows of "train" (positives of the selected concepts + the pool) or "eval"."""
         table = self.data.train if split == "train" else self.data.eval
         keep = table["concept_id"].isin(self.concept_ids)
-        if split == "train":
+        if split == "train" and not self.genre_negatives:
             keep |= table["concept_id"] == NEGATIVE_POOL
-        return table[keep].reset_index(drop=True)
+        rows = table[keep]
+        if split == "train" and self.genre_negatives:  # the pool once per concept of the negative's genre
+            pool = table[table["concept_id"] == NEGATIVE_POOL]
+            copies = [pool[pool["concept_genre"] == genre].assign(concept_id=c)
+                      for c, genre in zip(self.concept_ids, self.concept_genres)]  # fmt: skip
+            rows = pd.concat([rows, *copies])
+        return rows.reset_index(drop=True)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:

@@ -246,3 +246,46 @@ def test_chat_template_true_without_one_is_an_error(tiny_lm_dir):
     dm = AxBenchDataModule(lm=tiny_lm_dir("llama"), chat_template=True)
     with pytest.raises(ValueError, match="no chat template"):
         dm.setup()
+
+
+def test_content_mask_starts_after_the_chat_prefix_with_smollm2():
+    """AxBench's prefix_length: the tokens every chat prompt starts with (smollm2's default system
+    turn and the user header); content_mask is every real token after them."""
+    dm = AxBenchDataModule(eval_batch_size=8)
+    dm.setup()
+    tokenizer = dm.tokenizer
+    batch = next(iter(dm.test_dataloader()))
+    rows = dm.rows("eval")
+    for i in range(8):
+        real = batch["attention_mask"][i].bool()
+        content = batch["content_mask"][i].bool()
+        assert not (content & ~real).any() and (content | ~real).sum() > 0
+        start = int(content.float().argmax())
+        assert tokenizer.decode(batch["input_ids"][i][:start]).endswith("<|im_start|>user\n")
+        assert tokenizer.decode(batch["input_ids"][i][start:real.sum()]).startswith(rows.input[i][:10])
+        assert (content[start:real.sum()]).all()  # everything after the prefix: instruction + response
+        assert (batch["response_mask"][i].bool() <= content).all()
+
+
+def test_plain_content_mask_drops_only_bos(plain, tokenizer):
+    batch = next(iter(plain.test_dataloader()))
+    expected = batch["attention_mask"].clone()
+    expected[:, 0] = 0  # right padding: BOS is the first token
+    assert torch.equal(batch["content_mask"], expected)
+
+
+def test_genre_negatives_copy_the_pool_once_per_concept_of_its_genre(tiny_lm_dir):
+    dm = AxBenchDataModule(lm=tiny_lm_dir("llama"), concepts=[0, 1, 5], max_length=128, genre_negatives=True)
+    rows = dm.rows("train")
+    pool = dm.data.train[dm.data.train.concept_id == -1]
+    assert (rows.concept_id >= 0).all()
+    for c in (0, 1, 5):
+        genre = dm.data.genres[c]
+        negatives = rows[(rows.concept_id == c) & (rows.category == "negative")]
+        expected = pool[pool.concept_genre == genre]
+        assert len(negatives) == len(expected) > 0 and set(negatives.output) == set(expected.output)
+        assert (negatives.concept_genre == genre).all()
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert (batch["concept_id"] >= 0).all() and (batch["label"] == 0).any()
+    assert (batch["token_labels"][batch["label"] == 0] == -1).all()  # no concept tokens on negatives

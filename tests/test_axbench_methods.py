@@ -58,11 +58,12 @@ def make_rows(tokenizer, n_per_concept=12, n_negative=12, seed=0, train=True):
     return rows
 
 
-def collate(rows, pad_id=0):
-    """The AxBench batch format, right padded."""
+def collate(rows, pad_id=0, prefix=1):
+    """The AxBench batch format, right padded; the first `prefix` tokens play the chat prefix."""
     T = max(len(r["prompt"]) + len(r["response"]) for r in rows)
     B = len(rows)
-    batch = {k: torch.zeros(B, T, dtype=torch.long) for k in ("input_ids", "attention_mask", "response_mask")}
+    batch = {k: torch.zeros(B, T, dtype=torch.long) for k in ("input_ids", "attention_mask", "response_mask",
+                                                                "content_mask")}  # fmt: skip
     batch["input_ids"].fill_(pad_id)
     batch["token_labels"] = torch.full((B, T), -1, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -70,6 +71,7 @@ def collate(rows, pad_id=0):
         batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
         batch["attention_mask"][i, : len(ids)] = 1
         batch["response_mask"][i, len(r["prompt"]) : len(ids)] = 1
+        batch["content_mask"][i, prefix : len(ids)] = 1
         if r["label"] == 1:
             batch["token_labels"][i, len(r["prompt"]) : len(ids)] = r["concept_id"]
     batch["concept_id"] = torch.tensor([r["concept_id"] for r in rows])
@@ -220,8 +222,10 @@ def test_diffmean_is_the_normalised_difference_of_token_means():
 
 @pytest.mark.parametrize("method", ["diffmean", "probe", "lat"])
 def test_supervised_directions_find_the_planted_axis(method):
+    """(LAT with pairs across positives and negatives; AxBench's positives-only pairs cannot see a
+    mean shift between the classes: see test_lat_pairs_are_drawn_from_the_positives_as_axbench.)"""
     positives, negatives, axis = _planted()
-    w = fit_concept_direction(method, positives, negatives)
+    w = fit_concept_direction(method, positives, negatives, **({"lat_pairs": "all"} if method == "lat" else {}))
     assert w.norm().item() == pytest.approx(1.0, abs=1e-5)
     assert torch.dot(w, axis).item() > 0.9
 
@@ -423,3 +427,135 @@ def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
     assert_detection_by_hand(trainer, module, data.val_dataloader(), limit_batches=2)  # the same two batches
     exported = Dictionary.load(tmp_path / "lightning_logs" / "version_0" / "dictionary.json")
     assert exported.concepts == data.concepts and exported.training_data == "builtin"
+
+
+# --- fidelity to AxBench's code: negatives, the chat prefix, pooling, LAT pairs, probe ----------
+
+
+def _hand_reft_r1_loss(module, batch, trained, k):
+    """−log p(response) of the `trained` rows with Φ = h + mean(TopK over content)·w on content tokens only."""
+    from lit_interventions.sites import final_logits, residual_hook, run_body
+
+    hidden = module.states(batch).detach()
+    content = batch["content_mask"].bool()
+    steered = hidden.clone()
+    chosen_all = torch.zeros_like(content)
+    for i in range(len(hidden)):
+        w = module.dictionary.weight[batch["concept_id"][i].clamp(min=0)]
+        latents = torch.relu(hidden[i] @ w)
+        index = torch.nonzero(content[i]).flatten()
+        top = index[latents[index].topk(min(k, len(index))).indices]
+        chosen_all[i, top] = True
+        if trained[i]:
+            steered[i, index] = hidden[i, index] + latents[top].mean() * w
+    targets = batch["response_mask"][:, 1:].bool() & trained[:, None]
+    with residual_hook(module.lm, module.hparams.layer, lambda h: steered):
+        final = run_body(module.lm, batch["input_ids"], batch["attention_mask"]).last_hidden_state
+    logits = final_logits(module.lm, final[:, :-1][targets])
+    return torch.nn.functional.cross_entropy(logits.float(), batch["input_ids"][:, 1:][targets]), chosen_all
+
+
+def test_reft_r1_trains_on_genre_negatives_by_hand(tiny_lm_dir, tokenizer):
+    """train_on_negative (AxBench's sweeps): a concept's negatives get the same TopK intervention
+    and the LM loss; without it only positives count."""
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=2)
+    rows = make_rows(tokenizer, train=False)
+    batch = collate([rows[0], rows[13], rows[-2], rows[-1]], prefix=2)  # positives of 0 and 1, negatives of 0 and 1
+    assert batch["label"].tolist() == [1, 1, 0, 0] and batch["concept_id"].tolist() == [0, 1, 0, 1]
+    with torch.no_grad():
+        lm_loss, _ = module._steered_loss(batch)
+        expected, _ = _hand_reft_r1_loss(module, batch, torch.tensor([True] * 4), k=2)
+        positives_only, _ = _hand_reft_r1_loss(module, batch, torch.tensor([True, True, False, False]), k=2)
+    torch.testing.assert_close(lm_loss, expected)
+    assert not torch.allclose(expected, positives_only)
+    module.hparams.train_on_negative = False
+    with torch.no_grad():
+        torch.testing.assert_close(module._steered_loss(batch)[0], positives_only)
+    # the negatives' gradient reaches their concept's row
+    module.hparams.train_on_negative = True
+    negatives = collate([rows[-2], rows[-4]], prefix=2)  # two negatives of concept 0
+    lm_loss, l1 = module._steered_loss(negatives)
+    (lm_loss + l1).backward()
+    assert module.dictionary.weight.grad[0].abs().sum() > 0 and module.dictionary.weight.grad[1].abs().sum() == 0
+
+
+def test_reft_r1_prefix_gets_no_intervention_and_is_never_in_the_topk(tiny_lm_dir, tokenizer):
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=3)
+    rows = make_rows(tokenizer, train=False)
+    batch = collate([rows[0], rows[-2]], prefix=3)
+    hidden = module.states(batch).detach()
+    # w along the first token's state: the prefix would have the largest latents
+    with torch.no_grad():
+        module.dictionary.weight[0] = hidden[0, 0] / hidden[0, 0].norm()
+    latents = torch.relu(hidden[0] @ module.dictionary.weight[0])
+    assert latents.argmax() == 0
+    seen = {}
+    from lit_interventions.sites import residual_hook
+
+    with torch.no_grad(), residual_hook(module.lm, 2, lambda h: seen.setdefault("after", h)):
+        lm_loss, l1 = module._steered_loss(batch)
+    mask = module.intervention_mask(batch)
+    assert not mask[:, :3].any() and mask[:, 3:].equal(batch["attention_mask"][:, 3:].bool())
+    from lit_interventions.interventions.additive import reft_r1_intervention
+
+    steered, lat, chosen = reft_r1_intervention(hidden, module.dictionary.weight[batch["concept_id"]], mask, 3)
+    assert not chosen[:, :3].any() and chosen.sum(-1).tolist() == [3, 3]
+    expected, hand_chosen = _hand_reft_r1_loss(module, batch, torch.tensor([True, True]), k=3)
+    assert torch.equal(chosen, hand_chosen)
+    torch.testing.assert_close(lm_loss, expected)
+    # the prefix states after the next block are untouched (causal: nothing before them changed)
+    plain = {}
+    with torch.no_grad(), residual_hook(module.lm, 2, lambda h: plain.setdefault("after", h)):
+        module.lm.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(seen["after"][:, :3], plain["after"][:, :3])
+    assert not torch.allclose(seen["after"][:, 3:], plain["after"][:, 3:])
+    # the L1 term averages the non-top-k latents over the content tokens only
+    by_hand = torch.stack([(lat[i] * (~chosen[i] & mask[i])).sum() / mask[i].sum() for i in range(2)]).mean()
+    torch.testing.assert_close(l1, by_hand)
+    # exclude_prefix=False: today's behaviour, every real token
+    module.hparams.exclude_prefix = False
+    assert module.intervention_mask(batch).equal(batch["attention_mask"].bool())
+
+
+def test_detection_pools_over_the_content_by_default(tiny_lm_dir, tokenizer):
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="diffmean", concept_names=CONCEPTS)
+    rows = make_rows(tokenizer, train=False)
+    batch = collate([rows[0], rows[-1]], prefix=2)
+    raw = module.token_scores(module.states(batch), batch["concept_id"])
+    out = module._evaluate(batch)["token_scores"]
+    content = batch["content_mask"].bool()
+    pooled = sequence_scores(out, batch["response_mask"])  # what the AUROC callback computes
+    torch.testing.assert_close(pooled, raw.masked_fill(~content, float("-inf")).amax(-1))
+    module.hparams.detect_on = "response"
+    torch.testing.assert_close(sequence_scores(module._evaluate(batch)["token_scores"], batch["response_mask"]),
+                               sequence_scores(raw, batch["response_mask"]))  # fmt: skip
+
+
+def test_lat_pairs_are_drawn_from_the_positives_as_axbench():
+    """AxBench's LAT: PCA over normalised differences of random pairs of the concept's positive tokens;
+    the negatives only orient the direction."""
+    from lit_interventions.interventions.directions import LATDirection
+
+    rng = np.random.default_rng(0)
+    positives = torch.tensor(rng.normal(size=(60, 5)) * np.array([5.0, 1, 1, 1, 1]), dtype=torch.float32)
+    negatives = torch.tensor(rng.normal(size=(80, 5)) * np.array([1, 1, 1, 1, 9.0]) - np.array([0, 0, 0, 0, 0.5]),
+                             dtype=torch.float32)  # fmt: skip
+    w = fit_concept_direction("lat", positives, negatives, seed=3)
+    by_hand = LATDirection(random_state=3).fit(positives).direction_
+    torch.testing.assert_close(w.abs(), by_hand.abs())
+    assert w @ (positives.mean(0) - negatives.mean(0)) >= 0 and abs(w[0]) > 0.9
+    pooled = fit_concept_direction("lat", positives, negatives, seed=3, lat_pairs="all")
+    assert abs(pooled[4]) > 0.9  # drawing pairs from the negatives too finds their spread instead
+
+
+def test_probe_l2_is_on_the_mean_log_loss():
+    rng = np.random.default_rng(0)
+    positives = torch.tensor(rng.normal(size=(40, 4)) + np.array([2.0, 0, 0, 0]), dtype=torch.float32)
+    negatives = torch.tensor(rng.normal(size=(60, 4)), dtype=torch.float32)
+    from sklearn.linear_model import LogisticRegression
+
+    w = fit_concept_direction("probe", positives, negatives, l2=1e-3)
+    X = torch.cat([positives, negatives]).numpy()
+    y = np.r_[np.ones(40), np.zeros(60)]
+    ref = LogisticRegression(C=1.0 / (1e-3 * 100), solver="lbfgs", max_iter=5000).fit(X, y).coef_[0]
+    torch.testing.assert_close(w, torch.tensor(ref / np.linalg.norm(ref), dtype=torch.float32), atol=2e-3, rtol=0)

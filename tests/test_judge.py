@@ -42,8 +42,57 @@ def test_harmonic_mean_by_hand():
     ("", None),
     (None, None),
 ])  # fmt: skip
-def test_parse_rating(reply, expected):
+def test_parse_rating_lenient(reply, expected):
+    assert parse_rating(reply, "lenient") == expected
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("The concept appears twice.\nRating: [[2]]", 2.0),
+    ("Rating: [[ 1 ]]", 1.0),
+    ("reason... Rating: [[0]] and later Rating: [[2]]", 2.0),  # AxBench: the LAST "Rating:" wins
+    ("Rating: [[1]]\nOn reflection:\nRating: [[0]]", 0.0),
+    ("Rating: 2.\nmore text", 2.0),
+    ('Rating: "1"', 1.0),
+    ("**Rating:** 1", 1.0),  # "** 1": asterisks stripped
+    ("rating of 1.5", None),  # no "Rating:"
+    ("2", None),
+    ("Rating: [[3]]", None),  # out of range
+    ("", None),
+    (None, None),
+])  # fmt: skip
+def test_parse_rating_as_axbench_takes_the_last_rating(reply, expected):
     assert parse_rating(reply) == expected
+
+
+def test_default_prompts_carry_axbench_criteria():
+    from lit_interventions.metrics.judge import OUR_PROMPTS, PROMPT_STYLES
+
+    assert PROMPTS is PROMPT_STYLES["axbench"]
+    fluency = PROMPTS["fluency"].lower()
+    assert "disregarding its completeness, its relevance, its coherence" in fluency
+    assert "coherence" in OUR_PROMPTS["fluency"].lower() and "disregard" not in OUR_PROMPTS["fluency"].lower()
+    assert "regardless of grammar, coherence or informativeness" in PROMPTS["instruct"]
+    assert "not at grammar or logical coherence" in PROMPTS["concept"]
+    for aspect, fields in (("concept", ("{concept}", "{response}")), ("instruct", ("{instruction}", "{response}")),
+                           ("fluency", ("{response}",))):  # fmt: skip
+        assert all(f in PROMPTS[aspect] for f in fields) and 'Rating: [[score]]' in PROMPTS[aspect]
+
+
+def test_make_judge_sets_prompt_style_and_parsing():
+    from lit_interventions.metrics.judge import OUR_PROMPTS, make_judge
+
+    judge = make_judge("openai", base_url="http://127.0.0.1:1/v1", model="x", prompt_style="ours", parsing="lenient")
+    assert (judge.prompt_style, judge.parsing) == ("ours", "lenient")
+    seen = []
+    judge.ask = lambda prompts: seen.extend(prompts) or ["Rating: [[0]] then Rating: [[2]]"] * len(prompts)
+    scores = judge.score(["dogs"], ["Say hi"], ["Hi dog"])
+    assert seen[2] == OUR_PROMPTS["fluency"].format(concept="dogs", instruction="Say hi", response="Hi dog")
+    assert scores[0].fluency_score == 0.0  # lenient: the first rating
+    judge = make_judge("openai", base_url="http://127.0.0.1:1/v1", model="x")
+    judge.ask = lambda prompts: ["Rating: [[0]] then Rating: [[2]]"] * len(prompts)
+    assert judge.score(["dogs"], ["Say hi"], ["Hi dog"])[0].fluency_score == 2.0  # AxBench: the last
+    with pytest.raises(ValueError, match="prompt_style"):
+        make_judge("openai", prompt_style="mine")
 
 
 class _Canned(OpenAIJudge):

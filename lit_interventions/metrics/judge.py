@@ -5,6 +5,15 @@ overall = harmonic mean of the three = 3 / (1/c + 1/i + 1/f), and 0 when any of 
 the concept prompt and the fluency prompt see the response alone, the instruction prompt sees
 the instruction and the response. Each prompt asks for a short reason, then `Rating: [[N]]`.
 
+Prompts (`prompt_style`): "axbench" (default) gives AxBench's instructions (paraphrased, same
+criteria: the concept prompt ignores grammar and coherence; the instruction prompt judges topical
+relatedness only; the fluency prompt judges fluency alone, disregarding completeness, relevance,
+coherence with any broader context and informativeness); "ours" is our earlier wording (its
+fluency prompt also judges coherence). Parsing (`parsing`): "axbench" (default) reads the text
+after the LAST "Rating:" up to the line end, brackets and quotes stripped, as AxBench's
+`_get_rating_from_completion`; "lenient" takes the first `[[N]]`, then `Rating: N`, then a bare
+number (kinder to small local judges that ramble on and rate again).
+
 Backends (`make_judge(backend=..., **options)`):
 - `openai`: any OpenAI-compatible `/chat/completions` endpoint over plain HTTP (urllib).
 - `local`: the same prompts answered in-process by a local chat LM (default the embedded
@@ -38,7 +47,40 @@ _FORMAT = (
     "After your explanation, give your rating in exactly this format: \"Rating: [[score]]\", "
     "for example \"Rating: [[1]]\"."
 )
-PROMPTS = {
+_AXBENCH_FORMAT = 'Give your rating in exactly this format: "Rating: [[score]]".'
+AXBENCH_PROMPTS = {
+    "concept": (
+        "[System]\nAs an impartial judge, decide whether the concept given below is present in the sentence "
+        "fragment. Look only at whether the concept is clearly incorporated, not at grammar or logical "
+        "coherence.\n\nFirst give a short explanation of whether the concept is clearly incorporated, pointing "
+        "to references to it in the fragment and noting minimal or awkward ones. Then rate the concept's "
+        "relevance from 0 to 2: 0 means the concept is not present at all, 1 means it is somewhat present but "
+        "minimally or awkwardly incorporated, 2 means it is more fully and effectively incorporated, with "
+        "stronger and more natural integration. " + _AXBENCH_FORMAT + "\n\n[Concept Start]\n{concept}\n"
+        "[Concept End]\n\n[Sentence Fragment Start]\n{response}\n[Sentence Fragment End]\n"
+    ),
+    "instruct": (
+        "[System]\nAs an impartial judge, decide whether the sentence fragment below is related to the "
+        "instruction. Look only at how related it is in topic, regardless of grammar, coherence or "
+        "informativeness.\n\nFirst give a brief explanation of whether the sentence is related to the "
+        "instruction, pointing to references related to it. Then rate the instruction relevance from 0 to 2: "
+        "0 means the sentence is unrelated to the instruction, 1 means it is somewhat related but only minimally "
+        "or indirectly relevant in topic, 2 means it is more clearly and directly related to the instruction. "
+        + _AXBENCH_FORMAT + "\n\n[Instruction Start]\n{instruction}\n[Instruction End]\n\n"
+        "[Sentence Fragment Start]\n{response}\n[Sentence Fragment End]\n"
+    ),
+    "fluency": (
+        "[System]\nAs an impartial judge, evaluate the fluency of the sentence fragment below. Look only at "
+        "fluency, disregarding its completeness, its relevance, its coherence with any broader context and its "
+        "informativeness.\n\nFirst briefly describe the fluency of the sentence, noting unnatural phrasing, "
+        "awkward transitions, grammatical errors or repetitive structures that may hinder readability. Then "
+        "rate the fluency from 0 to 2: 0 means not fluent and highly unnatural (e.g. incomprehensible or "
+        "repetitive), 1 means somewhat fluent but with noticeable errors or awkward phrasing, 2 means fluent "
+        "and almost perfect. " + _AXBENCH_FORMAT + "\n\n[Sentence Fragment Start]\n{response}\n"
+        "[Sentence Fragment End]\n"
+    ),
+}
+OUR_PROMPTS = {
     "concept": (
         "You are a strict, impartial judge. Decide whether the concept below appears in the text fragment. "
         "Judge only whether the concept is clearly present; ignore grammar and coherence. First explain in one "
@@ -62,6 +104,9 @@ PROMPTS = {
         "means partly fluent, 2 means fluent. " + _FORMAT + "\n\n[Fragment Start]\n{response}\n[Fragment End]"
     ),
 }
+PROMPT_STYLES = {"axbench": AXBENCH_PROMPTS, "ours": OUR_PROMPTS}
+PROMPTS = AXBENCH_PROMPTS  # the default
+PARSINGS = ("axbench", "lenient")
 
 _PATTERNS = [
     re.compile(r"\[\[\s*\**\s*(\d+(?:\.\d+)?)\s*\**\s*\]\]"),  # Rating: [[2]]
@@ -70,12 +115,26 @@ _PATTERNS = [
 ]
 
 
-def parse_rating(reply: str | None) -> float | None:
-    """The 0-2 rating in a judge's reply, or None if there is none. The first `[[N]]` wins (small
-    judges ramble on and rate again); then `Rating: N`; then a reply that is only a number.
-    Numbers outside 0..2 are not ratings."""
+def parse_rating(reply: str | None, parsing: str = "axbench") -> float | None:
+    """The 0-2 rating in a judge's reply, or None if there is none (numbers outside 0..2 are not
+    ratings). "axbench": the text after the last "Rating:" to the end of its line, with brackets,
+    a final period, quotes and asterisks stripped, must be a number (AxBench's parsing).
+    "lenient": the first `[[N]]` wins (small judges ramble on and rate again); then `Rating: N`;
+    then a reply that is only a number."""
+    if parsing not in PARSINGS:
+        raise ValueError(f"parsing={parsing!r}; valid: {', '.join(PARSINGS)}")
     if not reply:
         return None
+    if parsing == "axbench":
+        if "Rating:" not in reply:
+            return None
+        text = reply.split("Rating:")[-1].strip().split("\n")[0].strip()
+        text = text.replace("[", "").replace("]", "").rstrip(".").strip('"').strip("'").strip("*").strip()
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        return value if 0.0 <= value <= 2.0 else None
     for pattern in _PATTERNS:
         found = pattern.findall(reply.strip())
         if found:
@@ -108,6 +167,8 @@ class Judge:
     """A backend answers prompts (`ask`); the judging, parsing and scoring are shared."""
 
     name = ""
+    prompt_style = "axbench"  # see the module doc; make_judge(prompt_style=..., parsing=...) sets them
+    parsing = "axbench"
 
     def check(self) -> None:
         """Fail early (before any generation) when the backend cannot answer."""
@@ -119,7 +180,8 @@ class Judge:
         """One JudgeScore per (concept, instruction, response)."""
         if not len(concepts) == len(instructions) == len(responses):
             raise ValueError("concepts, instructions and responses must have the same length")
-        prompts = [PROMPTS[aspect].format(concept=c, instruction=i, response=r)
+        templates = PROMPT_STYLES[self.prompt_style]
+        prompts = [templates[aspect].format(concept=c, instruction=i, response=r)
                    for c, i, r in zip(concepts, instructions, responses) for aspect in ASPECTS]  # fmt: skip
         replies = self.ask(prompts)
         results = []
@@ -127,7 +189,7 @@ class Judge:
             raw = dict(zip(ASPECTS, replies[3 * k: 3 * k + 3]))
             ratings = {}
             for aspect, reply in raw.items():
-                value = parse_rating(reply)
+                value = parse_rating(reply, self.parsing)
                 if value is None:
                     log.warning("judge %s: unparseable %s rating, counted as 0: %r", self.name, aspect, (reply or "")[:200])
                 ratings[aspect] = value or 0.0
@@ -378,10 +440,19 @@ JUDGES: dict[str, type[Judge]] = {"openai": OpenAIJudge, "local": LocalJudge}
 
 
 def make_judge(backend: str = "openai", **options) -> Judge:
-    """A judge from its config: `{backend: openai, base_url: ..., model: ..., api_key_env: ...}`."""
+    """A judge from its config: `{backend: openai, base_url: ..., model: ..., api_key_env: ...}`;
+    `prompt_style` (axbench | ours) and `parsing` (axbench | lenient) for any backend."""
     if backend not in JUDGES:
         raise ValueError(f"judge backend={backend!r} is unknown; choose one of {sorted(JUDGES)}")
+    prompt_style = options.pop("prompt_style", "axbench")
+    parsing = options.pop("parsing", "axbench")
+    if prompt_style not in PROMPT_STYLES:
+        raise ValueError(f"judge prompt_style={prompt_style!r}; valid: {', '.join(PROMPT_STYLES)}")
+    if parsing not in PARSINGS:
+        raise ValueError(f"judge parsing={parsing!r}; valid: {', '.join(PARSINGS)}")
     try:
-        return JUDGES[backend](**options)
+        judge = JUDGES[backend](**options)
     except TypeError as err:
         raise ValueError(f"bad options for judge backend {backend!r}: {err}") from err
+    judge.prompt_style, judge.parsing = prompt_style, parsing
+    return judge

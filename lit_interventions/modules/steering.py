@@ -4,26 +4,30 @@ Every concept of the dataset is a row of one `ConceptDictionary` (concepts × d)
 run; an example only updates the row of its own concept.
 
 Trained by gradient (automatic optimization, AdamW + linear schedule):
-- `reft_r1`: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at every token of a positive example,
-  loss −log p(response) + λ·Σ_{non-top-k}|latent| (AxBench eqs. 9–10). The top k compete over
-  all (non-padding) tokens of the sequence; the L1 term is a per-sequence token mean (AxBench's
-  code; λ is on that scale). Negatives (the shared pool, concept_id −1) get no intervention and
-  no LM loss; by default they are not used (AxBench trains on positives only). With
-  `negative_l1: true` they get the L1 term on *every* concept's latents at all their tokens,
-  pushing latents towards 0 off-concept; on smollm2 that killed 5 of 10 rows (ReLU(h·w) = 0 on
-  every token, so no gradient again), hence the default.
+- `reft_r1`: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at every token after the chat prefix
+  (`content_mask`: BOS, the template's system turn and user header get no intervention and never
+  enter the TopK; AxBench's `exclude_bos`), loss −log p(response) + λ·Σ_{non-top-k}|latent|
+  (AxBench eqs. 9–10). The L1 term is a per-sequence mean over the same tokens (AxBench's code;
+  λ is on that scale). By default (`train_on_negative: true`, AxBench's sweeps) each concept also
+  trains on the negatives of its genre — the same intervention with its own w_c, the same LM loss
+  — which needs the data module's `genre_negatives: true` (the negatives then carry concept ids);
+  `train_on_negative: false` is positives only. `exclude_prefix: false` intervenes on every
+  token. With `negative_l1: true` pool negatives (concept_id −1) get the L1 term on *every*
+  concept's latents at all their tokens, pushing latents towards 0 off-concept; on smollm2 that
+  killed 5 of 10 rows (ReLU(h·w) = 0 on every token, so no gradient again), hence off.
   w_c stays unit norm: the gradient component parallel to w_c is removed before each step and
   the rows are renormalised after it.
-- `ssv`: Φ(h_i) = h_i + w_c at every token of a positive example; loss −log p(response); w free
-  norm (AxBench eqs. 6–7). Negatives are not used.
+- `ssv`: Φ(h_i) = h_i + w_c at every token after the chat prefix of a positive example; loss
+  −log p(response); w free norm (AxBench eqs. 6–7; its sweeps: no negatives).
 
 Closed form (no optimizer): `diffmean`, `pca`, `lat`, `probe`. `trainer.fit` runs one pass
 over the training data; each step reads the residual stream at the layer (the LM is frozen) and
 keeps the response tokens: a positive's tokens for its concept (token_labels), the negatives'
 tokens as the shared pool H⁻. Each concept's row is then fitted with scikit-learn
 (`lit_interventions.interventions.directions`): DiffMean mean(H⁺_c) − mean(H⁻); PCA top PC of
-H⁺_c; LAT top PC of normalised differences of random pairs of H⁺_c ∪ H⁻; probe a logistic
-regression of token labels on H⁺_c ∪ H⁻ (sklearn SAGA, L2). All unit norm, oriented so that
+H⁺_c; LAT top PC of normalised differences of random pairs of H⁺_c (AxBench's code; `lat_pairs:
+all` draws them from H⁺_c ∪ H⁻); probe a logistic regression of token labels on H⁺_c ∪ H⁻
+(sklearn SAGA, L2 `probe_l2` on the mean log-loss, the weight decay of AxBench's trained probe). All unit norm, oriented so that
 H⁺_c projects higher than H⁻. This is a Lightning-native fit because Lightning still owns the
 loop: DDP sharding of the data (the kept tokens of all ranks are gathered before the fit),
 device placement, validation, logging, checkpointing and the export callback are the same as for
@@ -32,7 +36,8 @@ data is first needed: at the start of validation (Lightning validates *before*
 `on_train_epoch_end`) or at the end of the epoch; use `max_epochs: 1`.
 
 Validation scores every row of the eval set for the concept it is evaluated for: token latents
-Ψ(h_i) (h·w, or ReLU(h·w) for ReFT-r1 and SSV) on the response tokens, max-pooled, min-max
+Ψ(h_i) (h·w, or ReLU(h·w) for ReFT-r1 and SSV) max-pooled over every token after the chat prefix
+(instruction and response, as AxBench's code; `detect_on: response` pools the response), min-max
 normalised per concept, AUROC per concept (`val/auroc/<concept>`) and their mean (`val/auroc`).
 The largest sequence score of each concept becomes its `max_activations` entry (the steering
 unit of the released dictionary).
@@ -54,14 +59,17 @@ from lit_interventions.interventions.additive import (
     reft_r1_intervention,
 )
 from lit_interventions.interventions.directions import METHODS as DIRECTIONS
-from lit_interventions.interventions.directions import PCADirection
+from lit_interventions.interventions.directions import LATDirection, PCADirection
 from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
 from lit_interventions.callbacks.metrics import AUROCCallback
+from lit_interventions.metrics.detection import sequence_scores
 from lit_interventions.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 
 TRAINED = ("reft_r1", "ssv")
+DETECT_ON = ("content", "response")
+LAT_PAIRS = ("positives", "all")
 CLOSED_FORM = ("diffmean", "pca", "lat", "probe")
 STEERING_METHODS = TRAINED + CLOSED_FORM
 
@@ -81,9 +89,16 @@ def fit_concept_direction(method: str, positives: torch.Tensor, negatives: torch
     H⁻ (n⁻, d), oriented so that mean(H⁺_c)·w ≥ mean(H⁻)·w. float32 (d,)."""
     if method not in CLOSED_FORM:
         raise ValueError(f"unknown closed-form method {method!r}; valid: {', '.join(CLOSED_FORM)}")
-    if method == "pca":  # the top PC of the positives alone (AxBench §4), oriented by the negatives
-        w = PCADirection(random_state=seed).fit(positives).direction_
+    lat_pairs = kwargs.pop("lat_pairs", "positives")
+    if method == "pca" or (method == "lat" and lat_pairs == "positives"):
+        # PCA: the top PC of the positives alone; LAT: of normalised differences of random pairs of
+        # the positives (AxBench's code); oriented by the negatives
+        estimator = PCADirection(random_state=seed) if method == "pca" else LATDirection(random_state=seed)
+        w = estimator.fit(positives.float()).direction_
         return w if w @ (positives.float().mean(0) - negatives.float().mean(0)) >= 0 else -w
+    if method == "probe" and kwargs.get("l2") is not None:  # λ on the mean log-loss -> sklearn's sum scale
+        kwargs["strength"] = kwargs.pop("l2") * (len(positives) + len(negatives))
+    kwargs.pop("l2", None)
     X = torch.cat([positives, negatives]).float()
     y = np.r_[np.ones(len(positives)), np.zeros(len(negatives))]
     seeded = {"random_state": seed} if "random_state" in DIRECTIONS[method]().get_params() else {}
@@ -102,6 +117,17 @@ class SteeringModule(FrozenLMModule):
             `concepts`, which the data module uses for concept ids (Lightning merges both hparams).
         topk: k of ReFT-r1's TopK. l1: λ of ReFT-r1's L1 term.
         negative_l1: ReFT-r1 also applies the L1 term to the negative pool (see the module doc).
+        train_on_negative: ReFT-r1 also trains on each concept's genre-matched negatives (the same
+            TopK intervention and LM loss; AxBench's sweeps). Needs the data module's
+            `genre_negatives: true`. False: positives only.
+        exclude_prefix: ReFT-r1 and SSV intervene (and ReFT-r1 runs the TopK and the L1 term) only
+            after the chat prefix (`content_mask`; AxBench's `exclude_bos`). False: every token.
+        detect_on: the tokens detection max-pools over: "content" (every token after the chat
+            prefix, instruction included: AxBench's code) or "response".
+        lat_pairs: LAT's random pairs from the concept's "positives" (AxBench's code) or from
+            "all" tokens (positives and the negative pool).
+        probe_l2: the probe's L2 strength on the *mean* token log-loss (AxBench trains its probe
+            with AdamW weight decay 1e-3); None: CausalGym's λ table by hidden size.
         lr, weight_decay: AdamW; warmup_ratio: linear warmup share, then linear decay to 0.
         dtype: the LM's dtype (float32, bfloat16, float16).
         direction_seed: initial directions (ReFT-r1) and the random pairs / solvers of the closed
@@ -117,6 +143,11 @@ class SteeringModule(FrozenLMModule):
         topk: int = 8,
         l1: float = 5e-3,
         negative_l1: bool = False,
+        train_on_negative: bool = True,
+        exclude_prefix: bool = True,
+        detect_on: str = "content",
+        lat_pairs: str = "positives",
+        probe_l2: float | None = 1e-3,
         lr: float = 1e-2,
         weight_decay: float = 0.0,
         warmup_ratio: float = 0.0,
@@ -133,6 +164,12 @@ class SteeringModule(FrozenLMModule):
             raise ValueError(f"topk={topk!r} must be >= 1")
         if l1 < 0:
             raise ValueError(f"l1={l1!r} must be >= 0")
+        if detect_on not in DETECT_ON:
+            raise ValueError(f"detect_on={detect_on!r}; valid: {', '.join(DETECT_ON)}")
+        if lat_pairs not in LAT_PAIRS:
+            raise ValueError(f"lat_pairs={lat_pairs!r}; valid: {', '.join(LAT_PAIRS)}")
+        if probe_l2 is not None and not probe_l2 > 0:
+            raise ValueError(f"probe_l2={probe_l2!r} must be > 0 or None")
         self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validates them
         config = load_config(lm)  # the config only: the layer is checked before weights load
         layer = site_layer(config, layer)
@@ -185,46 +222,79 @@ class SteeringModule(FrozenLMModule):
 
     # --- trained methods ----------------------------------------------------------------------
 
+    def intervention_mask(self, batch) -> torch.Tensor:
+        """Where the trained methods intervene, run the TopK and sum the L1 term, (batch, seq): every
+        token after the chat prefix (AxBench's `exclude_bos`, `intervention_positions: all`), or
+        every real token with `exclude_prefix: false`."""
+        if self.hparams.exclude_prefix:
+            if "content_mask" not in batch:
+                raise ValueError("exclude_prefix=True needs the batch's content_mask (AxBenchDataModule); "
+                                 "pass exclude_prefix=False to intervene on every token")  # fmt: skip
+            return batch["content_mask"].bool() & batch["attention_mask"].bool()
+        return batch["attention_mask"].bool()
+
+    def trained_rows(self, batch) -> torch.Tensor:
+        """The rows that get the intervention and the LM loss, (batch,): a concept's positives and,
+        with `train_on_negative` (ReFT-r1), its genre-matched negatives."""
+        own = batch["concept_id"] >= 0
+        if self.hparams.method == "reft_r1" and self.hparams.train_on_negative:
+            return own
+        return own & (batch["label"] == 1)
+
     def _steered_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(−log p(response) of the positives under the intervention, the L1 term) for a batch."""
+        """(−log p(response) of the trained rows under the intervention, the L1 term) for a batch."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        positive = (batch["label"] == 1) & (batch["concept_id"] >= 0)  # (batch,)
-        w = self.dictionary.weight[batch["concept_id"].clamp(min=0)]  # (batch, d); unused on negatives
+        where = self.intervention_mask(batch)  # (batch, seq)
+        trained = self.trained_rows(batch)  # (batch,)
+        w = self.dictionary.weight[batch["concept_id"].clamp(min=0)]  # (batch, d); unused on untrained rows
         seen: dict[str, torch.Tensor] = {}
 
         def intervene(hidden):  # (batch, seq, d) -> the same, at the layer
             if self.hparams.method == "ssv":
-                return hidden + (w * positive[:, None]).to(hidden.dtype)[:, None, :]
-            steered, seen["latents"], seen["chosen"] = reft_r1_intervention(hidden, w, mask, self.hparams.topk)
-            seen["hidden"] = hidden
-            return torch.where(positive[:, None, None], steered, hidden)
+                steered = hidden + w.to(hidden.dtype)[:, None, :]
+            else:
+                steered, seen["latents"], seen["chosen"] = reft_r1_intervention(hidden, w, where, self.hparams.topk)
+                seen["hidden"] = hidden
+            return torch.where(trained[:, None, None] & where[:, :, None], steered, hidden)
 
-        targets = batch["response_mask"][:, 1:].bool() & positive[:, None]  # token t+1 is predicted at t
+        targets = batch["response_mask"][:, 1:].bool() & trained[:, None]  # token t+1 is predicted at t
         if targets.any():
             with residual_hook(self.lm, self.hparams.layer, intervene):
                 final = run_body(self.lm, ids, mask).last_hidden_state  # (batch, seq, d)
             logits = final_logits(self.lm, final[:, :-1][targets])  # (n_targets, vocab)
             lm_loss = F.cross_entropy(logits.float(), ids[:, 1:][targets])
-        else:  # no positive: nothing to predict (the sum keeps the graph for DDP)
+        else:  # nothing to predict (the sum keeps the graph for DDP)
             lm_loss = self.dictionary.weight.sum() * 0.0
             if self.hparams.method == "reft_r1":
                 intervene(self.states(batch))  # the L1 term needs only the states at the layer
         if self.hparams.method != "reft_r1":
             return lm_loss, lm_loss.detach() * 0.0
-        return lm_loss, self._l1(seen, positive, mask)
+        return lm_loss, self._l1(seen, trained, where)
 
-    def _l1(self, seen: dict, positive: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Mean over the batch of each row's L1 term: a positive's non-top-k latents of its
-        concept; a negative's latents of every concept at all tokens (if negative_l1)."""
-        per_row = torch.where(positive, non_topk_l1(seen["latents"], seen["chosen"], mask),
+    def _l1(self, seen: dict, trained: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean over the batch of each row's L1 term: a trained row's non-top-k latents of its
+        concept; a pool negative's latents of every concept at all tokens (if negative_l1)."""
+        per_row = torch.where(trained, non_topk_l1(seen["latents"], seen["chosen"], mask),
                               torch.zeros_like(seen["latents"][:, 0]))  # fmt: skip
-        negative = ~positive
+        negative = ~trained
         if self.hparams.negative_l1 and negative.any():
             every = torch.relu(seen["hidden"][negative].float() @ self.dictionary.weight.T)  # (neg, seq, C)
             extra = torch.zeros_like(per_row)
             extra[negative] = masked_token_mean(every, mask[negative]).sum(-1)
             per_row = per_row + extra
         return per_row.mean()
+
+    def on_fit_start(self):
+        """ReFT-r1 with `train_on_negative` needs negatives carrying their concept's id."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        wants = self.hparams.method == "reft_r1" and self.hparams.train_on_negative
+        has = getattr(datamodule, "genre_negatives", None)
+        if wants and has is False:
+            raise ValueError("train_on_negative=True (AxBench) needs negatives per concept: set the data module's "
+                             "genre_negatives: true, or set train_on_negative: false")  # fmt: skip
+        if self.hparams.method in CLOSED_FORM and has is True:
+            raise ValueError(f"{self.hparams.method} is fitted against the shared negative pool: set the data module's "
+                             "genre_negatives: false")  # fmt: skip
 
     def training_step(self, batch, batch_idx):
         if not self.automatic_optimization:
@@ -259,6 +329,9 @@ class SteeringModule(FrozenLMModule):
         response = batch["response_mask"].bool()
         positive = response & (batch["token_labels"] >= 0)
         negative = response & (batch["label"] == 0)[:, None]
+        if ((batch["label"] == 0) & (batch["concept_id"] >= 0)).any():
+            raise ValueError(f"{self.hparams.method} is fitted against the shared negative pool (concept_id -1); "
+                             "these negatives carry concept ids: set the data module's genre_negatives: false")  # fmt: skip
         keep = positive | negative
         self._frozen["tokens"].append((hidden[keep].float().cpu(), batch["token_labels"][keep].where(
             positive[keep], torch.full_like(batch["token_labels"][keep], -1)).cpu()))  # fmt: skip
@@ -289,7 +362,9 @@ class SteeringModule(FrozenLMModule):
             if len(positives) < 2:
                 raise ValueError(f"concept {name!r} has {len(positives)} positive response token(s) in the "
                                  "training data; at least 2 are needed")  # fmt: skip
-            w = fit_concept_direction(self.hparams.method, positives, negatives, seed=self.hparams.direction_seed)
+            options = {"lat": {"lat_pairs": self.hparams.lat_pairs}, "probe": {"l2": self.hparams.probe_l2}}
+            w = fit_concept_direction(self.hparams.method, positives, negatives, seed=self.hparams.direction_seed,
+                                      **options.get(self.hparams.method, {}))  # fmt: skip
             self.dictionary.weight.data[c] = w.to(self.dictionary.weight)
 
     def on_train_epoch_start(self):
@@ -301,9 +376,22 @@ class SteeringModule(FrozenLMModule):
 
     # --- validation and test ------------------------------------------------------------------
 
+    def detection_mask(self, batch) -> torch.Tensor:
+        """The tokens detection max-pools over, (batch, seq): see `detect_on`."""
+        if self.hparams.detect_on == "response" or "content_mask" not in batch:
+            return batch["response_mask"].bool()
+        return batch["content_mask"].bool() & batch["attention_mask"].bool()
+
     def _evaluate(self, batch) -> dict:
-        """The standard output the `AUROCCallback` reads: Ψ(h_i) of each row's concept, (batch, seq)."""
-        return {"token_scores": self.token_scores(self.states(batch), batch["concept_id"])}
+        """The standard output the `AUROCCallback` reads: Ψ(h_i) of each row's concept, (batch, seq).
+        The callback max-pools over the response tokens; with `detect_on: content` each row's
+        scores are its max over the content tokens at every position, so that pooling returns
+        the content max (the response is part of the content)."""
+        scores = self.token_scores(self.states(batch), batch["concept_id"])
+        if self.hparams.detect_on == "content" and "content_mask" in batch:
+            pooled = sequence_scores(scores, self.detection_mask(batch))  # (batch,)
+            scores = pooled[:, None].expand_as(scores).contiguous()
+        return {"token_scores": scores}
 
     def on_validation_epoch_start(self):
         if not self.automatic_optimization:
