@@ -98,8 +98,9 @@ class SyntheticConcepts(L.LightningDataModule):
 
 def detection_by_hand(module, loader, limit_batches=None):
     """The module's detection result recomputed outside the metric: each row's score is the max of
-    the module's own token scores over its response tokens; AUROC per concept is sklearn's on those
-    scores. Returns ({concept index: AUROC}, their mean, {concept index: largest score})."""
+    the module's own token scores over the tokens it detects on (`detect_on`: every real token after
+    the chat prefix, or the response); AUROC per concept is sklearn's on those scores. Returns
+    ({concept index: AUROC}, their mean, {concept index: largest score})."""
     from sklearn.metrics import roc_auc_score
 
     scores, concept_id, label = [], [], []
@@ -108,8 +109,12 @@ def detection_by_hand(module, loader, limit_batches=None):
             if limit_batches is not None and i >= limit_batches:
                 break
             tokens = module.token_scores(module.states(batch), batch["concept_id"]).float()
+            if module.hparams.detect_on == "content" and "content_mask" in batch:
+                pooled = batch["content_mask"].bool() & batch["attention_mask"].bool()
+            else:
+                pooled = batch["response_mask"].bool()
             for row in range(len(tokens)):
-                scored = tokens[row][batch["response_mask"][row].bool()]
+                scored = tokens[row][pooled[row]]
                 if len(scored):
                     scores.append(scored.max().item())
                     concept_id.append(int(batch["concept_id"][row]))

@@ -115,7 +115,8 @@ class DisentangleCallback(_MetricCallback):
 
 
 class AUROCCallback(_MetricCallback):
-    """AxBench detection: each row's token scores Ψ(h_i) max-pooled, min-max normalised per concept,
+    """AxBench detection: each row's token scores Ψ(h_i) max-pooled (over the output's `pool_mask`,
+    else the response), min-max normalised per concept,
     AUROC per concept (`val/auroc/<concept>`) and their mean (`val/auroc`). The module's
     `record_detection(stage, result)` receives the result (its max activations)."""
 
@@ -123,7 +124,9 @@ class AUROCCallback(_MetricCallback):
         return ConceptAUROC(len(pl_module.concepts))
 
     def update(self, metric, outputs, batch):
-        metric.update(outputs["token_scores"], batch["response_mask"], batch["concept_id"], batch["label"])
+        mask = outputs.get("pool_mask")  # which tokens the module pools over; default the response
+        metric.update(outputs["token_scores"], batch["response_mask"] if mask is None else mask, batch["concept_id"],
+                      batch["label"])  # fmt: skip
 
     def log_values(self, pl_module, result, prefix):
         values = {f"{prefix}/auroc": result["auroc"]}

@@ -64,7 +64,6 @@ from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_conf
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
 from lit_interventions.callbacks.metrics import AUROCCallback
-from lit_interventions.metrics.detection import sequence_scores
 from lit_interventions.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 
 TRAINED = ("reft_r1", "ssv")
@@ -383,15 +382,11 @@ class SteeringModule(FrozenLMModule):
         return batch["content_mask"].bool() & batch["attention_mask"].bool()
 
     def _evaluate(self, batch) -> dict:
-        """The standard output the `AUROCCallback` reads: Ψ(h_i) of each row's concept, (batch, seq).
-        The callback max-pools over the response tokens; with `detect_on: content` each row's
-        scores are its max over the content tokens at every position, so that pooling returns
-        the content max (the response is part of the content)."""
+        """The standard output the `AUROCCallback` reads: Ψ(h_i) of each row's concept, (batch, seq),
+        and the tokens it max-pools over (`detect_on`: every token after the chat prefix, as
+        AxBench's code, or the response only)."""
         scores = self.token_scores(self.states(batch), batch["concept_id"])
-        if self.hparams.detect_on == "content" and "content_mask" in batch:
-            pooled = sequence_scores(scores, self.detection_mask(batch))  # (batch,)
-            scores = pooled[:, None].expand_as(scores).contiguous()
-        return {"token_scores": scores}
+        return {"token_scores": scores, "pool_mask": self.detection_mask(batch)}
 
     def on_validation_epoch_start(self):
         if not self.automatic_optimization:
