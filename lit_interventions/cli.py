@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile
 
 from lit_interventions.results import claim_out_dir  # noqa: F401  (re-exported: the studies' one import)
 

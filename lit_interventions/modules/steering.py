@@ -45,7 +45,6 @@ unit of the released dictionary).
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import torch
