@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -257,7 +258,9 @@ def convert_gguf(gguf: Path) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=STAGING))
     lock_fd = os.open(staging / LOCK, os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while we live: others know this staging is in use
-    try:
+    try:  # transformers shows a progress bar over the GGUF tensors while it dequantizes them
+        print(f"converting {gguf.name} to safetensors once (30-80 s), cached in {target}", file=sys.stderr, flush=True)
+        started = time.monotonic()
         model, tokenizer = _dequantize(gguf)
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
@@ -272,6 +275,7 @@ def convert_gguf(gguf: Path) -> Path:
     finally:
         os.close(lock_fd)
         shutil.rmtree(staging, ignore_errors=True)
+    print(f"converted {gguf.name} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return target
 
 
