@@ -23,7 +23,11 @@ from lit_interventions.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.surprisal import bos_prefix
 from lit_interventions.tokens import pad_batch, token_covering
 
-CONTROL_TASKS = {"dog_give": [" dog", " give"]}  # Hewitt & Liang-style control: arbitrary labels
+CONTROL_TASKS = {"dog_give": [" dog", " give"]}
+
+
+class EmptyRegionError(ValueError):
+    """The chosen region is empty in every pair of a split: no site (a sweep skips that region)."""  # Hewitt & Liang-style control: arbitrary labels
 
 
 @dataclass
@@ -217,7 +221,7 @@ class CausalGymDataModule(LightningDataModule):
                     stacklevel=2,
                 )
             if not kept:
-                raise ValueError(
+                raise EmptyRegionError(
                     f"Region {self.region!r} of task {self.task!r} is empty in every {split} pair; "
                     f"choose another of: {', '.join(self.template.regions)}"
                 )

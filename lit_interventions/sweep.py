@@ -38,7 +38,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from datamodules.causalgym import CausalGymDataModule
+from datamodules.causalgym import CausalGymDataModule, EmptyRegionError
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.cache import ActivationCache
 from lit_interventions.cli import choose_layers, choose_names, read_rows, run_cli
@@ -63,8 +63,8 @@ def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataMo
         data = CausalGymDataModule(task=task, templates=templates, lm=lm, region=region, control=control, **sizes)
         try:
             data.setup("fit")
-        except ValueError:
-            return None  # the region is empty in every pair: no site
+        except EmptyRegionError:
+            return None  # the region is empty in every pair: no site (any other error is the user's to see)
     return data
 
 

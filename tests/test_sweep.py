@@ -2,6 +2,7 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,22 @@ def test_forward_batch_size_changes_no_result(tmp_path, tiny_lm_dir, monkeypatch
     again = [float(r[c]) for r in _rows(tmp_path / "small" / "out" / "results.csv") for c in columns]
     assert numbers == pytest.approx(again, abs=1e-4) and any(n != 0.0 for n in numbers)
     assert [line["accuracy"] for line in big] == [line["accuracy"] for line in small]
+
+
+def test_a_task_whose_label_words_share_a_token_is_one_clear_line(tmp_path, tiny_lm_dir, capsys):
+    """The data module's error reaches the user as it is (it was once turned into an AttributeError
+    by the sweep, which took every ValueError of a region for an empty region)."""
+    import json
+
+    templates = json.loads(Path("datamodules/data/causalgym.json").read_text())
+    task = templates["agr_sv_num_pp"]
+    task["labels"] = {t: ["is"] for t in task["labels"]}  # both types: the same label word
+    path = tmp_path / "templates.json"
+    path.write_text(json.dumps({"agr_sv_num_pp": task}))
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", f"--templates={path}",
+                    "--methods=[diffmean]", "--layers=[1]", f"--out={tmp_path / 'out'}", "--train_pairs=10",
+                    "--eval_pairs=4"])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()  # (progress bars of the tiny model's load come first)
+    assert "error: Task 'agr_sv_num_pp': label words" in err[-1] and "share their first token" in err[-1]
