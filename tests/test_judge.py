@@ -200,7 +200,10 @@ def test_openai_judge_against_loopback_server_with_tiny_lm(loopback, tiny_lm_dir
 @pytest.mark.slow
 def test_openai_judge_against_loopback_smollm2(loopback, caplog):
     base_url = loopback("smollm2-135m-instruct", max_new_tokens=40)
-    judge = make_judge("openai", base_url=base_url, model="smollm2-135m-instruct", max_tokens=40)
+    # the server/client loop is under test, not the prompts: a 135M model follows our shorter
+    # prompts' "[[N]]" format; AxBench's (the default) it often answers out of range ("Rating: 3.5")
+    judge = make_judge("openai", base_url=base_url, model="smollm2-135m-instruct", max_tokens=40,
+                       prompt_style="ours", parsing="lenient")  # fmt: skip
     judge.check()
     scores = judge.score(
         ["dogs", "the ocean"],
@@ -208,7 +211,7 @@ def test_openai_judge_against_loopback_smollm2(loopback, caplog):
         ["The waves roll in; a dog barks on the shore and a puppy runs along the sand.",
          "The ocean is deep and blue, and its waves crash on the shore."],
     )  # fmt: skip
-    ratings = [parse_rating(r) for s in scores for r in s.replies.values()]
+    ratings = [parse_rating(r, parsing="lenient") for s in scores for r in s.replies.values()]
     assert sum(r is not None for r in ratings) >= 1, [s.replies for s in scores]
     print("smollm2 ratings:", ratings)
 

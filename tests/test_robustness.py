@@ -575,14 +575,16 @@ def test_judge_client_caches_replies_on_disk(judge_server, tmp_path):
     assert len(chat.calls) == 4
 
 
-def test_judge_server_main_parses_with_jsonargparse(monkeypatch):
+def test_judge_server_main_parses_with_jsonargparse(monkeypatch, capsys):
     from lit_interventions import judge_server
 
     ns = judge_server.parser().parse_args(["--port", "0", "--max_body_bytes", "100", "--timeout", "2.5"])
     assert (ns.port, ns.max_body_bytes, ns.timeout, ns.lm) == (0, 100, 2.5, "smollm2-135m-instruct")
     monkeypatch.setattr(judge_server, "ChatLM", lambda *a: pytest.fail("loaded a model for a bad dtype"))
-    with pytest.raises(ValueError, match=r"dtype='float8' is not supported; choose one of float32, bfloat16, float16"):
+    with pytest.raises(SystemExit) as exit_info:  # one `error:` line, exit 2, before any model loads
         judge_server.main(["--dtype", "float8"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: dtype='float8' is not supported; choose one of float32, bfloat16, float16\n"
     with pytest.raises(SystemExit):
         judge_server.main(["--port", "abc"])
 
