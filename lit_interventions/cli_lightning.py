@@ -14,6 +14,7 @@ import inspect
 import os
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -201,13 +202,28 @@ def trainer_defaults() -> dict:
     return {"callbacks": [NonFiniteGuard(), ExportIntervention(), ExportDictionary(), RunSummary()]}
 
 
+def _ckpt_path(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg.startswith("--ckpt_path="):
+            return arg.split("=", 1)[1]
+        if arg == "--ckpt_path" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
 def _checkpoint_config(args: list[str]) -> list[str]:
-    """`validate`/`test --ckpt_path FILE` without `--config`: the run's saved config.yaml."""
+    """`validate`/`test --ckpt_path FILE` without `--config`: the run's saved config.yaml. A
+    checkpoint that is missing or unreadable is one error line naming it, before anything loads."""
+    path = _ckpt_path(args) if args[:1] and args[0] in ("fit", "validate", "test") else None
+    if path and path not in ("last", "best", "hpc", "registry"):  # Lightning's named checkpoints
+        if not Path(path).is_file():
+            fail(f"--ckpt_path {path}: no such checkpoint file")
+        if not zipfile.is_zipfile(path):  # torch.save's format; a truncated file loses its index at the end
+            fail(f"--ckpt_path {path} is not a readable Lightning checkpoint (truncated, or another kind of "
+                 "file); point it at a .ckpt file under the run's checkpoints/")  # fmt: skip
     if args[:1] and args[0] in ("validate", "test") and not any(a in ("--config", "-c") or a.startswith("--config=") for a in args):
-        for i, arg in enumerate(args):
-            path = arg.split("=", 1)[1] if arg.startswith("--ckpt_path=") else (args[i + 1] if arg == "--ckpt_path" and i + 1 < len(args) else None)
-            if path and (Path(path).parent.parent / "config.yaml").is_file():
-                return [args[0], "--config", str(Path(path).parent.parent / "config.yaml"), *args[1:]]
+        if path and (Path(path).parent.parent / "config.yaml").is_file():
+            return [args[0], "--config", str(Path(path).parent.parent / "config.yaml"), *args[1:]]
     return args
 
 

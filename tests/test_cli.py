@@ -196,3 +196,16 @@ def test_the_console_script_is_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, name = scripts["lit-interventions"].partition(":")
     assert getattr(importlib.import_module(module), name) is main
+
+
+def test_a_missing_or_damaged_checkpoint_is_one_line(tmp_path, capsys):
+    for path, words in ((tmp_path / "none.ckpt", "no such checkpoint file"),
+                        (tmp_path / "bad.ckpt", "is not a readable Lightning checkpoint")):  # fmt: skip
+        if path.name == "bad.ckpt":
+            path.write_bytes(b"PK\x03\x04 truncated")
+        with pytest.raises(SystemExit) as exit_info:
+            main(["test", "--config", "das.yaml", "--ckpt_path", str(path)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err == f"error: --ckpt_path {path}: {words}\n" or (err.startswith(f"error: --ckpt_path {path} {words}")
+                                                                  and len(err.splitlines()) == 1)  # fmt: skip
