@@ -189,6 +189,7 @@ class CausalGymDataModule(LightningDataModule):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self.task, self.region, self.lm = task, region, lm
         self.pairs = self.build_splits()  # cheap, and fails before any model is loaded
+        label_token_ids(self.template, load_tokenizer(lm), control)  # label words sharing a token: refused now
         self.splits: dict[str, list[Example]] = {}
 
     def build_splits(self) -> dict[str, list[Pair]]:

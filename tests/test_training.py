@@ -89,3 +89,18 @@ def test_bad_input_is_one_line(tmp_path, tiny_lm_dir, capsys, option, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and message in err
+
+
+def test_label_words_sharing_a_token_are_one_line_before_training(tmp_path, tiny_lm_dir, capsys):
+    templates = json.loads(Path("datamodules/data/causalgym.json").read_text())
+    task = templates["agr_sv_num_pp"]
+    task["labels"] = {t: ["is"] for t in task["labels"]}
+    path = tmp_path / "templates.json"
+    path.write_text(json.dumps({"agr_sv_num_pp": task}))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(args=["fit", "--config", "configs/das.yaml", f"--model.lm={tiny_lm_dir('gpt2')}",
+                         "--model.layer=1", f"--data.templates={path}", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: Task 'agr_sv_num_pp': label words") and "share their first token" in err[-1]
+    assert not list(tmp_path.rglob("*.ckpt"))
