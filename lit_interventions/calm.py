@@ -41,7 +41,7 @@ import torch
 from datamodules.ravel import load_ravel
 from lit_interventions.cli import run_cli
 from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer
+from lit_interventions.lm import DEFAULT_LM, check_device, hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.metrics.competence import Competence, competence_scores
 from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
 from lit_interventions.calm_data import (
@@ -231,6 +231,7 @@ def run_calm(
         raise ValueError(f"alpha={alpha!r} must be > 0 (the PGD step), or null for ε/10")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be an int >= 1")
+    check_device(device)
     sizes = {"train": 200, "val": 50, "test": 50} | dict(entities or {})
     if set(sizes) != set(SPLITS) or any(not isinstance(n, int) or n < 1 for n in sizes.values()):
         raise ValueError(f"entities={entities!r}: give positive ints for {', '.join(SPLITS)}")

@@ -337,6 +337,19 @@ def load_lm(name: str = DEFAULT_LM, dtype: str = "float32") -> torch.nn.Module:
     return _load_lm(name, dtype)  # positional, so load_lm(x) and load_lm(x, "float32") share one copy
 
 
+def check_device(device: str) -> str:
+    """`device` if torch can use it here; else a one-line ValueError naming it and what is there."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(kind, True):
+        there = ", ".join(k for k, ok in available.items() if ok)
+        raise ValueError(f"device={device!r}: no {kind} device on this machine; available: {there}")
+    return device
+
+
 def check_dtype(dtype: str) -> str:
     """`dtype` if it is one of DTYPES; else a one-line ValueError naming it and the allowed ones.
     Modules call it in __init__, before anything is loaded."""

@@ -74,3 +74,16 @@ def test_random_lm_of_a_published_shape_loads_and_runs(tmp_path, tiny_lm_dir):
     assert model(input_ids=ids).logits.shape == (1, 3, config.vocab_size)
     with pytest.raises(ValueError, match=r"shape='pythia-2b'.*pythia-1b"):
         random_lm.write_random_lm("pythia-2b", tmp_path / "x")
+
+
+def test_check_device_names_what_is_there():
+    import torch
+
+    from lit_interventions.lm import check_device
+
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match=r"device='tpu9' is not a device torch knows"):
+        check_device("tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda': no cuda device on this machine; available: cpu"):
+            check_device("cuda")
