@@ -215,3 +215,20 @@ def test_interventions_import_no_lightning():
             "('base', 'rotation', 'mask', 'featurizers', 'additive', 'loreft', 'attacks', 'directions')]; "
             "print(any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules))")  # fmt: skip
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_damaged_intervention_files_name_their_path(tmp_path):
+    from lit_interventions.interventions import RotatedSpaceIntervention
+    from lit_interventions.interventions.base import CARD, WEIGHTS, load_intervention, save_intervention
+
+    save_intervention(tmp_path, RotatedSpaceIntervention(8, 2), {})
+    weights = (tmp_path / WEIGHTS).read_bytes()
+    (tmp_path / WEIGHTS).write_bytes(weights[: len(weights) // 2])  # truncated
+    with pytest.raises(ValueError, match=rf"{WEIGHTS} is unreadable .*re-export it"):
+        load_intervention(tmp_path)
+    (tmp_path / WEIGHTS).write_bytes(weights)
+    (tmp_path / CARD).write_text('{"class_path": "lit_interv')  # a cut card
+    with pytest.raises(ValueError, match=rf"{CARD} is unreadable \(JSONDecodeError\)"):
+        load_intervention(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_intervention(tmp_path / "elsewhere")

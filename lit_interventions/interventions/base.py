@@ -159,9 +159,19 @@ def read_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    tensors = load_file(directory / WEIGHTS)
+    fix = "re-export it (fit again) or restore the file"
+    try:
+        tensors = load_file(directory / WEIGHTS)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory / WEIGHTS}: no such file (is {directory} an intervention's directory?)") from None
+    except Exception as err:  # truncated, empty, not safetensors: SafetensorError and others
+        raise ValueError(f"{directory / WEIGHTS} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); {fix}") from None
     _check_finite(tensors, directory / WEIGHTS, "load")
-    return tensors, json.loads((directory / CARD).read_text())
+    try:
+        card = json.loads((directory / CARD).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{directory / CARD} is unreadable ({type(err).__name__}); {fix}") from None
+    return tensors, card
 
 
 def save_intervention(directory: str | Path, intervention: InterventionProtocol, card: dict) -> Path:
