@@ -37,7 +37,7 @@ class _MetricCallback(Callback):
     def update(self, metric, outputs: dict, batch: dict) -> None:
         raise NotImplementedError
 
-    def log_values(self, pl_module, values: dict, prefix: str) -> None:
+    def log_values(self, pl_module, values: dict, prefix: str, metric) -> None:
         raise NotImplementedError
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -57,7 +57,7 @@ class _MetricCallback(Callback):
 
     def _epoch_end(self, stage, trainer, pl_module):
         metric = self._metric(stage, trainer, pl_module)
-        self.log_values(pl_module, metric.compute(), PREFIX[stage])
+        self.log_values(pl_module, metric.compute(), PREFIX[stage], metric)
         metric.reset()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
@@ -84,7 +84,7 @@ class OddsCallback(_MetricCallback):
     def update(self, metric, outputs, batch):
         metric.update(outputs["clean"], outputs["intervened"], batch["base_label"], batch["source_label"])
 
-    def log_values(self, pl_module, values, prefix):
+    def log_values(self, pl_module, values, prefix, metric):
         pl_module.log_dict({f"{prefix}/{name}": value for name, value in values.items()}, prog_bar=True)
 
 
@@ -100,8 +100,7 @@ class DisentangleCallback(_MetricCallback):
     def update(self, metric, outputs, batch):
         metric.update(outputs["intervened"], batch["label"], batch["base_label"], batch["attribute"], batch["kind"])
 
-    def log_values(self, pl_module, values, prefix):
-        metric = self.metrics["validation" if prefix == "val" else "test"]
+    def log_values(self, pl_module, values, prefix, metric):
         logged = {f"{prefix}/{name}": values[name] for name in ("cause", "iso", "disentangle")}
         for a, name in enumerate(self.attributes):
             if metric.count[ISO, a] > 0:
@@ -128,7 +127,7 @@ class AUROCCallback(_MetricCallback):
         metric.update(outputs["token_scores"], batch["response_mask"] if mask is None else mask, batch["concept_id"],
                       batch["label"])  # fmt: skip
 
-    def log_values(self, pl_module, result, prefix):
+    def log_values(self, pl_module, result, prefix, metric):
         values = {f"{prefix}/auroc": result["auroc"]}
         for name, value in zip(pl_module.concepts, result["auroc_per_concept"]):
             values[f"{prefix}/auroc/{safe_name(name)}"] = value

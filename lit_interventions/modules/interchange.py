@@ -79,7 +79,8 @@ class InterchangeModule(SiteModule):
         sites = None if sites is None else [Site(**site) if isinstance(site, dict) else site for site in sites]
         self.sites = sites  # (the hparams keep what was given: dicts when the CLI built the module)
         layer = self._check_site(lm, sites[0].layer if sites else layer, dtype)
-        n_layers = num_layers(load_config(lm))
+        config = load_config(lm)
+        n_layers = num_layers(config)
         for site in sites or [Site(layer, component)]:
             site.check(n_layers)  # the component too (layer -1 has only block_output), before any weights load
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validates both
@@ -87,7 +88,7 @@ class InterchangeModule(SiteModule):
         self.hparams.layer = layer
         if sites is not None or component != BLOCK_OUTPUT:
             self.hparams.cache = False  # the cached fast path reads one site's block output
-        d = hidden_size(load_config(lm))
+        d = hidden_size(config)
         build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
         self.intervention = build(d) if sites is None else Composition([build(d) for _ in sites])
         self.objective = CounterfactualLoss() if objective is None else objective

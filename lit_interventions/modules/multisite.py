@@ -67,6 +67,7 @@ class MultiSiteInterchangeModule(SiteModule):
         layer = self._check_site(lm, layer, dtype)
         if not regions:
             raise ValueError("regions is empty: name at least one region to train")
+        self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validated before any load
         self.save_hyperparameters()
         self.hparams.layer = layer
         self.automatic_optimization = False  # one optimiser and schedule per region
@@ -127,7 +128,6 @@ class MultiSiteInterchangeModule(SiteModule):
 
     def configure_optimizers(self):
         """Per region: Adam, linear warmup over `warmup_ratio` of its own steps, then decay to 0."""
-        args = OptimizerArgs(lr=self.hparams.lr, warmup_ratio=self.hparams.warmup_ratio)
-        built = [args.build(self.interventions[region].parameters(), len(self._frozen["loaders"][region]))
+        built = [self.optimizer_args.build(self.interventions[region].parameters(), len(self._frozen["loaders"][region]))
                  for region in self.hparams.regions]  # fmt: skip
         return [optimizer for optimizer, _ in built], [schedule for _, schedule in built]

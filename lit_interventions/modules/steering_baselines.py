@@ -61,7 +61,7 @@ class _SteeringModule(FrozenLMModule):
 
     def _setup_common(self, lm: str, concept_id: int | None, lr: float, warmup_ratio: float, weight_decay: float,
                       dtype: str):  # fmt: skip
-        OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validates them before any load
+        self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validated before any load
         check_dtype(dtype)
         if concept_id is not None and (not isinstance(concept_id, int) or concept_id < 0):
             raise ValueError(f"concept_id={concept_id!r} must be a non-negative integer or None (all rows)")
@@ -110,8 +110,7 @@ class _SteeringModule(FrozenLMModule):
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
-        args = OptimizerArgs(self.hparams.lr, self.hparams.warmup_ratio, "adamw", self.hparams.weight_decay)
-        return args.lightning(params, self.trainer.estimated_stepping_batches)
+        return self.optimizer_args.lightning(params, self.trainer.estimated_stepping_batches)
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict]:
         raise NotImplementedError
