@@ -217,14 +217,21 @@ def check_inputs(tasks: list[str], templates, dtype: str, sizes: dict) -> None:
                                  f"ask for at most {available}")  # fmt: skip
 
 
-def _sweep(store, tasks, methods, layers, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
+def sweep_units(tasks: list[str], layers: list[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """The sweep's units of work, (task, layers): one per task, all its layers together (one
+    activation cache and one DAS training loop per unit)."""
+    return [(task, tuple(layers)) for task in tasks]
+
+
+def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
            accuracy) -> None:  # fmt: skip
-    """The sites not in `done`, each stored as one unit; fills `accuracy` ({task: Acc})."""
+    """The sites of `units` ([(task, layers)], `sweep_units`) not in `done`, each stored as one
+    site; fills `accuracy` ({task: Acc})."""
     out = store.out
     model = load_lm(lm, dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # every site's module follows it
-    progress = tqdm(total=sum(len(regions[task]) for task in tasks) * len(layers), desc="sites", unit="site")
-    for task in tasks:
-        cache = ActivationCache(model, layers)  # one cache per task: every layer, computed once for its sentences
+    progress = tqdm(total=sum(len(regions[task]) * len(layers) for task, layers in units), desc="sites", unit="site")
+    for task, layers in units:
+        cache = ActivationCache(model, layers)  # one cache per unit: every layer, computed once for its sentences
         accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype, batch_size)
 
         @lru_cache(maxsize=None)
@@ -296,8 +303,8 @@ def run_sweep(
                             **sizes}, [RESULTS], ignore=("templates",)) as store:  # the file is known by its sha256
         done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in store.rows("results")
                 if r["control_odds"] or not control}  # a site run without the control is redone with it
-        _sweep(store, tasks, methods, layers, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
-               accuracy)  # fmt: skip
+        _sweep(store, sweep_units(tasks, layers), methods, templates, lm, control, sizes, seed, dtype, batch_size,
+               regions, done, accuracy)  # fmt: skip
     results = [r for r in read_rows(results_path)
                if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
     return summarise(results, accuracy, regions, out, {task: load_task(task, templates).scored_regions for task in tasks})
