@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from lit_interventions.lm import num_layers
+from lit_interventions.sharding import input_device
 from lit_interventions.sites import keys_values_above, read_layers
 
 Key = tuple[int, ...]
@@ -107,7 +108,9 @@ class ActivationCache:
             above = keys_values_above(self.model, highest, input_ids[:, :width], attention_mask[:, :width],
                                       found[highest][:, :width])  # fmt: skip
             blocks += [above.layers[b] for b in range(highest + 1, self._n_blocks)]
-        stacked = torch.stack([torch.stack([b.keys[..., :width, :], b.values[..., :width, :]]) for b in blocks])
+        home = input_ids.device  # a dispatched model keeps each block's keys and values on its device
+        stacked = torch.stack([torch.stack([b.keys[..., :width, :].to(home), b.values[..., :width, :].to(home)])
+                               for b in blocks])  # fmt: skip
         for j, (key, start, n) in enumerate(zip(keys, starts, firsts)):
             if n > 0:  # (n_above, 2, heads, n, head_dim)
                 self._prefix[key] = stacked[:, :, j, :, start : start + n].clone()
@@ -148,7 +151,7 @@ class ActivationCache:
                     if self._missing(key, first):
                         todo[key] = first
         ordered = sorted(todo, key=len)
-        device = self.model.device
+        device = input_device(self.model)
         for i in range(0, len(ordered), batch_size):
             chunk = ordered[i : i + batch_size]
             width = len(chunk[-1])

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from lit_interventions.sharding import LoadOptions, keep_4bit_differentiable
+
 DEFAULT_LM = "gemma-3-270m"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -332,9 +334,23 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_lm(name: str = DEFAULT_LM, dtype: str = "float32") -> torch.nn.Module:
-    """A frozen causal LM in eval mode. Shared within a process (the result is cached)."""
-    return _load_lm(name, dtype)  # positional, so load_lm(x) and load_lm(x, "float32") share one copy
+def load_lm(
+    name: str = DEFAULT_LM,
+    dtype: str = "float32",
+    device_map: str | dict | None = None,
+    quantization: str | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
+) -> torch.nn.Module:
+    """A frozen causal LM in eval mode. Shared within a process (cached, keyed by every option).
+
+    For a frozen LM larger than one device (see `LoadOptions`): `device_map` spreads it over the
+    GPUs (and CPU / disk) with accelerate, `quantization` loads it in 8 or 4 bits (bitsandbytes),
+    `max_memory` caps each device and `offload_folder` holds what goes to disk. A model so loaded
+    is never moved (`is_dispatched`)."""
+    options = LoadOptions(device_map, quantization, max_memory, offload_folder)  # validated before any load
+    # positional and hashable, so load_lm(x) and load_lm(x, "float32") share one copy
+    return _load_lm(name, dtype, options.key())
 
 
 def check_device(device: str) -> str:
@@ -368,16 +384,21 @@ def _unreadable_weights(name: str, path: str, err: Exception) -> ValueError:
 
 
 @lru_cache(maxsize=2)
-def _load_lm(name: str, dtype: str) -> torch.nn.Module:
+def _load_lm(name: str, dtype: str, options_key: str = "") -> torch.nn.Module:
     check_dtype(dtype)
+    options = LoadOptions.from_key(options_key)
     path = resolve(name)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True,
+                                                           **options.from_pretrained_kwargs(dtype))  # fmt: skip
     except OSError as err:
         if Path(path).is_dir() and any(Path(path).glob("*.safetensors")):
             raise _unreadable_weights(name, path, err) from err
         raise _unknown(name, err) from err
     except Exception as err:  # SafetensorError, size mismatches (RuntimeError), bad headers: name the files
+        if options_key and isinstance(err, (ValueError, KeyError)):  # a device map naming no module, too little memory
+            raise ValueError(f"Cannot place lm={name!r} with {options} ({type(err).__name__}: "
+                             f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''})") from err
         if type(err).__name__ in ("SafetensorError", "RuntimeError", "ValueError", "HeaderTooLarge", "EOFError"):
             raise _unreadable_weights(name, path, err) from err
         raise
@@ -389,4 +410,6 @@ def _load_lm(name: str, dtype: str) -> torch.nn.Module:
             + (f"; {len(unexpected)} unexpected, e.g. {sorted(unexpected)[0]}" if unexpected else "")))
     model.eval()
     model.requires_grad_(False)
+    if options.quantization == "4bit":
+        keep_4bit_differentiable(model)
     return model

@@ -9,6 +9,11 @@ A site is (layer, component, token position per example); see `Site`. Layers fol
 Decoder blocks, and their attention and MLP modules, are found generically (`decoder_layers`,
 `component_module`), not from a per-architecture table, so GPT-NeoX, GPT-2, Llama, Gemma 2 and
 Gemma 3 all work. Positions are per example, shape (batch,).
+
+A model spread over devices by a device map (`sharding.py`) computes each block on its own
+device: the hooks hand `on_hidden` (the intervention) its tensor on the device of the inputs and
+put what it returns back on the block's device, and the returned states and logits are on the
+device of the inputs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from lit_interventions.lm import num_layers
+from lit_interventions.sharding import execution_device, input_device, is_dispatched
 
 EMBEDDINGS = -1
 BLOCK_OUTPUT, ATTENTION_OUTPUT, MLP_OUTPUT = "block_output", "attention_output", "mlp_output"
@@ -155,6 +161,26 @@ def _rows(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[0], device=hidden.device)
 
 
+def _home(model: nn.Module, device: torch.device | None) -> torch.device | None:
+    """Where hook callbacks work on a dispatched model (None: the model is on one device)."""
+    if not is_dispatched(model):
+        return None
+    return torch.device(device) if device is not None else input_device(model)
+
+
+def _at_home(on_hidden: Callable, home: torch.device | None) -> Callable:
+    """`on_hidden` on `home` (a block of a dispatched model may compute elsewhere), its result
+    back on the block's device."""
+    if home is None:
+        return on_hidden
+
+    def moved(hidden):
+        new = on_hidden(hidden.to(home))
+        return None if new is None else new.to(hidden.device)
+
+    return moved
+
+
 @contextmanager
 def _output_hook(module: nn.Module, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]):
     """Call `on_hidden(h)` on the module's output (the first element of a tuple); a returned
@@ -172,11 +198,18 @@ def _output_hook(module: nn.Module, on_hidden: Callable[[torch.Tensor], torch.Te
 
 
 @contextmanager
-def residual_hook(model: nn.Module, layer: int, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]):
+def residual_hook(
+    model: nn.Module,
+    layer: int,
+    on_hidden: Callable[[torch.Tensor], torch.Tensor | None],
+    device: torch.device | None = None,
+):
     """Call `on_hidden(h)` on the residual stream at `layer`, (batch, seq, d); a returned tensor
-    replaces it."""
+    replaces it. On a dispatched model, `on_hidden` works on `device` (default: where the
+    inputs go) whatever device the block computes on."""
     blocks = decoder_layers(model)
     check_layer(layer, len(blocks))
+    on_hidden = _at_home(on_hidden, _home(model, device))
     if layer == EMBEDDINGS:
 
         def pre_hook(module, args, kwargs):
@@ -198,15 +231,19 @@ def residual_hook(model: nn.Module, layer: int, on_hidden: Callable[[torch.Tenso
 
 @contextmanager
 def site_hook(
-    model: nn.Module, layer: int, component: str, on_hidden: Callable[[torch.Tensor], torch.Tensor | None]
+    model: nn.Module,
+    layer: int,
+    component: str,
+    on_hidden: Callable[[torch.Tensor], torch.Tensor | None],
+    device: torch.device | None = None,
 ):
     """Call `on_hidden(h)` on `component` of block `layer`, (batch, seq, d); a returned tensor
-    replaces it. `block_output` is `residual_hook`."""
+    replaces it. `block_output` is `residual_hook`. `device`: as `residual_hook`."""
     Site(layer, component).check(len(decoder_layers(model)))
     if component == BLOCK_OUTPUT:
-        hook = residual_hook(model, layer, on_hidden)
+        hook = residual_hook(model, layer, on_hidden, device)
     else:
-        hook = _output_hook(component_module(model, layer, component), on_hidden)
+        hook = _output_hook(component_module(model, layer, component), _at_home(on_hidden, _home(model, device)))
     with hook:
         yield
 
@@ -238,11 +275,15 @@ def run_body(
     positions: torch.Tensor | None = None,
 ):
     """The decoder body (no LM head). With `past`, blocks read the keys and values of earlier
-    columns from it and append their own; `input_ids` are then the columns after those."""
+    columns from it and append their own; `input_ids` are then the columns after those. The last
+    hidden state is on the device of `input_ids` (a dispatched model ends on its last device)."""
     if positions is None:
         positions = position_ids(attention_mask)
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=past, use_cache=past is not None)  # fmt: skip
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                           past_key_values=past, use_cache=past is not None)  # fmt: skip
+    if out.last_hidden_state.device != input_ids.device:
+        out.last_hidden_state = out.last_hidden_state.to(input_ids.device)
+    return out
 
 
 @torch.no_grad()
@@ -273,7 +314,7 @@ def read_layers(
 
     with ExitStack() as stack:
         for layer in set(layers):
-            stack.enter_context(site_hook(model, layer, component, grabber(layer)))
+            stack.enter_context(site_hook(model, layer, component, grabber(layer), input_ids.device))
         try:
             run_body(model, input_ids, attention_mask, past=keys_values)
         except _StopForward:
@@ -291,16 +332,20 @@ def keys_values_above(
     with ExitStack() as stack:
         if layer != EMBEDDINGS:
             stack.enter_context(_skip_blocks(model, layer))
-        stack.enter_context(residual_hook(model, layer, lambda h: start_states.to(h.dtype)))
+        stack.enter_context(residual_hook(model, layer, lambda h: start_states.to(h.dtype), input_ids.device))
         run_body(model, input_ids, attention_mask, past=keys_values)
     return keys_values
 
 
-def _prefix_cache(layer: int, above: torch.Tensor) -> DynamicCache:
+def _prefix_cache(model: nn.Module, layer: int, above: torch.Tensor) -> DynamicCache:
     """A cache of the first c columns from the keys and values of the blocks above `layer`,
-    (n_above, 2, batch, heads, c, head_dim). The skipped blocks 0..layer get placeholders of the
-    same length (never read), so the model counts c columns already seen."""
+    (n_above, 2, batch, heads, c, head_dim), each on its block's device. The skipped blocks
+    0..layer get placeholders of the same length (never read), so the model counts c columns
+    already seen."""
     placeholder = (above[0, 0], above[0, 1])
+    if is_dispatched(model):  # a block appends its new columns to its cached ones: on its device
+        blocks = decoder_layers(model)[layer + 1 :]
+        above = [kv.to(execution_device(block) or kv.device) for kv, block in zip(above, blocks)]
     return DynamicCache([placeholder] * (layer + 1) + [(kv[0], kv[1]) for kv in above])
 
 
@@ -330,7 +375,7 @@ def _returns_tuple(model: nn.Module, block: nn.Module) -> bool:
 
         handle = block.register_forward_hook(record)
         try:
-            ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+            ids = torch.zeros((1, 1), dtype=torch.long, device=input_device(model))
             with torch.no_grad():
                 run_body(model, ids, torch.ones_like(ids))
         finally:
@@ -349,30 +394,48 @@ def _skip_blocks(model: nn.Module, upto: int):
         hidden = args[0] if args else kwargs["hidden_states"]
         return (hidden,) if as_tuple else hidden
 
-    for block in blocks[: upto + 1]:
+    # accelerate's dispatch hooks live in the instance's `forward` too: put back what was there
+    replaced = [(block, block.__dict__.get("forward")) for block in blocks[: upto + 1]]
+    for block, _ in replaced:
         block.forward = passthrough
     try:
         yield
     finally:
-        for block in blocks[: upto + 1]:
-            del block.forward
+        for block, forward in replaced:
+            if forward is None:
+                del block.forward
+            else:
+                block.forward = forward
 
 
 def final_logits(model: nn.Module, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
     """LM head on final hidden states (after the final norm), with Gemma's soft-capping if set.
 
     With `vocab` (batch, n) token ids, only those rows of the head are computed, (batch, n): a
-    metric that compares a few tokens' logits (the odds ratio) skips the rest of the vocabulary."""
+    metric that compares a few tokens' logits (the odds ratio) skips the rest of the vocabulary.
+    The logits are on the device of `hidden` (the head of a dispatched model may be elsewhere)."""
     head = model.get_output_embeddings()
     if vocab is None:
         logits = head(hidden)
+    elif is_dispatched(model):
+        from accelerate.utils import align_module_device
+
+        device = execution_device(head) or hidden.device
+        with align_module_device(head):  # loads an offloaded head's weights for the gather
+            logits = _vocab_logits(head, hidden.to(device), vocab.to(device))
     else:
-        logits = torch.einsum("bd,bnd->bn", hidden, head.weight[vocab])
-        if getattr(head, "bias", None) is not None:
-            logits = logits + head.bias[vocab]
+        logits = _vocab_logits(head, hidden, vocab)
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
+    return logits.to(hidden.device)
+
+
+def _vocab_logits(head: nn.Module, hidden: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    """The head's logits of the token ids `vocab` (batch, n) alone, (batch, n)."""
+    logits = torch.einsum("bd,bnd->bn", hidden, head.weight[vocab].to(hidden.dtype))
+    if getattr(head, "bias", None) is not None:
+        logits = logits + head.bias[vocab]
     return logits
 
 
@@ -411,7 +474,7 @@ def logits_at(
         if start_states is None:
             raise ValueError("a prefix of keys and values needs start_states: the blocks below the layer are skipped")
         c, above = prefix
-        past = _prefix_cache(layer, above)
+        past = _prefix_cache(model, layer, above)
         positions = position_ids(attention_mask)[:, c:]
         input_ids, start_states, logit_positions = input_ids[:, c:], start_states[:, c:], logit_positions - c
         site_positions = None if site_positions is None else site_positions - c
@@ -427,6 +490,6 @@ def logits_at(
         if start_states is not None and layer != EMBEDDINGS:
             stack.enter_context(_skip_blocks(model, layer))
         if intervention is not None or start_states is not None:
-            stack.enter_context(site_hook(model, layer, component, write))
+            stack.enter_context(site_hook(model, layer, component, write, input_ids.device))
         hidden = run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
     return final_logits(model, hidden[_rows(hidden), logit_positions], vocab)

@@ -56,6 +56,11 @@ class InterchangeModule(SiteModule):
         sites: several sites intervened on together in one forward (each `Site(layer, component,
             position, region)` gets its own `intervention(d)`): a composition, e.g. DAS on the
             subject and on the object. Replaces `layer`, `region` and `component`.
+        device_map: spread a frozen LM larger than one GPU over the devices (accelerate): "auto",
+            "balanced", "sequential", a device, or {module name: device}; the intervention trains
+            on the Trainer's device in float32. quantization: "8bit" or "4bit" frozen weights
+            (bitsandbytes). max_memory: {device: size} for the strategies; offload_folder: where
+            "disk" weights go. See `lit_interventions.sharding`.
     """
 
     def __init__(
@@ -72,8 +77,13 @@ class InterchangeModule(SiteModule):
         cache: bool = True,
         component: str = BLOCK_OUTPUT,
         sites: list[Site] | None = None,
+        device_map: str | int | dict | None = None,
+        quantization: str | None = None,
+        max_memory: dict | None = None,
+        offload_folder: str | None = None,
     ):
         super().__init__()
+        self.check_lm_options(device_map, quantization, max_memory, offload_folder)
         if sites is not None and not sites:
             raise ValueError("sites is empty: give at least one Site, or leave it null for layer/region/component")
         sites = None if sites is None else [Site(**site) if isinstance(site, dict) else site for site in sites]
@@ -140,7 +150,8 @@ class InterchangeModule(SiteModule):
         with ExitStack() as stack:
             for site, part, source in zip(sites, self.intervention.parts, sources):
                 stack.enter_context(site_hook(self.lm, site.layer, site.component,
-                                              _writer(part, source, self._positions(batch, "base", site))))  # fmt: skip
+                                              _writer(part, source, self._positions(batch, "base", site)),
+                                              batch["base_input_ids"].device))  # fmt: skip
             hidden = run_body(self.lm, batch["base_input_ids"], batch["base_attention_mask"]).last_hidden_state
         rows = torch.arange(len(hidden), device=hidden.device)
         return final_logits(self.lm, hidden[rows, batch["base_last"]], vocab)

@@ -12,24 +12,39 @@ from lightning import LightningModule
 
 from lit_interventions.cache import ActivationCache, input_keys
 from lit_interventions.lm import check_dtype, load_config, load_lm
+from lit_interventions.sharding import LoadOptions, is_dispatched
 from lit_interventions.sites import BLOCK_OUTPUT, logits_at, read_site, site_layer
+
+
+LM_OPTIONS = ("device_map", "quantization", "max_memory", "offload_folder")  # hparams: `sharding.LoadOptions`
 
 
 class FrozenLMModule(LightningModule):
     """A LightningModule around a frozen LM that is not a submodule: it is loaded on first use
-    (from the `lm` and `dtype` hyperparameters), moved to the module's device, and never saved in
-    a checkpoint or wrapped by DDP. Only the module's own parameters train."""
+    (from the `lm` and `dtype` hyperparameters, and the `LM_OPTIONS` a module takes), moved to
+    the module's device, and never saved in a checkpoint or wrapped by DDP. Only the module's own
+    parameters train.
+
+    With a `device_map` (or `quantization`) the LM is spread over the devices by accelerate and
+    is never moved: the intervention trains on the module's device, in its own dtype."""
 
     def __init__(self):
         super().__init__()
         self._frozen: dict[str, object] = {}  # the LM (and caches), kept out of state_dict and DDP
 
+    @staticmethod
+    def check_lm_options(device_map=None, quantization=None, max_memory=None, offload_folder=None) -> LoadOptions:
+        """Validate the placement options in __init__, before any weights load (a one-line error
+        naming the bad value and what is allowed)."""
+        return LoadOptions(device_map, quantization, max_memory, offload_folder)
+
     @property
     def lm(self) -> torch.nn.Module:
         model = self._frozen.get("lm")
         if model is None:
-            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype)
-        if model.device != self.device:
+            options = [self.hparams.get(name) for name in LM_OPTIONS]
+            model = self._frozen["lm"] = load_lm(self.hparams.lm, self.hparams.dtype, *options)
+        if not is_dispatched(model) and model.device != self.device:
             model.to(self.device)
         return model
 
