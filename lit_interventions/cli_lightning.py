@@ -65,7 +65,9 @@ def run_name(model, data) -> str:
 # ----------------------------------------------------------------------------- checkpoint settings
 
 SHARED = ("lm", "region", "multitask")  # model init args the data module also takes
-RUNTIME = {"eval_batch_size", "cache", "num_workers", "read_batch_size"}  # may differ from a checkpoint's
+# may differ from a checkpoint's: how the run reads its data and where the frozen LM is placed
+RUNTIME = {"eval_batch_size", "cache", "num_workers", "read_batch_size",
+           "device_map", "quantization", "max_memory", "offload_folder"}  # fmt: skip
 
 
 def given_options(args: list[str]) -> dict[str, set[str]]:

@@ -259,7 +259,7 @@ def test_quantized_lm_runs_the_intervention_path(tiny_lm_dir, quantization, laye
         das = RotatedSpaceIntervention(HIDDEN)
         source = read_layers(model, [0], ids.flip(0), mask.flip(0))[0][torch.arange(3), last - 1]  # no gradients
         logits = logits_at(model, ids, mask, last, 0, last - 1, lambda h: das(h, source))
-        logits.logsumexp(-1).sum().backward()
+        logits.pow(2).sum().backward()
         results.append((logits.detach(), torch.cat([p.grad.flatten() for p in das.parameters()])))
     (logits, grad), (expected_logits, expected_grad) = results
     torch.testing.assert_close(logits, expected_logits, rtol=tol, atol=tol)
@@ -303,3 +303,24 @@ def test_blocks_on_two_gpus_give_the_unsharded_numbers(tiny_lm_dir):
                          else torch.cat([p.grad.flatten() for p in das.parameters()])))  # fmt: skip
         torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_cli_places_the_lm_with_a_device_map(tmp_path, tiny_lm_dir, offload_dir, capsys):
+    """`--model.device_map` / `--model.max_memory` / `--model.offload_folder` from the command
+    line reach load_lm; a bad value is one error line before any work."""
+    import train
+
+    lm_dir = tiny_lm_dir("llama")
+    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
+            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=4", "--data.eval_pairs=2",
+            "--trainer.enable_progress_bar=false", "--model.device_map=auto",
+            "--model.max_memory={cpu: 100KB}", f"--model.offload_folder={offload_dir}"]  # fmt: skip
+    cli = train.main(args=args)
+    assert cli.model.hparams.max_memory == {"cpu": "100KB"} and "disk" in cli.model.lm.hf_device_map.values()
+    assert torch.isfinite(cli.trainer.callback_metrics["val/odds"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(args=args[:-3] + ["--model.quantization=2bit"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "quantization='2bit' is not supported; choose one of 8bit, 4bit" in err[-1]
