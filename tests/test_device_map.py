@@ -204,6 +204,37 @@ def test_auto_strategy_with_max_memory_offloads_and_matches(tiny_lm_dir, offload
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("method", ["reft_r1", "ssv", "loreft"])
+def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, tokenizer, offload_dir, method):
+    """The steering modules' LM loss and its gradient (ReFT-r1 and SSV through `residual_hook`
+    at every token, LoReFT through `lm_loss`) are the same with blocks on disk."""
+    from lit_interventions.modules.steering import SteeringModule
+    from lit_interventions.modules.steering_baselines import LoReFTModule
+    from tests.test_axbench_methods import CONCEPTS, collate, make_rows
+
+    lm_dir = tiny_lm_dir("llama")
+    options = dict(device_map=split_map(load_lm(lm_dir), 1), offload_folder=offload_dir)
+    batch = collate(make_rows(tokenizer)[::5])
+    results = []
+    for placement in (options, {}):
+        torch.manual_seed(0)
+        if method == "loreft":
+            module = LoReFTModule(lm=lm_dir, layer=1, rank=2, **placement)
+            loss = module.loss(batch)
+        else:
+            module = SteeringModule(lm=lm_dir, layer=1, method=method, concept_names=CONCEPTS, topk=2, **placement)
+            if method == "ssv":
+                torch.nn.init.normal_(module.dictionary.weight)
+            lm_loss, l1 = module._steered_loss(batch)
+            loss = lm_loss + 0.1 * l1
+        loss.backward()
+        assert is_dispatched(module.lm) == bool(placement)
+        results.append((loss.detach(), torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None])))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    assert results[1][1].abs().max() > 0
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+
+
 # --- 8-bit and 4-bit frozen weights (bitsandbytes) -----------------------------------------------
 
 

@@ -130,6 +130,9 @@ class SteeringModule(FrozenLMModule):
         dtype: the LM's dtype (float32, bfloat16, float16).
         direction_seed: initial directions (ReFT-r1) and the random pairs / solvers of the closed
             forms (not `seed`, the data module's shuffling seed).
+        device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
+            one larger than a GPU (`lit_interventions.sharding`): e.g. device_map "auto" spreads
+            it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
     """
 
     def __init__(
@@ -151,9 +154,14 @@ class SteeringModule(FrozenLMModule):
         warmup_ratio: float = 0.0,
         dtype: str = "float32",
         direction_seed: int = 0,
+        device_map: str | int | dict | None = None,
+        quantization: str | None = None,
+        max_memory: dict | None = None,
+        offload_folder: str | None = None,
     ):
         super().__init__()
         check_dtype(dtype)  # before anything is loaded
+        self.check_lm_options(device_map, quantization, max_memory, offload_folder)
         if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
             raise ValueError(f"lr={lr!r} must be a finite number > 0")
         if method not in STEERING_METHODS:
@@ -257,7 +265,7 @@ class SteeringModule(FrozenLMModule):
 
         targets = batch["response_mask"][:, 1:].bool() & trained[:, None]  # token t+1 is predicted at t
         if targets.any():
-            with residual_hook(self.lm, self.hparams.layer, intervene):
+            with residual_hook(self.lm, self.hparams.layer, intervene, self.device):
                 final = run_body(self.lm, ids, mask).last_hidden_state  # (batch, seq, d)
             logits = final_logits(self.lm, final[:, :-1][targets])  # (n_targets, vocab)
             lm_loss = F.cross_entropy(logits.float(), ids[:, 1:][targets])

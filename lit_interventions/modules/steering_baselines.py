@@ -33,7 +33,7 @@ from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
-from lit_interventions.sites import final_logits, position_ids, residual_hook, site_layer
+from lit_interventions.sites import final_logits, residual_hook, run_body, site_layer
 
 # Attention output projections by architecture, in the order they are tried.
 ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
@@ -47,8 +47,7 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     ids, mask, targets = batch["input_ids"][keep], batch["attention_mask"][keep], batch["response_mask"][keep]
     if not keep.any() or not targets[:, 1:].any():
         raise ValueError("the batch holds no positive response tokens (label 1 with response_mask 1)")
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                              use_cache=False).last_hidden_state  # (b, T, d)  # fmt: skip
+    hidden = run_body(model, ids, mask).last_hidden_state  # (b, T, d), on the device of ids
     predict = targets[:, 1:].bool()  # position t predicts token t + 1
     logits = final_logits(model, hidden[:, :-1][predict])  # (n, vocab)
     return F.cross_entropy(logits.float(), ids[:, 1:][predict])
@@ -150,14 +149,19 @@ class LoReFTModule(_SteeringModule):
         concept: the concept's name, written to the card (default: from the data module).
         lr, weight_decay, warmup_ratio: AdamW with linear warmup, then linear decay to 0.
         dtype: the LM's dtype.
+        device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
+            one larger than a GPU (`lit_interventions.sharding`): e.g. device_map "auto" spreads
+            it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
     """
 
     method = "loreft"
 
     def __init__(self, lm: str = DEFAULT_LM, layer: int | None = None, rank: int = 4, concept_id: int | None = None,
                  concept: str | None = None, lr: float = 5e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.0,
-                 dtype: str = "float32"):  # fmt: skip
+                 dtype: str = "float32", device_map: str | int | dict | None = None, quantization: str | None = None,
+                 max_memory: dict | None = None, offload_folder: str | None = None):  # fmt: skip
         super().__init__()
+        self.check_lm_options(device_map, quantization, max_memory, offload_folder)  # before the config is read
         config = load_config(lm)
         layer = site_layer(config, layer)
         self._setup_common(lm, concept_id, lr, warmup_ratio, weight_decay, dtype)
@@ -170,7 +174,7 @@ class LoReFTModule(_SteeringModule):
         """Inside the block, `model` (default the LM) runs with Φ at every position; yields it.
         `factor` is accepted for a uniform steering interface and ignored: LoReFT has no strength."""
         model = model if model is not None else self.lm
-        with residual_hook(model, self.hparams.layer, lambda h: self.intervention(h, None).to(h.dtype)):
+        with residual_hook(model, self.hparams.layer, lambda h: self.intervention(h, None).to(h.dtype), self.device):
             yield model
 
     def loss(self, batch) -> torch.Tensor:
