@@ -42,6 +42,7 @@ from datamodules.ravel import load_ravel
 from lit_interventions.cli import run_cli
 from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
 from lit_interventions.lm import DEFAULT_LM, check_device, hidden_size, load_config, load_lm, load_tokenizer
+from lit_interventions.sharding import LoadOptions, is_dispatched
 from lit_interventions.metrics.competence import Competence, competence_scores
 from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
 from lit_interventions.calm_data import (
@@ -194,6 +195,8 @@ def run_calm(
     batch_size: int = 16,
     seed: int = 0,
     out: str = "runs/calm",
+    device_map: str | int | dict | None = None,
+    quantization: str | None = None,
 ) -> list[dict]:
     """Run the CALM study; returns the summary rows (one per task × method).
 
@@ -216,6 +219,8 @@ def run_calm(
         alpha, steps: PGD step (default ε/10) and T (40).
         k_max: competence averages top-k overlap over k = 1..k_max (10), ranked within the task's
             answer vocabulary (k stops at its size if that is smaller).
+        device_map, quantization: a frozen LM larger than one device (`lit_interventions.sharding`):
+            e.g. "auto" and "4bit"; `device` is then where the inputs and probes go.
     """
     # -- validate everything before the LM's weights are read
     methods = _check_names(methods, list(ATTACKS), "methods") if methods is not None else list(ATTACKS)
@@ -232,6 +237,7 @@ def run_calm(
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be an int >= 1")
     check_device(device)
+    placement = LoadOptions(device_map, quantization)
     sizes = {"train": 200, "val": 50, "test": 50} | dict(entities or {})
     if set(sizes) != set(SPLITS) or any(not isinstance(n, int) or n < 1 for n in sizes.values()):
         raise ValueError(f"entities={entities!r}: give positive ints for {', '.join(SPLITS)}")
@@ -269,7 +275,9 @@ def run_calm(
         ]
         if not prompts[split]:
             raise ValueError(f"every {split} prompt is longer than max_tokens={max_tokens}")
-    model = load_lm(lm, dtype).to(device)
+    model = load_lm(lm, dtype, placement.device_map, placement.quantization)
+    if not is_dispatched(model):
+        model.to(device)
     pad_id = tokenizer.pad_token_id
     states = {s: read_states(model, layer, prompts[s], pad_id, batch_size, device) for s in SPLITS}
     site = {s: torch.stack([st[p.site] for st, p in zip(states[s], prompts[s])]) for s in SPLITS}  # (n, d)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from lit_interventions.cli import claim_out_dir, run_cli
 from lit_interventions.lm import hidden_size, load_config, load_lm, load_tokenizer
+from lit_interventions.sharding import LoadOptions
 from lit_interventions.metrics.judge import Judge, chat_prompt, generate_replies, make_judge
 
 FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]
@@ -223,6 +224,8 @@ def run_steer_eval(
     judge: dict | Judge | None = None,
     out: str = "runs/steer_eval",
     seed: int = 0,
+    device_map: str | int | dict | None = None,
+    quantization: str | None = None,
 ) -> list[dict]:
     """Run (or resume) the steering evaluation; returns the summary rows.
 
@@ -238,8 +241,11 @@ def run_steer_eval(
         batch_size: generation batch size.
         judge: the judge config, {backend: openai|local, ...options} (see metrics/judge.py).
         out: output directory. seed: instruction sampling and generation seed.
+        device_map, quantization: a steered LM larger than one device (`lit_interventions.sharding`):
+            e.g. "auto" and "4bit".
     """
     # --- validate everything before generating ---
+    placement = LoadOptions(device_map, quantization)
     if (dictionary is None) == (checkpoint is None):
         raise ValueError("give exactly one of --dictionary PATH or --checkpoint PATH")
     factors = list(FACTORS if factors is None else factors)
@@ -295,7 +301,7 @@ def run_steer_eval(
     done = defaultdict(int)
     for row in rows:
         done[(row["concept"], float(row["factor"]))] += 1
-    model, tokenizer = load_lm(lm), load_tokenizer(lm)
+    model, tokenizer = load_lm(lm, "float32", placement.device_map, placement.quantization), load_tokenizer(lm)
     select = instructions // 2
     work = [(s, c, f) for s, names in cells_of.items() for c in names for f in factors]
     with path.open("a") as sink:

@@ -49,6 +49,17 @@ def test_bad_options_are_one_line_before_any_load(options, message):
     assert message in str(err.value)
 
 
+def test_calm_and_steer_eval_refuse_bad_placement_before_any_work(tmp_path):
+    from lit_interventions.calm import run_calm
+    from lit_interventions.steer_eval import run_steer_eval
+
+    with pytest.raises(ValueError, match="device_map='everywhere' is neither a placement strategy"):
+        run_calm(lm="/no/such/model", device_map="everywhere", out=str(tmp_path / "calm"))
+    with pytest.raises(ValueError, match="quantization='3bit' is not supported"):
+        run_steer_eval(dictionary="/no/such/dictionary", quantization="3bit", out=str(tmp_path / "steer"))
+    assert not list(tmp_path.iterdir())
+
+
 def test_options_normalise_and_key_the_cache():
     """Equal options give one key whatever the dict order and spelling; quantization implies
     device_map="auto"; the defaults keep the empty key (load_lm(x) and load_lm(x, "float32")
@@ -235,6 +246,19 @@ def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, token
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
 
 
+def test_generation_from_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, tokenizer, offload_dir):
+    """steer_eval's generation (and the judge's inputs) go to where the embeddings compute, not
+    to `model.device` (the first parameter's: "meta" when it is offloaded)."""
+    from lit_interventions.metrics.judge import generate_replies
+
+    plain, _, _ = _sharded(tiny_lm_dir, "gemma3", offload_dir)  # tied: the embeddings are on disk too
+    sharded = load_lm(tiny_lm_dir("gemma3"), "float32", split_map(plain, 0), offload_folder=offload_dir)
+    assert sharded.device.type == "meta" and input_device(sharded) == torch.device("cpu")
+    texts = ["The dog is here.", "The dog"]
+    replies = generate_replies(sharded, tokenizer, texts, max_new_tokens=4)
+    assert replies == generate_replies(plain, tokenizer, texts, max_new_tokens=4) and all(replies)
+
+
 # --- 8-bit and 4-bit frozen weights (bitsandbytes) -----------------------------------------------
 
 
@@ -279,7 +303,7 @@ def test_quantized_lm_runs_the_intervention_path(tiny_lm_dir, quantization, laye
     dequantized weights (4-bit: equal; 8-bit: within the float16 cast of the activations), after
     a forward without gradients (the read of f(s)) as in training."""
     lm_dir = tiny_lm_dir("llama")
-    quantized = load_lm(lm_dir, "float32", quantization=quantization)
+    quantized = load_lm(lm_dir, "float32", "cpu", quantization)  # bitsandbytes' CPU backend, also on a GPU machine
     assert is_dispatched(quantized) and quantized.is_quantized
     assert type(decoder_layers(quantized)[0].mlp.up_proj).__name__ == layer_type
     reference = _dequantized(quantized, lm_dir)
@@ -325,13 +349,13 @@ def test_blocks_on_two_gpus_give_the_unsharded_numbers(tiny_lm_dir):
         for model in (sharded, plain):
             das.zero_grad()
             start = read_layers(model, [layer], ids, mask)[layer]
-            source = read_layers(model, [layer], ids.flip(0), mask.flip(0))[layer][torch.arange(3), last - 1]
+            rows = torch.arange(3, device="cuda:0")
+            source = read_layers(model, [layer], ids.flip(0), mask.flip(0))[layer][rows, last - 1]
             logits = logits_at(model, ids, mask, last, layer, last - 1, lambda h: das(h, source), start_states=start,
                                vocab=vocab)  # fmt: skip
-            assert logits.device == torch.device("cuda:0")
+            assert logits.device == torch.device("cuda:0") and start.device == torch.device("cuda:0")
             logits.sum().backward()
-            outs.append((logits.detach(), das.basis.grad if hasattr(das, "basis") and das.basis.grad is not None
-                         else torch.cat([p.grad.flatten() for p in das.parameters()])))  # fmt: skip
+            outs.append((logits.detach(), torch.cat([p.grad.flatten() for p in das.parameters()])))
         torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
 

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from lit_interventions.sharding import input_device
+
 log = logging.getLogger(__name__)
 
 ASPECTS = ("concept", "instruct", "fluency")
@@ -351,7 +353,7 @@ def generate_replies(model, tokenizer, texts: list[str], max_new_tokens: int, ba
         for start in range(0, len(texts), batch_size):
             enc = tokenizer(texts[start: start + batch_size], return_tensors="pt", padding=True,
                             add_special_tokens=not templated, truncation=max_length is not None,
-                            max_length=max_length).to(model.device)  # fmt: skip
+                            max_length=max_length).to(input_device(model))  # fmt: skip
             out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                  **(sampling or {"do_sample": False}))  # fmt: skip
             replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -426,8 +428,8 @@ def expected_ratings(model, tokenizer, prompts: list[str], batch_size: int = 8, 
         for start in range(0, len(prompts), batch_size):
             texts = [chat_prompt(tokenizer, p) + "Rating: [[" for p in prompts[start: start + batch_size]]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated,
-                            truncation=max_length is not None, max_length=max_length).to(model.device)  # fmt: skip
-            last = torch.full((len(texts),), enc["input_ids"].shape[1] - 1, device=model.device)
+                            truncation=max_length is not None, max_length=max_length).to(input_device(model))  # fmt: skip
+            last = torch.full((len(texts),), enc["input_ids"].shape[1] - 1, device=enc["input_ids"].device)
             logits = logits_at(model, enc["input_ids"], enc["attention_mask"], last)  # (batch, vocab)
             probs = logits.float()[:, digits].softmax(-1)  # (batch, 3), renormalised over the digits
             ratings += (probs @ torch.tensor([0.0, 1.0, 2.0], device=probs.device)).tolist()
