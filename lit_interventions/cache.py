@@ -66,7 +66,7 @@ class ActivationCache:
                           [starts[i] for i in missing], [0] * len(missing))  # fmt: skip
         index = self.layers.index(layer)
         first = self._states[keys[0]]
-        out = first.new_zeros(input_ids.shape + first.shape[-1:])
+        out = first.new_zeros(input_ids.shape + first.shape[-1:], device=input_ids.device)  # where the batch is
         for i, key in enumerate(keys):
             out[i, starts[i] : starts[i] + len(key)] = self._states[key][index]
         return out

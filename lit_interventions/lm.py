@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from lit_interventions.sharding import LoadOptions, keep_4bit_differentiable
+from lit_interventions.sharding import LoadOptions, check_module_names, keep_4bit_differentiable
 
 DEFAULT_LM = "gemma-3-270m"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -388,6 +388,8 @@ def _load_lm(name: str, dtype: str, options_key: str = "") -> torch.nn.Module:
     check_dtype(dtype)
     options = LoadOptions.from_key(options_key)
     path = resolve(name)
+    if isinstance(options.device_map, dict):
+        check_module_names(options.device_map, load_config(name))
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True,
                                                            **options.from_pretrained_kwargs(dtype))  # fmt: skip

@@ -172,6 +172,23 @@ class LoadOptions:
                                   bnb_4bit_compute_dtype=DTYPES[dtype], llm_int8_enable_fp32_cpu_offload=offloads)  # fmt: skip
 
 
+def check_module_names(device_map: dict, config) -> None:
+    """Every module a dict device map names exists in the model of `config` (built on the meta
+    device: no weights are read). transformers ignores an unknown name when the rest lands on one
+    device; a typo would then place nothing where it was meant to."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    names = {name for name, _ in model.named_modules()}
+    unknown = [name for name in device_map if name not in names]
+    if unknown:
+        top = [name for name in sorted(names) if name and name.count(".") <= 1 and not name.split(".")[-1].isdigit()]
+        raise ValueError(f"device_map names modules this model does not have: {', '.join(map(repr, unknown[:5]))}; "
+                         f"its modules include {', '.join(top[:12])} (blocks: add .0, .1, ...; '' is the whole model)")
+
+
 # --- a loaded model -------------------------------------------------------------------------
 
 

@@ -60,6 +60,12 @@ def test_calm_and_steer_eval_refuse_bad_placement_before_any_work(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_device_map_naming_a_missing_module_is_refused_before_loading(tiny_lm_dir):
+    with pytest.raises(ValueError, match=r"device_map names modules this model does not have: 'model.layer.1'; "
+                                         r"its modules include lm_head, model, model.embed_tokens, model.layers"):
+        load_lm(tiny_lm_dir("llama"), "float32", {"": "cpu", "model.layer.1": "cpu"})
+
+
 def test_options_normalise_and_key_the_cache():
     """Equal options give one key whatever the dict order and spelling; quantization implies
     device_map="auto"; the defaults keep the empty key (load_lm(x) and load_lm(x, "float32")
