@@ -16,7 +16,15 @@ loses at most one site's scoring or one layer's DAS training):
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
 - DIR/das/TASK_LAYER.safetensors: the trained DAS subspaces, {region: W (k × d)}.
 Finished sites are kept in DIR/results.sqlite (one transaction per site) and results.csv exported
-from it, whole, after each (`lit_interventions.results`); one run at a time holds DIR/.lock.
+from it, whole, after each (`lit_interventions.results`); one run at a time holds DIR/.lock. So are
+each task's Acc and the finished units (a rerun skips them whole).
+
+The units of work are (task, layers) (`sweep_units`; `--layers_per_unit` splits a task's layers).
+Under torchrun or srun each process takes every N-th unit with work left and writes
+DIR/ranks/rank-R/; rank 0 merges them into the files above, as one process would have written
+them, and a rerun at any world size resumes what any rank finished (`lit_interventions.distributed`):
+
+    torchrun --standalone --nproc_per_node 4 -m lit_interventions.sweep --config configs/sweep_causalgym.yaml
 """
 
 from __future__ import annotations
