@@ -13,10 +13,12 @@ any process group there is) of one rank's unit never mix with another rank's.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
 import socket
+import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,6 +33,7 @@ from torch.distributed.rendezvous import rendezvous
 from lit_interventions.results import ResultsStore, open_results, rank_dirs, rank_store
 
 T = TypeVar("T")
+MEET = timedelta(minutes=10)  # how long the ranks wait for each other at the start (they start together)
 WAIT = timedelta(days=7)  # how long a rank that finished its share waits for the slowest one
 
 
@@ -41,9 +44,9 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    environment: ClusterEnvironment | None = field(default=None, repr=False)
-    _store: Any = field(default=None, repr=False)  # the rendezvous store, once the ranks have met
-    _phases: int = field(default=0, repr=False)
+    environment: ClusterEnvironment | None = field(default=None, repr=False, compare=False)
+    _store: Any = field(default=None, repr=False, compare=False)  # the rendezvous store, once the ranks have met
+    _phases: int = field(default=0, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -59,13 +62,14 @@ class Ranks:
         --out stops every rank before any work)."""
         if self.world_size == 1:
             return work()
+        self._meet()  # every rank is there before rank 0 starts
+        message = [None]
+        if self.is_main:  # before the group exists: no collective runs inside `work`
+            try:
+                message = [("ok", work())]
+            except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+                message = [("error", _picklable(err))]
         with self._together():
-            message = [None]
-            if self.is_main:
-                try:
-                    message = [("ok", work())]
-                except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
-                    message = [("error", _picklable(err))]
             dist.broadcast_object_list(message, src=0)
         kind, value = message[0]
         if kind == "error":
@@ -96,12 +100,17 @@ class Ranks:
             with self._together():
                 dist.barrier()
 
+    def _meet(self) -> None:
+        if self._store is None:
+            self._store = _meet(self)
+
     @contextmanager
     def _together(self) -> Iterator[None]:
         """A gloo process group for one coordination step, on a fresh key prefix of the store the
         ranks met on; destroyed at the end of the step."""
-        if self._store is None:
-            self._store = _meet(self)
+        self._meet()
+        if self._phases == 1:
+            self._store.set_timeout(WAIT)  # they have worked together once: from now on one may wait long for another
         self._phases += 1
         store = dist.PrefixStore(f"lit_interventions/{self._phases}", self._store)
         dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=WAIT)
@@ -132,8 +141,19 @@ def _meet(ranks: Ranks):
     rank 0 serves at the main address and port SLURMEnvironment names."""
     os.environ.setdefault("MASTER_ADDR", ranks.environment.main_address)
     os.environ.setdefault("MASTER_PORT", str(ranks.environment.main_port))
-    store, _, _ = next(rendezvous("env://", rank=ranks.rank, world_size=ranks.world_size, timeout=WAIT))
+    try:
+        store, _, _ = next(rendezvous("env://", rank=ranks.rank, world_size=ranks.world_size, timeout=MEET))
+        store.set(f"lit_interventions/met/{ranks.rank}", "1")
+        store.wait([f"lit_interventions/met/{rank}" for rank in range(ranks.world_size)])
+    except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise ValueError(
+            f"rank {ranks.rank} of {ranks.world_size} waited {MEET} for the others at {where} and gave up "
+            f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); start all "
+            f"{ranks.world_size} processes with torchrun or srun (not a bare python in a SLURM batch script)"
+        ) from None
     return store
+
 
 
 def pin_device(ranks: Ranks) -> str | None:
@@ -155,6 +175,17 @@ def pin_device(ranks: Ranks) -> str | None:
     return chosen
 
 
+def printed_by_rank_zero(function: Callable[..., list]) -> Callable[..., list]:
+    """`function`, returning no rows on ranks other than 0 (so a command prints its table once)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        rows = function(*args, **kwargs)
+        return rows if detect().is_main else []
+
+    return wrapper
+
+
 def _picklable(err: Exception) -> Exception:
     """`err` if it survives pickling (to be sent to the other ranks), else a RuntimeError with its text."""
     try:
@@ -168,7 +199,7 @@ class ShardedRun:
     """One run of a sweep over the ranks, into DIR:
 
         with ShardedRun(ranks, out, meta, tables) as run:
-            todo = run.start(plan)            # rank 0: claim DIR, merge what ranks left, plan
+            todo, _ = run.start(plan)         # rank 0: claim DIR, merge what ranks left, plan
             for unit in ranks.shard(todo):
                 run.store.add(...)            # this rank's store
             rows = run.finish(position, summarise)  # rank 0: merge the ranks', summarise
@@ -192,20 +223,25 @@ class ShardedRun:
             self.store.close()
         self._stack.close()  # DIR's store, then its lock
 
-    def start(self, plan: Callable[[ResultsStore], T]) -> T:
+    def start(self, plan: Callable[[ResultsStore], tuple[list, Any]], hint: str = "") -> tuple[list, Any]:
         """Rank 0 claims DIR (or every rank raises its refusal), merges the ranks' stores an
-        interrupted run left, and returns `plan(store)`, which every rank receives. Every rank
-        then checks that it sees DIR as rank 0 wrote it (one filesystem), and opens its store."""
+        interrupted run left, and returns `plan(store)`: (the units with work left, anything else
+        the ranks need), which every rank receives. Every rank then checks that it sees DIR as
+        rank 0 wrote it (one filesystem), and opens its store. Fewer units than ranks is a
+        warning (`hint`: how to make more)."""
 
-        def claim() -> T:
+        def claim() -> tuple[list, Any]:
             self.main = self._stack.enter_context(open_results(self.out, self.meta, self.tables, self.what, self.ignore))
             self.main.absorb(rank_dirs(self.out))
             return plan(self.main)
 
-        todo = self.ranks.from_main(claim)
+        todo, context = self.ranks.from_main(claim)
+        if self.ranks.is_main and 0 < len(todo) < self.ranks.world_size:
+            warnings.warn(f"{self.ranks.world_size} ranks for {len(todo)} units of work left: "
+                          f"{self.ranks.world_size - len(todo)} ranks have nothing to do{hint}", stacklevel=2)  # fmt: skip
         self.ranks.everywhere(self._check_shared)
         self.store = self.main if self.ranks.world_size == 1 else rank_store(self.out, self.ranks.rank, self.tables)
-        return todo
+        return todo, context
 
     def finish(self, position: Callable[[str, dict], int], summarise: Callable[[ResultsStore], T]) -> T:
         """Once every rank is done, rank 0 merges their stores into DIR's and returns

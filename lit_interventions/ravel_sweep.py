@@ -131,12 +131,13 @@ def run_ravel_sweep(
     meta = {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs}
     cells = [(m, a) for m in methods for a in attributes]
 
-    def plan(store) -> list[tuple[str, str]]:
+    def plan(store) -> tuple[list[tuple[str, str]], None]:
         done = {(r["method"], r["attribute"]) for r in store.rows("summary")}
-        return [cell for cell in cells if cell not in done]
+        return [cell for cell in cells if cell not in done], None
 
     with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
-        mine = ranks.shard(run.start(plan))
+        todo, _ = run.start(plan)
+        mine = ranks.shard(todo)
         for method, attribute in tqdm(mine, desc="RAVEL cells", unit="cell"):
             options, n_epochs = method_options[method]
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
@@ -184,7 +185,7 @@ def main(args=None) -> None:
         parser.add_argument("--benchmark", choices=["ravel"], default="ravel")  # the config's dispatch key
         parser.add_function_arguments(run_ravel_sweep, as_positional=False)
 
-    run_cli(run_ravel_sweep, __doc__, args, customize, ignore=("benchmark",))
+    run_cli(distributed.printed_by_rank_zero(run_ravel_sweep), __doc__, args, customize, ignore=("benchmark",))
 
 
 if __name__ == "__main__":

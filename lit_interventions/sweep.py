@@ -330,8 +330,8 @@ def run_sweep(
     regions = {task: load_task(task, templates).regions for task in tasks}
     meta = {"lm": lm, "dtype": dtype, "templates": templates or "builtin", "templates_sha256": digest, **sizes}
 
-    def plan(store) -> tuple[list, set, set]:
-        """The units with work left, the finished sites, and the layers finished with the control."""
+    def plan(store) -> tuple[list, tuple[set, set]]:
+        """The units with work left; the finished sites, and the layers finished with the control."""
         done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in store.rows("results")
                 if r["control_odds"] or not control}  # a site run without the control is redone with it
         with_control = {(r["task"], int(r["layer"]), r["method"]) for r in store.rows("finished") if r["control"] == "1"}
@@ -339,7 +339,7 @@ def run_sweep(
         measured = {r["task"] for r in store.rows("accuracy")}
         todo = [(task, group) for task, group in units
                 if task not in measured or any((task, layer, m) not in finished for layer in group for m in methods)]
-        return todo, done, with_control
+        return todo, (done, with_control)
 
     def summary(store) -> list[dict]:
         accuracy = {r["task"]: float(r["accuracy"]) for r in store.rows("accuracy")}
@@ -348,7 +348,7 @@ def run_sweep(
         return summarise(results, accuracy, regions, out, {task: load_task(task, templates).scored_regions for task in tasks})
 
     with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates",)) as run:  # the file is known by its sha256
-        todo, done, with_control = run.start(plan)
+        todo, (done, with_control) = run.start(plan, hint=" (--layers_per_unit splits a task's layers into more units)")
         for task, group in ranks.shard(todo):
             accuracy = {}
             _sweep(run.store, [(task, group)], methods, templates, lm, control, sizes, seed, dtype, batch_size, regions,
@@ -396,7 +396,7 @@ def main(args=None) -> None:
         from lit_interventions.ravel_sweep import main as ravel_main
 
         return ravel_main(args)
-    run_cli(run_sweep, __doc__, args)
+    run_cli(distributed.printed_by_rank_zero(run_sweep), __doc__, args)
 
 
 if __name__ == "__main__":

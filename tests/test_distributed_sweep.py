@@ -121,7 +121,8 @@ def test_causalgym_resumes_what_a_rank_left(tmp_path, tiny_lm_dir, one_thread):
         db.execute("UPDATE results SET odds = '123.0'")
     db.close()
     _as_if_rank_left_it(out, 1)
-    _launch(tmp_path, 2, *_causalgym(lm_dir, out, methods=options["methods"]))
+    done = _launch(tmp_path, 2, *_causalgym(lm_dir, out, methods=options["methods"]))
+    assert "2 ranks for 1 units of work left: 1 ranks have nothing to do (--layers_per_unit" in done.stderr
     rows = _rows(out / "results.csv")
     assert [r["task"] for r in rows] == ["agr_gender"] * 8 + ["agr_sv_num_pp"] * 10
     assert all(r["odds"] == "123.0" for r in rows[:8])  # not recomputed
@@ -179,3 +180,22 @@ def test_ravel_two_ranks_resume_and_equal_one_process(tmp_path, tiny_lm_dir, mon
     das = [r for r in _rows(two / "table.csv") if r["method"] == "das"]
     assert das == [r for r in _rows(one / "table.csv") if r["method"] == "das"]
     assert (two / "das_changes.png").is_file() and not (two / "ranks").exists()
+
+
+def test_a_rank_alone_gives_up_with_one_clear_error(monkeypatch):
+    """`python -m lit_interventions.sweep` run bare in a SLURM batch script of 2 tasks: the one
+    process is rank 0 of 2 and no other comes."""
+    import socket
+    from datetime import timedelta
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                        "SLURM_NODEID": "0", "SLURM_JOB_NAME": "sweep", "SLURM_NODELIST": "localhost",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "MEET", timedelta(seconds=2))
+    ranks = distributed.detect()
+    with pytest.raises(ValueError, match=r"rank 0 of 2 waited 0:00:02 for the others at 127.0.0.1:\d+ and gave up"):
+        ranks.from_main(lambda: pytest.fail("no work before the ranks meet"))
