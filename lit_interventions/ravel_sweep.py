@@ -15,6 +15,10 @@ method configs are fixed) and scores the test split with the validation metric
 and resumes: a rerun skips the (method, attribute) cells already done. Finished cells are kept in
 `DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it, whole, after each
 (`lit_interventions.results`); one run at a time holds `DIR/.lock`.
+
+Under torchrun or srun the cells are shared out over the processes: each writes
+`DIR/ranks/rank-R/`, and rank 0 merges them into the files one process would have written
+(`lit_interventions.distributed`), resuming what any earlier run finished, at any world size.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import yaml
 from tqdm import tqdm
 
 from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
+from lit_interventions import distributed
 from lit_interventions.cli import choose_layers, choose_names, read_rows, run_cli
 from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.configs import build_module, model_section
 from lit_interventions.plots import attribute_heatmap
-from lit_interventions.results import Table, open_results, write_atomically
+from lit_interventions.results import Table, write_atomically
 
 METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
 ALL = [m for m in METHODS if m != "sae"]  # `all`: sae needs a trained SAE named in its config
@@ -104,6 +109,8 @@ def run_ravel_sweep(
         train_size, eval_size, max_candidates: as in RavelDataModule.
         out: output directory. seed: data and training seed.
     """
+    ranks = distributed.detect()
+    distributed.pin_device(ranks)  # before anything starts CUDA
     methods = choose_names(ALL if methods in ("all", ["all"]) else methods, METHODS, "methods")
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
@@ -122,17 +129,29 @@ def run_ravel_sweep(
     data_options = {"lm": lm, "ravel_dir": ravel_dir, "entity_type": entity_type, "split": split, "source": source,
                     "train_size": train_size, "eval_size": eval_size, "max_candidates": max_candidates, "seed": seed}  # fmt: skip
     meta = {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs}
-    with open_results(out, meta, [CHANGES, SUMMARY]) as store:
+    cells = [(m, a) for m in methods for a in attributes]
+
+    def plan(store) -> tuple[list[tuple[str, str]], None]:
         done = {(r["method"], r["attribute"]) for r in store.rows("summary")}
-        cells = [(m, a) for m in methods for a in attributes if (m, a) not in done]
-        for method, attribute in tqdm(cells, desc="RAVEL cells", unit="cell"):
+        return [cell for cell in cells if cell not in done], None
+
+    with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
+        todo, _ = run.start(plan)
+        mine = ranks.shard(todo)
+        for method, attribute in tqdm(mine, desc="RAVEL cells", unit="cell"):
             options, n_epochs = method_options[method]
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
             changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
                        for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
             scores = {k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}
-            store.add({"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]})  # both or neither
-    return summarise(out, methods, attributes, data.attributes)
+            run.store.add({"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]})  # both or neither
+        return run.finish(_position(cells), lambda store: summarise(out, methods, attributes, data.attributes))
+
+
+def _position(cells: list[tuple[str, str]]):
+    """A row's cell's place in `cells` (-1: none of them), to merge the ranks' rows in that order."""
+    index = {cell: i for i, cell in enumerate(cells)}
+    return lambda table, row: index.get((row["method"], row["attribute" if table == "summary" else "intervened"]), -1)
 
 
 def summarise(out: Path, methods: list[str], attributes: list[str], all_attributes: list[str]) -> list[dict]:
@@ -166,7 +185,7 @@ def main(args=None) -> None:
         parser.add_argument("--benchmark", choices=["ravel"], default="ravel")  # the config's dispatch key
         parser.add_function_arguments(run_ravel_sweep, as_positional=False)
 
-    run_cli(run_ravel_sweep, __doc__, args, customize, ignore=("benchmark",))
+    run_cli(distributed.printed_by_rank_zero(run_ravel_sweep), __doc__, args, customize, ignore=("benchmark",))
 
 
 if __name__ == "__main__":

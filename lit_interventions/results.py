@@ -10,6 +10,12 @@
 - `DIR/<table>.csv`: exported from the database after each unit (temporary file + `os.replace`),
   so it is always whole. A CSV from before the database is imported once: its complete rows are
   kept, each damaged line is reported (file and line number) and its unit recomputed.
+- `DIR/ranks/rank-R/`: under torchrun or srun, rank R's own store (the same files); rank 0 merges
+  them into DIR's (`ResultsStore.absorb`) at the start of a run (what an interrupted run left) and
+  at its end, then removes them.
+
+Each database has one process (the run that holds DIR/.lock, or the rank that owns it): SQLite's
+exclusive locking mode, which keeps WAL mode working on a network filesystem (no shared memory).
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ import csv
 import fcntl
 import json
 import os
+import shutil
 import sqlite3
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 DB_NAME = "results.sqlite"
 LOCK_NAME = ".lock"
+RANKS_DIR = "ranks"
 
 
 class OutDirBusy(ValueError):
@@ -36,13 +44,15 @@ class OutDirBusy(ValueError):
 @dataclass(frozen=True)
 class Table:
     """One kind of row: written to DIR/<name>.csv with `columns`; a row replaces the row with the
-    same `key`. `numeric` columns must parse as numbers, `optional` ones may be empty."""
+    same `key`. `numeric` columns must parse as numbers, `optional` ones may be empty; a table
+    with `export=False` is kept in the database only (bookkeeping, e.g. which units finished)."""
 
     name: str
     columns: tuple[str, ...]
     key: tuple[str, ...]
     numeric: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
+    export: bool = True
 
 
 # --- the lock ---
@@ -126,11 +136,16 @@ def _quote(name: str) -> str:
 
 
 class ResultsStore:
-    """Finished units in DIR/results.sqlite, one table per `Table`, each exported to its CSV."""
+    """Finished units in `directory`/results.sqlite, one table per `Table`, each exported to its
+    CSV there. `out` (default: `directory`) is the run's output directory, where callers put
+    their other files (`store.out`): a rank's store lives in DIR/ranks/rank-R with `out` DIR."""
 
-    def __init__(self, out: Path, tables: list[Table]):
-        self.out, self.tables = Path(out), {t.name: t for t in tables}
-        self.db = sqlite3.connect(self.out / DB_NAME, isolation_level=None)  # transactions are ours
+    def __init__(self, directory: Path, tables: list[Table], out: Path | None = None):
+        self.directory, self.tables = Path(directory), {t.name: t for t in tables}
+        self.out = Path(out) if out is not None else self.directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.directory / DB_NAME, isolation_level=None)  # transactions are ours
+        self.db.execute("PRAGMA locking_mode=EXCLUSIVE")  # before WAL: no shared-memory index
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("CREATE TABLE IF NOT EXISTS imported (name TEXT PRIMARY KEY)")
@@ -156,6 +171,35 @@ class ResultsStore:
         for name in unit:
             self._export(self.tables[name])
 
+    def absorb(self, directories: list[Path], position: Callable[[str, dict], int] | None = None) -> None:
+        """Merge the stores in `directories` (the ranks' DIR/ranks/rank-R) into this one, in one
+        transaction, then remove them. Each table's new rows are inserted in the order of
+        `position(table, row)` (stable; default: as found), so the merged CSV lists them as one
+        process would have; a row equal to the one already here is left where it is."""
+        found = {name: [] for name in self.tables}
+        for directory in directories:
+            source = ResultsStore(directory, list(self.tables.values()))
+            try:
+                for name in self.tables:
+                    found[name] += source.rows(name)
+            finally:
+                source.close()
+        with self._transaction():
+            for name, rows in found.items():
+                table = self.tables[name]
+                have = {tuple(r[c] for c in table.key): r for r in self.rows(name)}
+                new = [r for r in rows if have.get(tuple(r[c] for c in table.key)) != r]
+                if position is not None:
+                    new.sort(key=lambda row: position(name, row))
+                self._insert(table, new)
+        for table in self.tables.values():
+            self._export(table)
+        for directory in directories:
+            shutil.rmtree(directory)  # only once their rows are committed here
+        ranks = self.directory / RANKS_DIR
+        if ranks.is_dir() and not any(ranks.iterdir()):
+            ranks.rmdir()
+
     def close(self) -> None:
         self.db.close()
 
@@ -179,7 +223,9 @@ class ResultsStore:
                             [_text(row.get(c)) for c in table.columns])  # fmt: skip
 
     def _export(self, table: Table) -> None:
-        path = self.out / f"{table.name}.csv"
+        if not table.export:
+            return
+        path = self.directory / f"{table.name}.csv"
         rows = self.rows(table.name)
         if not rows and not path.exists():
             return  # nothing finished yet: no file, as before
@@ -197,9 +243,9 @@ class ResultsStore:
         transaction with the mark that says it is done."""
         if self.db.execute("SELECT 1 FROM imported WHERE name = ?", (table.name,)).fetchone():
             return
-        path = self.out / f"{table.name}.csv"
+        path = self.directory / f"{table.name}.csv"
         with self._transaction():
-            if path.is_file():
+            if table.export and path.is_file():
                 self._insert(table, complete_rows(path, table))
             self.db.execute("INSERT INTO imported VALUES (?)", (table.name,))
 
@@ -252,6 +298,17 @@ def _is_number(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def rank_dirs(out: Path) -> list[Path]:
+    """The ranks' stores in DIR/ranks (of this run, or left by an interrupted one), by rank."""
+    found = [p for p in (Path(out) / RANKS_DIR).glob("rank-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def rank_store(out: Path, rank: int, tables: list[Table]) -> ResultsStore:
+    """Rank `rank`'s own store, DIR/ranks/rank-R (its `out` is DIR); rank 0 merges it."""
+    return ResultsStore(Path(out) / RANKS_DIR / f"rank-{rank}", tables, out=out)
 
 
 @contextmanager

@@ -16,7 +16,15 @@ loses at most one site's scoring or one layer's DAS training):
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
 - DIR/das/TASK_LAYER.safetensors: the trained DAS subspaces, {region: W (k × d)}.
 Finished sites are kept in DIR/results.sqlite (one transaction per site) and results.csv exported
-from it, whole, after each (`lit_interventions.results`); one run at a time holds DIR/.lock.
+from it, whole, after each (`lit_interventions.results`); one run at a time holds DIR/.lock. So are
+each task's Acc and the finished units (a rerun skips them whole).
+
+The units of work are (task, layers) (`sweep_units`; `--layers_per_unit` splits a task's layers).
+Under torchrun or srun each process takes every N-th unit with work left and writes
+DIR/ranks/rank-R/; rank 0 merges them into the files above, as one process would have written
+them, and a rerun at any world size resumes what any rank finished (`lit_interventions.distributed`):
+
+    torchrun --standalone --nproc_per_node 4 -m lit_interventions.sweep --config configs/sweep_causalgym.yaml
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ from tqdm import tqdm
 
 from datamodules.causalgym import CausalGymDataModule, EmptyRegionError
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
+from lit_interventions import distributed
 from lit_interventions.cache import ActivationCache
-from lit_interventions.cli import choose_layers, choose_names, read_rows, run_cli
+from lit_interventions.cli import choose_layers, choose_names, run_cli
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
@@ -49,12 +58,17 @@ from lit_interventions.lm import DEFAULT_LM, DTYPES, load_config, load_lm, num_l
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.plots import odds_heatmap
-from lit_interventions.results import Table, open_results
+from lit_interventions.results import Table
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
 RESULTS = Table("results", tuple(RESULT_COLUMNS), key=("task", "method", "layer", "region"),
                 numeric=("layer", "odds", "iia", "control_odds", "control_iia"), optional=("control_odds", "control_iia"))  # fmt: skip
+ACCURACY = Table("accuracy", ("task", "accuracy"), key=("task",), numeric=("accuracy",), export=False)  # summary.csv shows it
+# a method is finished at a layer of a task once its unit ran (with the control task: control 1),
+# empty regions included: a rerun skips the unit
+FINISHED = Table("finished", ("task", "layer", "method", "control"), key=("task", "layer", "method"),
+                 numeric=("layer", "control"), export=False)  # fmt: skip
 
 
 def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
@@ -217,10 +231,16 @@ def check_inputs(tasks: list[str], templates, dtype: str, sizes: dict) -> None:
                                  f"ask for at most {available}")  # fmt: skip
 
 
-def sweep_units(tasks: list[str], layers: list[int]) -> list[tuple[str, tuple[int, ...]]]:
-    """The sweep's units of work, (task, layers): one per task, all its layers together (one
-    activation cache and one DAS training loop per unit)."""
-    return [(task, tuple(layers)) for task in tasks]
+def sweep_units(tasks: list[str], layers: list[int], layers_per_unit: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """The sweep's units of work, (task, layers): per task, its layers in groups of
+    `layers_per_unit` (None: all of them; one activation cache and one DAS training loop per
+    unit). Smaller groups spread a few tasks over many ranks."""
+    if layers_per_unit is None:
+        layers_per_unit = max(len(layers), 1)
+    if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
+        raise ValueError(f"layers_per_unit={layers_per_unit!r} must be a positive integer (or None: all layers in one unit)")
+    groups = [tuple(layers[i : i + layers_per_unit]) for i in range(0, len(layers), layers_per_unit)]
+    return [(task, group) for task in tasks for group in groups]
 
 
 def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
@@ -269,8 +289,13 @@ def run_sweep(
     seed: int = 0,
     dtype: str = "float32",
     batch_size: int = 64,
+    layers_per_unit: int | None = None,
 ) -> list[dict]:
     """Run (or resume) the sweep; returns the summary rows.
+
+    Under torchrun or srun each process takes its share of the units (`sweep_units`), writes
+    DIR/ranks/rank-R/, and rank 0 merges them into the files one process would have written
+    (`lit_interventions.distributed`).
 
     Args:
         tasks: task names, or 'all'.
@@ -286,28 +311,67 @@ def run_sweep(
         batch_size: rows per forward that only reads the frozen LM (the cache fill, the states
             directions are fitted on, scoring); DAS trains at the paper's batch of 4 whatever it
             is. Raise it to fill a GPU.
+        layers_per_unit: layers per unit of work (default: all of a task's layers in one);
+            smaller spreads a few tasks over many processes.
     """
+    ranks = distributed.detect()
+    distributed.pin_device(ranks)  # before anything starts CUDA
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     template_path = Path(templates) if templates else BUILTIN_TEMPLATES
     tasks = choose_names(tasks, list(load_templates(template_path)), "tasks")
     methods = choose_names(methods, METHODS, "methods")
     layers = choose_layers(layers, num_layers(load_config(lm)))
+    units = sweep_units(tasks, layers, layers_per_unit)
     out = Path(out)
     digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
     check_inputs(tasks, templates, dtype, sizes)  # before the output directory is claimed: a refused run leaves nothing
-    results_path = out / "results.csv"
-    regions, accuracy = {task: load_task(task, templates).regions for task in tasks}, {}
-    with open_results(out, {"lm": lm, "dtype": dtype, "templates": templates or "builtin", "templates_sha256": digest,
-                            **sizes}, [RESULTS], ignore=("templates",)) as store:  # the file is known by its sha256
+    regions = {task: load_task(task, templates).regions for task in tasks}
+    meta = {"lm": lm, "dtype": dtype, "templates": templates or "builtin", "templates_sha256": digest, **sizes}
+
+    def plan(store) -> tuple[list, tuple[set, set]]:
+        """The units with work left; the finished sites, and the layers finished with the control."""
         done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in store.rows("results")
                 if r["control_odds"] or not control}  # a site run without the control is redone with it
-        _sweep(store, sweep_units(tasks, layers), methods, templates, lm, control, sizes, seed, dtype, batch_size,
-               regions, done, accuracy)  # fmt: skip
-    results = [r for r in read_rows(results_path)
-               if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
-    return summarise(results, accuracy, regions, out, {task: load_task(task, templates).scored_regions for task in tasks})
+        with_control = {(r["task"], int(r["layer"]), r["method"]) for r in store.rows("finished") if r["control"] == "1"}
+        finished = with_control | {(r["task"], int(r["layer"]), r["method"]) for r in store.rows("finished") if not control}
+        measured = {r["task"] for r in store.rows("accuracy")}
+        todo = [(task, group) for task, group in units
+                if task not in measured or any((task, layer, m) not in finished for layer in group for m in methods)]
+        return todo, (done, with_control)
+
+    def summary(store) -> list[dict]:
+        accuracy = {r["task"]: float(r["accuracy"]) for r in store.rows("accuracy")}
+        results = [r for r in store.rows("results")
+                   if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
+        return summarise(results, accuracy, regions, out, {task: load_task(task, templates).scored_regions for task in tasks})
+
+    with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates",)) as run:  # the file is known by its sha256
+        todo, (done, with_control) = run.start(plan, hint=" (--layers_per_unit splits a task's layers into more units)")
+        for task, group in ranks.shard(todo):
+            accuracy = {}
+            _sweep(run.store, [(task, group)], methods, templates, lm, control, sizes, seed, dtype, batch_size, regions,
+                   done, accuracy)  # fmt: skip
+            finished = [{"task": task, "layer": layer, "method": m, "control": int(control)} for layer in group for m in methods
+                        if control or (task, layer, m) not in with_control]  # fmt: skip
+            run.store.add({"accuracy": [{"task": task, "accuracy": accuracy[task]}], "finished": finished})
+        return run.finish(_position(units), summary)
+
+
+def _position(units: list[tuple[str, tuple[int, ...]]]):
+    """A row's unit's place in `units` (-1: none of them), to merge the ranks' rows in that order."""
+    index = {(task, layer): i for i, (task, group) in enumerate(units) for layer in group}
+    first = {}
+    for i, (task, _) in enumerate(units):
+        first.setdefault(task, i)
+
+    def position(table: str, row: dict) -> int:
+        if table == "accuracy":
+            return first.get(row["task"], -1)
+        return index.get((row["task"], int(row["layer"])), -1)
+
+    return position
 
 
 def _benchmark(args) -> str:
@@ -332,7 +396,7 @@ def main(args=None) -> None:
         from lit_interventions.ravel_sweep import main as ravel_main
 
         return ravel_main(args)
-    run_cli(run_sweep, __doc__, args)
+    run_cli(distributed.printed_by_rank_zero(run_sweep), __doc__, args)
 
 
 if __name__ == "__main__":
