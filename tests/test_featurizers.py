@@ -531,7 +531,12 @@ def test_dev_choice_ties_go_to_the_smaller_C_and_bad_names_are_refused():
     fitted.choose({"C=0.001": same, "C=1": same})
     assert fitted.C == 0.001
     with pytest.raises(ValueError, match="C=3"):
-        fitted.choose({"C=3": same})
+        fitted.choose({"C=3": same, "C=1": same})
+    # a C whose selection repeats a smaller C's is not scored again, and records that one's scores
+    repeated = FeatureInterchangeFit(3, C=[1.0, 2.0], standardize=False).fit(x, a.tolist())
+    assert list(repeated.dev_candidates()) == ["C=1"]
+    repeated.choose({"C=1": same})
+    assert repeated.C == 1.0 and [row["dev"] for row in repeated.sweep] == [same, same]
     with pytest.raises(ValueError, match="select_by='best'"):
         FeatureInterchangeFit(3, select_by="best")
     assert FeatureInterchangeFit(3, select_by="accuracy").fit(x, a.tolist()).dev_candidates() == {}

@@ -126,35 +126,37 @@ class FeatureInterchangeFit(_Fitted):
     def _device(self) -> torch.device:
         return self.fitted.mask.device if self.fitted is not None else torch.device("cpu")
 
+    def _candidate_names(self) -> dict[float, str]:
+        """C -> the name of its candidate, "C=<the smallest C with the same selection>"."""
+        first: dict[tuple, str] = {}
+        return {row["C"]: first.setdefault(tuple(row["selected"].tolist()), f"C={row['C']:g}") for row in self.sweep}
+
     def dev_candidates(self) -> dict[str, FeatureInterchange]:
-        """One interchange per distinct selection of the sweep (the smallest C giving it), by name
-        "C=<C>": what the module scores on the dev split. Empty unless select_by="disentangle"."""
+        """One interchange per distinct selection of the sweep (named by the smallest C giving it,
+        "C=<C>"): what the module scores on the dev split. Empty unless select_by="disentangle"."""
         if self.select_by != "disentangle" or self.needs_fit:
             return {}
-        candidates, seen = {}, set()
-        for row in self.sweep:
-            key = tuple(row["selected"].tolist())
-            if key not in seen:
-                seen.add(key)
-                candidates[f"C={row['C']:g}"] = FeatureInterchange(self.featurizer, key).to(self._device())
-        return candidates
+        names = self._candidate_names()
+        return {names[row["C"]]: FeatureInterchange(self.featurizer, row["selected"].tolist()).to(self._device())
+                for row in self.sweep if names[row["C"]] == f"C={row['C']:g}"}  # fmt: skip
 
     def choose(self, scores: dict[str, dict]) -> None:
         """Keep the candidate with the best dev Disentangle (`scores`: name -> {cause, iso,
-        disentangle}, as `dev_candidates` names them); ties go to the smaller C."""
-        by_name = {f"C={row['C']:g}": row for row in self.sweep}
-        unknown = set(scores) - set(by_name)
-        if unknown or not scores:
-            raise ValueError(f"scores name {sorted(unknown) or 'no candidate'}; the candidates are {sorted(by_name)}")
-        best = max(scores, key=lambda name: (scores[name]["disentangle"], -by_name[name]["C"]))
-        for name, score in scores.items():
-            by_name[name]["dev"] = dict(score)
-        self._use(by_name[best])
+        disentangle}, as `dev_candidates` names them); ties go to the smaller C. Every C of the
+        sweep records the dev scores of its selection."""
+        names = self._candidate_names()
+        unknown = set(scores) - set(names.values())
+        if unknown or set(scores) != set(names.values()):
+            raise ValueError(f"scores name {sorted(scores)}; the candidates are {sorted(set(names.values()))}")
+        for row in self.sweep:
+            row["dev"] = dict(scores[names[row["C"]]])
+        self._use(max(self.sweep, key=lambda row: (row["dev"]["disentangle"], -row["C"])))
 
     def summary(self) -> str:
-        text = (f"{self.featurizer_name}: {len(self.fitted.selected)} of {self.fitted.featurizer.n_features} features "
-                f"selected (C={self.C:g}, by {self.select_by})")  # fmt: skip
         scored = [r for r in self.sweep if "dev" in r]
+        how = "the largest of the grid, not chosen on dev" if self.select_by == "disentangle" and not scored else f"by {self.select_by}"
+        text = (f"{self.featurizer_name}: {len(self.fitted.selected)} of {self.fitted.featurizer.n_features} features "
+                f"selected (C={self.C:g}, {how})")  # fmt: skip
         if scored:
             text += "; dev " + ", ".join(
                 f"C={r['C']:g}: {r['n_features']} features, Cause {r['dev']['cause']:.3f} Iso {r['dev']['iso']:.3f} "

@@ -11,7 +11,8 @@ Interventions with a `fit(states, labels)` method (closed-form directions, PCA/S
 are fitted when `fit` starts, on the site's states of the train split (base and source sides)
 and the labels the data module gives them (`site_labels`); they take no optimizer step. One that
 then offers `dev_candidates()` (RAVEL's PCA/SAE: one per L1 strength C) has each scored on the
-val split with the data's `dev_metric()` (RAVEL: Disentangle) and keeps the best (`choose`).
+val split with the data's `dev_metric()` (RAVEL: Disentangle) and keeps the best (`choose`); on
+data without one (CausalGym) it keeps its default.
 """
 
 from __future__ import annotations
@@ -176,11 +177,11 @@ class InterchangeModule(SiteModule):
         self.intervention.fit(torch.cat(states), labels)
         self.intervention.to(self.device)
         candidates = self.intervention.dev_candidates() if hasattr(self.intervention, "dev_candidates") else {}
-        if candidates:
-            if not hasattr(data, "dev_metric"):
-                raise ValueError(f"{type(self.intervention).__name__} chooses among its candidates on the dev split, "
-                                 f"and {type(data).__name__} has no dev_metric; choose another way (e.g. select_by: accuracy)")  # fmt: skip
+        if candidates and hasattr(data, "dev_metric"):
             self.intervention.choose(self.dev_scores(data, candidates))
+        elif candidates:  # e.g. CausalGym: no Disentangle to choose by; the intervention's default stays
+            self.print(f"{type(data).__name__} has no dev_metric: {type(self.intervention).__name__} keeps its "
+                       "default among its candidates")  # fmt: skip
         summary = getattr(self.intervention, "summary", None)
         if summary:
             self.print(summary())
