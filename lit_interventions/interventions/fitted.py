@@ -61,7 +61,8 @@ class FeatureInterchangeFit(_Fitted):
       `RAVEL_C_GRID`) an L1 linear SVM (`LinearSVC`, the features as they are) is fitted on all the
       train states and `SelectFromModel` gives its features; the interchange module keeps the C
       whose interchange has the best Disentangle on the dev split (ties: the smaller C). An empty
-      selection (the identity, Disentangle = Iso/2 + 0) is not a candidate. Until then (fitted
+      selection (the identity: Cause 0, Iso 1, Disentangle 0.5 with nothing localised) is not a
+      candidate. Until then (fitted
       outside a module) the largest C's features are used.
     - "accuracy" (the earlier rule): an L1 logistic regression on features scaled to unit variance,
       C (default `DEFAULT_C_GRID`) the smallest within 0.01 of the best accuracy on a random 20%
@@ -145,8 +146,7 @@ class FeatureInterchangeFit(_Fitted):
         disentangle}, as `dev_candidates` names them); ties go to the smaller C. Every C of the
         sweep records the dev scores of its selection."""
         names = self._candidate_names()
-        unknown = set(scores) - set(names.values())
-        if unknown or set(scores) != set(names.values()):
+        if set(scores) != set(names.values()):
             raise ValueError(f"scores name {sorted(scores)}; the candidates are {sorted(set(names.values()))}")
         for row in self.sweep:
             row["dev"] = dict(scores[names[row["C"]]])
