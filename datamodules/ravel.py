@@ -20,6 +20,7 @@ from datamodules.causalgym import collate as causalgym_collate
 from datamodules.loaders import split_loader
 from lit_interventions.callbacks.metrics import DisentangleCallback
 from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
+from lit_interventions.metrics.disentangle import DevDisentangle
 from lit_interventions.sites import logits_at
 from lit_interventions.surprisal import bos_prefix
 from lit_interventions.tokens import pad_batch
@@ -366,6 +367,10 @@ class RavelDataModule(LightningDataModule):
     def metric_callbacks(self) -> list:
         """What this data is scored by: Cause, Iso and Disentangle."""
         return [DisentangleCallback()]
+
+    def dev_metric(self) -> DevDisentangle:
+        """What a fitted intervention's candidates are chosen by on the val split: Disentangle."""
+        return DevDisentangle(len(self.attributes))
 
     def site_labels(self, batch: dict, side: str) -> list[str]:
         """The class of each site state a closed-form intervention is fitted on: the target

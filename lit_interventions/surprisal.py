@@ -2,9 +2,11 @@
 
 A sentence is given as a list of regions (strings). It is scored the way SyntaxGym scores it:
 
-1. The sentence is the non-empty regions joined with single spaces; a region made only of
-   punctuation (".", ",") attaches to the previous one without a space. Whitespace inside and
-   around a region collapses to single spaces.
+1. The sentence is the non-empty regions joined with single spaces, a region made only of
+   punctuation (".", ",") too, as syntaxgym-core joins them (`Suite.iter_sentences`: "The
+   authors are ."); attach_punctuation=True attaches such a region to the previous one without
+   a space instead ("The authors are."). Whitespace inside and around a region collapses to
+   single spaces (syntaxgym-core only strips the left: a trailing space would give two).
 2. The whole sentence is tokenised once, after a BOS token: the tokenizer's own when it adds
    one (gemma), otherwise the BOS token's text is prepended (pythia, GPT-2, SmolLM2).
 3. Token t's surprisal comes from the logits at the previous position:
@@ -46,16 +48,17 @@ class EncodedSentence:
 
 
 def is_punctuation(region: str) -> bool:
-    """True for a region such as "." or "," that attaches to the previous one without a space."""
+    """True for a region such as "." or "," (made only of punctuation)."""
     return bool(region) and all(ch in string.punctuation for ch in region)
 
 
-def join_regions(regions: list[str]) -> tuple[str, list[tuple[int, int]]]:
-    """The sentence and each region's character span [start, end) in it (empty regions: start == end)."""
+def join_regions(regions: list[str], attach_punctuation: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The sentence and each region's character span [start, end) in it (empty regions: start == end).
+    attach_punctuation: a punctuation-only region follows the previous one without a space."""
     text, spans = "", []
     for region in regions:
         content = " ".join(region.split())
-        if content and text and not is_punctuation(content):
+        if content and text and not (attach_punctuation and is_punctuation(content)):
             text += " "
         start = len(text)
         text += content
@@ -93,9 +96,9 @@ def _token_region(offset: tuple[int, int], text: str, char_regions: list[int]) -
     return NO_REGION
 
 
-def encode_regions(tokenizer, regions: list[str]) -> EncodedSentence:
+def encode_regions(tokenizer, regions: list[str], attach_punctuation: bool = False) -> EncodedSentence:
     """Tokenise the joined sentence once (after BOS) and assign each token to a region."""
-    sentence, spans = join_regions(regions)
+    sentence, spans = join_regions(regions, attach_punctuation)
     prefix = bos_prefix(tokenizer)
     text = prefix + sentence
     char_regions = [NO_REGION] * len(text)
@@ -168,11 +171,13 @@ def region_surprisals(
     metric: str = "sum",
     batch_size: int = 16,
     wanted_regions: list[set[int]] | None = None,
+    attach_punctuation: bool = False,
 ) -> list[list[float]]:
     """S(r) in bits for the regions of every sentence (a sentence is its list of regions).
 
     `wanted_regions[i]` holds the region indices (0-based) of sentence i to score (default: all);
     only their tokens go through the LM head, and the other regions come back as nan.
+    attach_punctuation: join a punctuation-only region without a space (`join_regions`).
     Sentences are sorted by length before batching, so a batch carries little padding.
     """
     if metric not in METRICS:
@@ -181,7 +186,7 @@ def region_surprisals(
         raise ValueError(f"batch_size={batch_size} must be a positive integer")
     if wanted_regions is None:
         wanted_regions = [set(range(len(regions))) for regions in sentences]
-    encoded = [encode_regions(tokenizer, regions) for regions in sentences]
+    encoded = [encode_regions(tokenizer, regions, attach_punctuation) for regions in sentences]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     order = sorted(range(len(encoded)), key=lambda index: len(encoded[index].token_ids))
     results: list[list[float]] = [[] for _ in sentences]

@@ -253,11 +253,13 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
         assert metrics[f"val/iso/{attribute}"].item() == pytest.approx(value, abs=1e-6), attribute
     assert metrics["val/disentangle"].item() == pytest.approx((metrics["val/cause"] + metrics["val/iso"]).item() / 2)
     assert cli.datamodule.hparams.multitask == config.startswith("m")  # linked from the model
-    if config == "pca":  # fitted on the train states (a random tiny model's states may predict nothing:
-        # then the selection is empty and the swap is the identity)
-        fitted = cli.model.intervention.fitted
+    if config == "pca":  # fitted on the train states, C chosen by the dev Disentangle of each C's swap
+        intervention = cli.model.intervention
+        fitted = intervention.fitted
         assert isinstance(fitted, FeatureInterchange) and fitted.featurizer.n_features == 32
-        assert len(fitted.selected) <= 32 and fitted.selection.sweep
+        dev = {row["C"]: row["dev"]["disentangle"] for row in intervention.sweep}
+        assert len(dev) >= 2 and intervention.C == min(c for c in dev if dev[c] == max(dev.values()))  # ties: smaller C
+        assert fitted.selected.tolist() == next(r["selected"].tolist() for r in intervention.sweep if r["C"] == intervention.C)
     elif subcommand == "fit":
         card = json.loads((Path(cli.trainer.log_dir) / "intervention.json").read_text())
         expected = "RotatedSpaceIntervention" if "das" in config else "SigmoidMaskIntervention"

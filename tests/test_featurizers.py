@@ -19,6 +19,7 @@ from lit_interventions.interventions.featurizers import (
     FullVectorSwap,
     PCAFeaturizer,
     SAEFeaturizer,
+    featurize,
     fit_feature_interchange,
     select_features,
 )
@@ -63,6 +64,41 @@ def test_pca_round_trip_full_rank_and_truncated():
     assert not torch.allclose(top2.decode(z), X, atol=1e-2)  # rank 2 loses the rest
 
 
+def test_standardised_pca_hand_checked():
+    """RAVEL standardises each dimension before PCA and undoes it after. X = [[0, 0], [2, 20]]:
+    μ = (1, 10), σ = (1, 10), standardised rows ∓(1, 1), so the axis is (1, 1)/√2 (raw PCA would
+    take ≈ (0.1, 0.995), the high-variance coordinate)."""
+    X = torch.tensor([[0.0, 0.0], [2.0, 20.0]])
+    pca = PCAFeaturizer.fit(X, n_components=1)
+    torch.testing.assert_close(pca.mean, torch.tensor([1.0, 10.0]))
+    torch.testing.assert_close(pca.scale, torch.tensor([1.0, 10.0]))
+    torch.testing.assert_close(pca.components.abs(), torch.full((1, 2), 0.5**0.5))
+    torch.testing.assert_close(pca.encode(X).abs(), torch.full((2, 1), 2**0.5))
+    torch.testing.assert_close(pca.decode(pca.encode(X)), X)  # the train states round-trip
+    torch.testing.assert_close(pca.encode(torch.tensor([2.0, 0.0])), torch.zeros(1))  # standardised (1, −1) ⟂ axis
+    # f* = f(b) + σ ⊙ Vᵀ(z(s) − z(b)), in the original space
+    swap = FeatureInterchange(pca, [0])
+    torch.testing.assert_close(swap(X[:1], X[1:]), X[1:])
+    torch.testing.assert_close(swap(torch.tensor([[2.0, 0.0]]), X[:1]), torch.tensor([[1.0, -10.0]]))
+    raw = PCAFeaturizer.fit(X, n_components=1, standardize=False)
+    torch.testing.assert_close(raw.components.abs(), torch.tensor([[2.0, 20.0]]) / 404**0.5)
+    torch.testing.assert_close(raw.scale, torch.ones(2))
+
+
+def test_standardised_pca_round_trips_the_train_states():
+    """Fewer states than dimensions (N = 5 < d = 8): the N components span the centred train
+    states, so encode → decode is the identity on them."""
+    X = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)) * torch.arange(1, 9) * 10 + 3.0
+    pca = PCAFeaturizer.fit(X)
+    assert pca.n_features == 5
+    torch.testing.assert_close(pca.decode(pca.encode(X)), X, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(pca.scale.double(), X.double().std(0, unbiased=False), atol=1e-4, rtol=1e-5)
+    constant = torch.cat([X, torch.full((5, 1), 7.0)], dim=1)  # a constant dimension keeps σ = 1
+    assert PCAFeaturizer.fit(constant).scale[-1] == 1.0
+    torch.testing.assert_close(PCAFeaturizer.fit(constant).decode(PCAFeaturizer.fit(constant).encode(constant)), constant,
+                               atol=1e-4, rtol=1e-5)  # fmt: skip
+
+
 def test_sae_featurizer_formula():
     W1, b1, W2, b2 = torch.randn(6, 3), torch.randn(6), torch.randn(3, 6), torch.randn(3)
     sae = SAEFeaturizer(W1, b1, W2, b2)
@@ -77,7 +113,7 @@ def test_sae_featurizer_formula():
 
 def test_pca_interchange_hand_checked():
     X = torch.tensor([[3.0, 1.0], [-3.0, 1.0], [3.0, -1.0], [-3.0, -1.0]])  # axes e1 (var 12), e2 (var 1.33)
-    pca = PCAFeaturizer.fit(X)
+    pca = PCAFeaturizer.fit(X, standardize=False)
     base, source = torch.tensor([[1.0, 2.0]]), torch.tensor([[5.0, -7.0]])
     torch.testing.assert_close(FeatureInterchange(pca, [0])(base, source), torch.tensor([[5.0, 2.0]]))
     torch.testing.assert_close(FeatureInterchange(pca, [1])(base, source), torch.tensor([[1.0, -7.0]]))
@@ -183,7 +219,8 @@ def test_fitted_pca_interchange_moves_the_label():
     labels = (latents[:, 4] > 0).astype(int)
     rotation, _ = np.linalg.qr(rng.normal(size=(d, d)))
     X = torch.as_tensor(latents @ rotation.T + 1.0, dtype=torch.float32)
-    intervention = fit_feature_interchange(X, labels, featurizer="pca")
+    # raw PCA: standardising each coordinate of a rotated space would mix the latent axes again
+    intervention = fit_feature_interchange(X, labels, featurizer="pca", standardize_pca=False)
     assert 4 in intervention.selected.tolist() and len(intervention.selected) <= 3, intervention.selection.sweep
     probe = LogisticRegression().fit(X.numpy(), labels)
     base, source = X[:400], X[400:]
@@ -365,3 +402,141 @@ def test_pca_interchange_from_ravel_batches(monkeypatch, tiny_lm_dir):
     swapped = run(FullVectorSwap())
     torch.testing.assert_close(run(FeatureInterchange(intervention.featurizer, range(32))), swapped, atol=1e-3, rtol=1e-3)
     assert not torch.allclose(swapped, clean, atol=1e-3)  # the swap really changes the output
+
+
+# ---------------------------------------------------------------------------------- C by dev Disentangle
+
+
+def _planted_ravel(n_entities=200, seed=0):
+    """Entities with a target attribute a and another b (both ±1). Site state (3 dims):
+    x0 = 3a + noise (var 4.5); x1 = 2b + 0.6a (var 4.4); x2 noise. The "LM" answers a query for a
+    with sign(x0) and a query for b with sign(x1 − 0.6 sign(x0)): a classifier of a gains
+    accuracy from x1, but swapping x1 changes the answer for b (Iso)."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.choice([-1, 1], n_entities), rng.choice([-1, 1], n_entities)
+    x = np.stack([3 * a + 1.5 * rng.normal(size=n_entities), 2 * b + 0.6 * a, 0.5 * rng.normal(size=n_entities)], 1)
+    return torch.tensor(x, dtype=torch.float32), a, b
+
+
+class _PlantedRavel:
+    """A stand-in RAVEL data module over planted states: Cause (query a, label a(E')) and Iso
+    (query b, label b(E)) examples; answers are tokens a: {0, 1}, b: {2, 3}."""
+
+    attributes = ["A", "B"]
+
+    def __init__(self, x, a, b, seed=0):
+        from types import SimpleNamespace
+
+        self.x, self.a, self.b, self.hparams = x, a, b, SimpleNamespace(eval_batch_size=64)
+        rng, n = np.random.default_rng(seed), len(a)
+        entities = {"train": np.arange(0, n // 2), "val": np.arange(n // 2, n)}
+        self.batches = {}
+        for split, ids in entities.items():
+            base, source = rng.choice(ids, 200), rng.choice(ids, 200)
+            kind = np.r_[np.zeros(100, int), np.ones(100, int)]  # 100 Cause, then 100 Iso
+            keep = (kind == 1) | (a[base] != a[source])  # a Cause example changes the answer
+            base, source, kind = base[keep], source[keep], kind[keep]
+            label = np.where(kind == 0, (a[source] > 0), 2 + (b[base] > 0))
+            base_label = np.where(kind == 0, (a[base] > 0), 2 + (b[base] > 0))
+            self.batches[split] = [{
+                "base_entity": torch.tensor(base), "source_entity": torch.tensor(source),
+                "base_x": x[base], "source_x": x[source], "kind": torch.tensor(kind), "attribute": torch.tensor(kind),
+                "label": torch.tensor(label, dtype=torch.long), "base_label": torch.tensor(base_label, dtype=torch.long),
+            }]  # fmt: skip
+
+    def loader(self, split, batch_size, shard=True):
+        return self.batches[split]
+
+    def site_labels(self, batch, side):
+        return self.a[batch[f"{side}_entity"].numpy()].tolist()
+
+    def dev_metric(self):
+        from lit_interventions.metrics.disentangle import DevDisentangle
+
+        return DevDisentangle(len(self.attributes))
+
+
+def _planted_module(intervention):
+    """The interchange module's fitting and dev choice, over planted states and the planted "LM"."""
+    import lightning as L
+
+    from lit_interventions.modules.interchange import InterchangeModule
+
+    class Planted(L.LightningModule):
+        fit_intervention, dev_scores = InterchangeModule.fit_intervention, InterchangeModule.dev_scores
+
+        def __init__(self):
+            super().__init__()
+            self.intervention, self.printed = intervention, []
+
+        def print(self, *args):
+            self.printed.append(" ".join(map(str, args)))
+
+        def site_representation(self, batch, side):
+            return batch[f"{side}_x"]
+
+        def intervened_logits(self, batch):
+            x = self.intervention(batch["base_x"], batch["source_x"])
+            answer_a = (x[:, 0] > 0).long()
+            answer_b = 2 + (x[:, 1] - 0.6 * torch.sign(x[:, 0]) > 0).long()
+            answer = torch.where(batch["attribute"] == 0, answer_a, answer_b)
+            return torch.nn.functional.one_hot(answer, 4).float()
+
+    return Planted()
+
+
+def test_C_is_chosen_by_dev_disentangle_where_accuracy_disagrees():
+    from lit_interventions.interventions.fitted import FeatureInterchangeFit
+
+    x, a, b = _planted_ravel()
+    data = _PlantedRavel(x, a, b)
+    grid = [0.001, 1.0]
+    module = _planted_module(FeatureInterchangeFit(3, select_by="disentangle", C=grid, standardize=False))
+    module.fit_intervention(data)
+    fitted = module.intervention
+    # PCA of the raw states: axis 0 ≈ x0, axis 1 ≈ x1; the small C keeps axis 0, the large all three
+    assert [row["selected"].tolist() for row in fitted.sweep] == [[0], [0, 1, 2]], fitted.sweep
+    dev = {row["C"]: row["dev"] for row in fitted.sweep}
+    # swapping axis 0 moves a and keeps b; swapping all is the full swap: the answer for b is b(E'),
+    # right where b(E') = b(E)
+    val = data.batches["val"][0]
+    iso = val["kind"] == 1
+    same_b = (b[val["base_entity"][iso].numpy()] == b[val["source_entity"][iso].numpy()]).mean()
+    assert dev[0.001]["iso"] == 1.0 and dev[1.0]["cause"] == 1.0, dev
+    assert dev[1.0]["iso"] == pytest.approx(same_b) and same_b < 0.6
+    assert dev[0.001]["disentangle"] > dev[1.0]["disentangle"]
+    assert fitted.C == 0.001 and fitted.fitted.selected.tolist() == [0]
+    assert "C=0.001" in module.printed[0] and "1 of 3 features" in module.printed[0]
+    # while a classifier's accuracy prefers the larger C (x1 carries 0.6a): the rule it replaced
+    Z = featurize(fitted.featurizer, x).numpy()
+    val = np.arange(len(a) // 2, len(a))
+    from sklearn.svm import LinearSVC
+
+    accuracy = {c: LinearSVC(C=c, penalty="l1", dual=False, max_iter=5000, tol=0.01).fit(Z[: len(a) // 2], a[: len(a) // 2])
+                .score(Z[val], a[val]) for c in grid}  # fmt: skip
+    assert accuracy[1.0] > accuracy[0.001], accuracy
+    by_accuracy = _planted_module(FeatureInterchangeFit(3, select_by="accuracy", C=grid, standardize=False))
+    by_accuracy.fit_intervention(data)
+    assert len(by_accuracy.intervention.fitted.selected) == 2
+
+
+def test_dev_choice_ties_go_to_the_smaller_C_and_bad_names_are_refused():
+    from lit_interventions.interventions.fitted import FeatureInterchangeFit
+
+    x, a, _ = _planted_ravel()
+    fitted = FeatureInterchangeFit(3, C=[0.001, 1.0], standardize=False).fit(x, a.tolist())
+    assert fitted.C == 1.0  # before the dev choice: the largest C
+    assert list(fitted.dev_candidates()) == ["C=0.001", "C=1"]
+    same = {"cause": 0.5, "iso": 0.5, "disentangle": 0.5}
+    fitted.choose({"C=0.001": same, "C=1": same})
+    assert fitted.C == 0.001
+    with pytest.raises(ValueError, match="C=3"):
+        fitted.choose({"C=3": same, "C=1": same})
+    # a C whose selection repeats a smaller C's is not scored again, and records that one's scores
+    repeated = FeatureInterchangeFit(3, C=[1.0, 2.0], standardize=False).fit(x, a.tolist())
+    assert list(repeated.dev_candidates()) == ["C=1"]
+    repeated.choose({"C=1": same})
+    assert repeated.C == 1.0 and [row["dev"] for row in repeated.sweep] == [same, same]
+    with pytest.raises(ValueError, match="select_by='best'"):
+        FeatureInterchangeFit(3, select_by="best")
+    assert FeatureInterchangeFit(3, select_by="accuracy").fit(x, a.tolist()).dev_candidates() == {}

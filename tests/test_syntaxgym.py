@@ -48,9 +48,9 @@ TINY_SUITE = {
     ],
 }  # fmt: skip
 TINY_SENTENCES = [
-    "The author near the senators is.", "The author near the senators are.",
-    "The authors are.", "The authors is.",
-    "The pilot near the farmers is.", "The pilot near the farmers are.",
+    "The author near the senators is .", "The author near the senators are .",
+    "The authors are .", "The authors is .",
+    "The pilot near the farmers is .", "The pilot near the farmers are .",
 ]  # fmt: skip
 
 
@@ -149,12 +149,41 @@ def test_metric_must_be_sum_or_mean(tmp_path):
 # ---------------------------------------------------------------- sentences and tokens
 
 
-def test_regions_join_with_single_spaces_and_punctuation_attaches():
+def test_regions_join_with_single_spaces_as_syntaxgym_core():
     sentences = [join_regions([r["content"] for r in c["regions"]])[0]
                  for item in TINY_SUITE["items"] for c in item["conditions"]]  # fmt: skip
     assert sentences == TINY_SENTENCES
     text, spans = join_regions(["The authors", "", "are", "."])
+    assert text == "The authors are ."
     assert [text[start:end] for start, end in spans] == ["The authors", "", "are", "."]
+    attached, spans = join_regions(["The authors", "", "are", ",", "."], attach_punctuation=True)
+    assert attached == "The authors are,." and [attached[a:b] for a, b in spans][-2:] == [",", "."]
+
+
+def _syntaxgym_core_sentence(regions: list[str]) -> str:
+    """syntaxgym-core's `Suite.iter_sentences`: the left-stripped non-empty regions joined by spaces."""
+    return " ".join(region.lstrip() for region in regions if region.strip() != "")
+
+
+def test_punctuation_region_scored_as_syntaxgym_core(tiny_lm_dir, tokenizer):
+    """A hand-made item: the "." region is its own word after a space, as syntaxgym-core writes
+    the sentence; its token is "Ġ." (the space goes with the token, as lm-zoo's alignment does),
+    and its surprisal is −log2 p(Ġ. | <bos> The keys to the cabinet are) from one forward."""
+    model = load_lm(tiny_lm_dir("gpt2"))
+    regions = ["The keys", "to the cabinet", "are", "."]
+    encoded = encode_regions(tokenizer, regions)
+    assert encoded.text == _syntaxgym_core_sentence(regions) == "The keys to the cabinet are ."
+    words = tokenizer.convert_ids_to_tokens(encoded.token_ids)
+    assert list(zip(words, encoded.token_regions))[-2:] == [("Ġare", 2), ("Ġ.", 3)]
+    log2_probs = torch.log_softmax(model(torch.tensor([encoded.token_ids])).logits[0].double(), -1) / math.log(2)
+    period = len(encoded.token_ids) - 1
+    expected = -log2_probs[period - 1, encoded.token_ids[period]].item()
+    assert region_surprisals(model, tokenizer, [regions])[0][3] == pytest.approx(expected, abs=1e-4)
+    # the earlier join, kept as an option: "are." with the bare "." token
+    attached = encode_regions(tokenizer, regions, attach_punctuation=True)
+    assert attached.text == "The keys to the cabinet are."
+    assert tokenizer.convert_ids_to_tokens(attached.token_ids)[-1] == "." and attached.token_regions[-1] == 3
+    assert region_surprisals(model, tokenizer, [regions], attach_punctuation=True)[0][3] != pytest.approx(expected)
 
 
 def test_bos_is_prepended_only_when_the_tokenizer_does_not_add_it(tokenizer):
@@ -168,7 +197,7 @@ def test_bos_is_prepended_only_when_the_tokenizer_does_not_add_it(tokenizer):
     assert prepended.token_ids == added.token_ids and prepended.token_regions == added.token_regions
     assert prepended.token_ids[0] == tokenizer.bos_token_id
     words = tokenizer.convert_ids_to_tokens(prepended.token_ids)
-    assert list(zip(words, prepended.token_regions))[-3:] == [("Ġsenators", 1), ("Ġis", 2), (".", 3)]
+    assert list(zip(words, prepended.token_regions))[-3:] == [("Ġsenators", 1), ("Ġis", 2), ("Ġ.", 3)]
 
 
 # ---------------------------------------------------------------- surprisal against a hand computation

@@ -1,4 +1,4 @@
-"""PCA and SAE featurizers with L1-logistic feature selection: RAVEL's baselines (Huang et al. 2024, §4).
+"""PCA and SAE featurizers with L1 feature selection: RAVEL's baselines (Huang et al. 2024, §3.1-3.2, App. B.1).
 
 A featurizer maps a site representation x (d,) to features z (m,) and back. An interchange on a
 set S of selected features swaps those features of the source into the base:
@@ -11,14 +11,24 @@ lost). Hence an empty S is exactly the identity, and with a full-rank PCA (m = d
 features f* = f(s), the full-vector swap.
 
 Featurizers:
-- `PCAFeaturizer`: z = V (x − μ), x = Vᵀ z + μ, V the principal axes (m × d, orthonormal rows).
+- `PCAFeaturizer`: z = V ((x − μ) / σ), x = σ ⊙ (Vᵀ z) + μ, V the principal axes (m × d,
+  orthonormal rows) of the train states standardised per dimension (RAVEL App. B.1: "normalized to
+  zero-mean and unit-variance ... We undo the normalization after projecting back"); σ = 1 when
+  fitted with standardize=False (PCA of the raw centred states).
 - `SAEFeaturizer`: f = ReLU(W1 (x − b2) + b1), decoder W2 f + b2 (a trained
   `lit_interventions.modules.sae.SparseAutoencoder`, latent size 4d).
 
-Feature selection (`select_features`): for each C of a grid, an L1-penalised logistic regression
-(liblinear, one-vs-rest over the target attribute's values) on the features; the selected features
-are those with a nonzero coefficient for any value. C is the smallest
-whose held-out accuracy is within a tolerance of the best (see there).
+Feature selection, for each C of a grid (smaller C, fewer features):
+- classifier="svc" (the official RAVEL code, `select_features_with_classifier`): a linear SVM with
+  an L1 penalty, `LinearSVC(penalty="l1", dual=False, max_iter=5000, tol=0.01)`, on the features
+  as they are, and `SelectFromModel` keeps the features whose coefficients (L1 norm over the
+  one-vs-rest classes) reach 1e-5;
+- classifier="logistic": an L1 logistic regression (liblinear, one-vs-rest) on features scaled to
+  unit variance; the features with a nonzero coefficient for any value.
+`feature_sweep` gives each C's features (fitted on all train rows): RAVEL then picks C by the
+Disentangle of the interchange on the dev split (`fitted.FeatureInterchangeFit`, select_by=
+"disentangle"). `select_features` picks C by a classifier's held-out accuracy instead (the
+smallest C within a tolerance of the best).
 """
 
 from __future__ import annotations
@@ -30,14 +40,18 @@ import numpy as np
 import sklearn
 import torch
 from sklearn.decomposition import PCA
+from sklearn.feature_selection import SelectFromModel
 from sklearn.linear_model import LogisticRegression
 from sklearn.multiclass import OneVsRestClassifier
 from sklearn.preprocessing import StandardScaler
+from sklearn.svm import LinearSVC
 from torch import nn
 
 from lit_interventions.interventions.base import Intervention, class_path, import_class
 
-DEFAULT_C_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+DEFAULT_C_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)  # the L1 logistic regression's (scaled features)
+RAVEL_C_GRID = (0.1, 1.0, 10.0, 100.0, 1000.0)  # the paper's {0.1, 1, 10, 1000} and the code's {0.1, 10, 100, 1000}
+CLASSIFIERS = ("svc", "logistic")
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -89,38 +103,47 @@ def _check_C(C) -> tuple[float, ...]:
 
 
 class PCAFeaturizer(nn.Module):
-    """z = V (x − μ), x̂ = Vᵀ z + μ; V (m × d) the principal axes of the site representations."""
+    """z = V ((x − μ) / σ), x̂ = σ ⊙ (Vᵀ z) + μ; V (m × d) the principal axes of the standardised
+    site representations (σ = 1: of the centred ones)."""
 
-    def __init__(self, mean: torch.Tensor, components: torch.Tensor):
+    def __init__(self, mean: torch.Tensor, components: torch.Tensor, scale: torch.Tensor | None = None):
         super().__init__()
         components = torch.as_tensor(components, dtype=torch.float32)
         mean = torch.as_tensor(mean, dtype=torch.float32)
         if components.ndim != 2 or mean.shape != (components.shape[1],):
             raise ValueError(f"components must be (m, d) and mean (d,); got {tuple(components.shape)}, {tuple(mean.shape)}")
-        self.register_buffer("mean", mean)  # (d,)
+        scale = torch.ones_like(mean) if scale is None else torch.as_tensor(scale, dtype=torch.float32)
+        if scale.shape != mean.shape or not bool((scale > 0).all()):
+            raise ValueError(f"scale must be ({mean.shape[0]},) and positive; got shape {tuple(scale.shape)}")
+        self.register_buffer("mean", mean)  # (d,) μ
+        self.register_buffer("scale", scale)  # (d,) σ, the per-dimension standard deviation (or 1)
         self.register_buffer("components", components)  # (m, d), orthonormal rows
 
     @classmethod
-    def fit(cls, representations, n_components: int | None = None) -> PCAFeaturizer:
-        """sklearn PCA on (N, d) representations; n_components ≤ min(N, d) (default: min(N, d))."""
+    def fit(cls, representations, n_components: int | None = None, standardize: bool = True) -> PCAFeaturizer:
+        """sklearn StandardScaler then PCA on (N, d) representations; n_components ≤ min(N, d)
+        (default: min(N, d)). standardize=False: centred only (σ = 1). A constant dimension keeps
+        σ = 1 (StandardScaler's rule)."""
         X = _check_representations(representations)
         limit = min(X.shape)
         if n_components is None:
             n_components = limit
         if not isinstance(n_components, int) or not 1 <= n_components <= limit:
             raise ValueError(f"n_components={n_components!r} must be an integer in 1..{limit} (min(N, d))")
-        pca = PCA(n_components=n_components, svd_solver="full").fit(X)
-        return cls(torch.from_numpy(pca.mean_), torch.from_numpy(pca.components_))
+        scaler = StandardScaler(with_std=standardize).fit(X)
+        pca = PCA(n_components=n_components, svd_solver="full").fit(scaler.transform(X))
+        scale = torch.from_numpy(scaler.scale_) if standardize else None
+        return cls(torch.from_numpy(scaler.mean_), torch.from_numpy(pca.components_), scale)
 
     @property
     def n_features(self) -> int:
         return self.components.shape[0]
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., m)
-        return (x - self.mean) @ self.components.T
+        return ((x - self.mean) / self.scale) @ self.components.T
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:  # (..., m) -> (..., d)
-        return z @ self.components + self.mean
+        return (z @ self.components) * self.scale + self.mean
 
 
 class SAEFeaturizer(nn.Module):
@@ -255,10 +278,48 @@ def _l1_logistic(C: float, max_iter: int) -> OneVsRestClassifier:
     )
 
 
-def _used_features(classifier: OneVsRestClassifier) -> np.ndarray:
-    """Feature indices with a nonzero coefficient for any class."""
+def _l1_svc(C: float) -> LinearSVC:
+    """The official RAVEL feature classifier: an L1 linear SVM (liblinear, primal, one-vs-rest)."""
+    return LinearSVC(C=C, penalty="l1", dual=False, max_iter=5000, tol=0.01)
+
+
+def _used_features(classifier) -> np.ndarray:
+    """Feature indices an L1 classifier uses: a nonzero coefficient for any class (logistic), or
+    what `SelectFromModel` keeps (svc: ‖coef_j‖₁ over classes ≥ 1e-5, its threshold for L1 models)."""
+    if isinstance(classifier, LinearSVC):
+        return np.flatnonzero(SelectFromModel(classifier, prefit=True).get_support())
     coef = np.concatenate([est.coef_ for est in classifier.estimators_])  # (classes or 1, m)
     return np.flatnonzero(np.abs(coef).max(0) > 0)
+
+
+def _check_classifier(classifier: str) -> None:
+    if classifier not in CLASSIFIERS:
+        raise ValueError(f"classifier={classifier!r} is not one of {', '.join(CLASSIFIERS)}")
+
+
+def _fit_classifier(classifier: str, C: float, X: np.ndarray, y: np.ndarray, max_iter: int):
+    model = _l1_svc(C) if classifier == "svc" else _l1_logistic(C, max_iter)
+    return model.fit(X, y)
+
+
+def feature_sweep(features, labels, C=RAVEL_C_GRID, classifier: str = "svc", standardize: bool = False,
+                  max_iter: int = 1000) -> list[dict]:  # fmt: skip
+    """For each C (ascending) the features an L1 classifier of `labels` on `features` uses, fitted
+    on all rows: [{"C", "n_features", "selected"}]. RAVEL chooses among them by dev Disentangle.
+
+    features: (N, m); labels: (N,), ≥ 2 classes. standardize=True scales each feature to unit
+    variance for the fit (the official code does not: features as the featurizer gives them).
+    """
+    X = _check_representations(features, "features")
+    y = _check_labels(labels, X.shape[0])
+    _check_classifier(classifier)
+    if standardize:
+        X = StandardScaler().fit_transform(X)
+    sweep = []
+    for c in sorted(_check_C(C)):
+        used = _used_features(_fit_classifier(classifier, c, X, y, max_iter))
+        sweep.append({"C": c, "n_features": len(used), "selected": used})
+    return sweep
 
 
 @dataclass
@@ -376,13 +437,15 @@ def fit_feature_interchange(
     C=DEFAULT_C_GRID,
     other_labels: dict | None = None,
     n_components: int | None = None,
+    standardize_pca: bool = True,
     **selection_kwargs,
 ) -> FeatureInterchange:
     """Fit a featurizer (or take a given one) and select the target attribute's features.
 
     representations: (N, d) site representations; labels: (N,) values of the target attribute.
-    featurizer: "pca" (fitted here on `representations`, `n_components` axes) or a fitted
-        featurizer module with encode / decode / n_features (e.g. `SAEFeaturizer`).
+    featurizer: "pca" (fitted here on `representations`, `n_components` axes, each dimension
+        standardised first unless standardize_pca=False) or a fitted featurizer module with
+        encode / decode / n_features (e.g. `SAEFeaturizer`).
     other_labels: optional {attribute: (N,) values}. As in the paper, selection is for the target
         only by default (None). When given, the features an L1 classifier uses (at the target's
         chosen C) to predict any other attribute are dropped from the target's selection, a
@@ -395,7 +458,7 @@ def fit_feature_interchange(
     if isinstance(featurizer, str):
         if featurizer != "pca":
             raise ValueError(f"featurizer={featurizer!r}: give 'pca' or a fitted featurizer module (e.g. SAEFeaturizer)")
-        featurizer = PCAFeaturizer.fit(X, n_components)
+        featurizer = PCAFeaturizer.fit(X, n_components, standardize=standardize_pca)
     Z = featurize(featurizer, X).double().numpy()
     if selection_kwargs.get("dev_features") is not None:
         selection_kwargs["dev_features"] = featurize(featurizer, selection_kwargs["dev_features"]).double().numpy()

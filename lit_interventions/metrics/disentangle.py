@@ -57,3 +57,19 @@ class Disentanglement(Metric):
             "iso_per_attribute": iso_per_attribute.float(),
             "change_rate": change_rate.float(),
         }
+
+
+class DevDisentangle:
+    """Cause, Iso and Disentangle of one intervention over RAVEL batches (the collated fields
+    label, base_label, attribute, kind): the dev score fitted interventions are chosen by."""
+
+    def __init__(self, num_attributes: int):
+        self.metric = Disentanglement(num_attributes)
+
+    def update(self, logits: torch.Tensor, batch: dict) -> None:
+        fields = [batch[k].to(logits.device) for k in ("label", "base_label", "attribute", "kind")]
+        self.metric.update(logits, *fields)
+
+    def compute(self) -> dict[str, float]:
+        values = self.metric.compute()
+        return {name: float(values[name]) for name in ("cause", "iso", "disentangle")}

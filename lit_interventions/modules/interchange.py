@@ -9,7 +9,10 @@ standard output that the data's metric callbacks score (`callbacks/metrics.py`).
 
 Interventions with a `fit(states, labels)` method (closed-form directions, PCA/SAE featurizers)
 are fitted when `fit` starts, on the site's states of the train split (base and source sides)
-and the labels the data module gives them (`site_labels`); they take no optimizer step.
+and the labels the data module gives them (`site_labels`); they take no optimizer step. One that
+then offers `dev_candidates()` (RAVEL's PCA/SAE: one per L1 strength C) has each scored on the
+val split with the data's `dev_metric()` (RAVEL: Disentangle) and keeps the best (`choose`); on
+data without one (CausalGym) it keeps its default.
 """
 
 from __future__ import annotations
@@ -184,9 +187,30 @@ class InterchangeModule(SiteModule):
                 labels += data.site_labels(batch, side)
         self.intervention.fit(torch.cat(states), labels)
         self.intervention.to(self.device)
+        candidates = self.intervention.dev_candidates() if hasattr(self.intervention, "dev_candidates") else {}
+        if candidates and hasattr(data, "dev_metric"):
+            self.intervention.choose(self.dev_scores(data, candidates))
+        elif candidates:  # e.g. CausalGym: no Disentangle to choose by; the intervention's default stays
+            self.print(f"{type(data).__name__} has no dev_metric: {type(self.intervention).__name__} keeps its "
+                       "default among its candidates")  # fmt: skip
         summary = getattr(self.intervention, "summary", None)
         if summary:
             self.print(summary())
+
+    @torch.no_grad()
+    def dev_scores(self, data, candidates: dict[str, nn.Module]) -> dict[str, dict]:
+        """{name: the data's `dev_metric()` of that intervention on the whole val split}."""
+        metrics = {name: data.dev_metric() for name in candidates}
+        own = self.intervention
+        try:
+            for batch in data.loader("val", data.hparams.eval_batch_size, shard=False):
+                batch = self.transfer_batch_to_device(batch, self.device, 0)
+                for name, candidate in candidates.items():
+                    self.intervention = candidate.to(self.device)
+                    metrics[name].update(self.intervened_logits(batch).float().cpu(), batch)
+        finally:
+            self.intervention = own
+        return {name: metric.compute() for name, metric in metrics.items()}
 
     def on_train_batch_start(self, batch, batch_idx):
         anneal = getattr(self.intervention, "anneal", None)  # e.g. DBM's temperature schedule

@@ -36,6 +36,9 @@ def _arguments(argv: list[str] | None):
     parser.add_argument("--out", type=str, required=True, help="CSV: suite,items,accuracy; last row 'SG score'")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=16, help="sentences per forward pass")
     parser.add_argument("--dtype", type=Literal[tuple(sorted(DTYPES))], default="float32", help="the LM's dtype")
+    parser.add_argument("--attach_punctuation", "--attach-punctuation", type=bool, default=False,
+                        help="join a punctuation-only region ('.', ',') to the previous one without a space "
+                             "(default: with a space, as syntaxgym-core)")  # fmt: skip
     parser.add_argument("--threads", type=int | None, default=None,
                         help="torch CPU threads (default: torch's choice); 1 is much faster when other processes share the cores")  # fmt: skip
     return parser, parser.parse_args(resolve_configs(argv))
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> list[SuiteResult]:
         model, tokenizer = load_lm(args.lm, args.dtype), load_tokenizer(args.lm)
         results = []
         for suite in suites:
-            results.append(evaluate_suite(suite, model, tokenizer, batch_size=args.batch_size))
+            results.append(evaluate_suite(suite, model, tokenizer, batch_size=args.batch_size,
+                                          attach_punctuation=args.attach_punctuation))  # fmt: skip
             print(f"{suite.name:<28} items {results[-1].items:>3}  accuracy {results[-1].accuracy:.3f}", flush=True)
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))

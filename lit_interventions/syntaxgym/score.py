@@ -46,11 +46,13 @@ def _wanted_regions(suite: Suite, condition: str, numbers: list[int]) -> set[int
     return {index for index, number in enumerate(numbers) if number in read}
 
 
-def evaluate_suite(suite: Suite, model, tokenizer, batch_size: int = 16, all_regions: bool = False) -> SuiteResult:
+def evaluate_suite(suite: Suite, model, tokenizer, batch_size: int = 16, all_regions: bool = False,
+                   attach_punctuation: bool = False) -> SuiteResult:  # fmt: skip
     """Score every condition of every item, then check each item's predictions.
 
     Only the regions the predictions read are scored (their (condition, region) keys fill
-    `item_values`), unless `all_regions` asks for every region.
+    `item_values`), unless `all_regions` asks for every region. Regions are joined with spaces as
+    syntaxgym-core joins them, unless attach_punctuation (`surprisal.join_regions`).
     """
     keys, sentences, wanted = [], [], []
     for item_index, item in enumerate(suite.items):
@@ -60,7 +62,8 @@ def evaluate_suite(suite: Suite, model, tokenizer, batch_size: int = 16, all_reg
             sentences.append([region["content"] for region in condition["regions"]])
             wanted.append(set(range(len(numbers))) if all_regions else _wanted_regions(suite, name, numbers))
     surprisals = region_surprisals(
-        model, tokenizer, sentences, metric=suite.metric, batch_size=batch_size, wanted_regions=wanted
+        model, tokenizer, sentences, metric=suite.metric, batch_size=batch_size, wanted_regions=wanted,
+        attach_punctuation=attach_punctuation,
     )
     item_values: list[RegionValues] = [{} for _ in suite.items]
     for (item_index, condition, numbers), values, indices in zip(keys, surprisals, wanted):
