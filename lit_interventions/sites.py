@@ -452,7 +452,7 @@ def _rows_enter_at_their_layer(model: nn.Module, starts: torch.Tensor, entered: 
     rows are in ascending order of layer); every other row carries its start state `starts`
     (batch, seq, d), the residual stream at its own layer, into the block above it."""
     blocks = decoder_layers(model)
-    batch = starts.shape[0]
+    batch, as_tuple = starts.shape[0], _returns_tuple(model, blocks[0])  # (found before the blocks change)
 
     def wrap(j, block):
         forward, n = block.forward, entered[j]
@@ -462,7 +462,7 @@ def _rows_enter_at_their_layer(model: nn.Module, starts: torch.Tensor, entered: 
             hidden = args[0] if args else kwargs["hidden_states"]
             h0 = starts.to(hidden.dtype)
             if n == 0:
-                return (h0,) if _returns_tuple(model, block) else h0
+                return (h0,) if as_tuple else h0
             x = torch.cat([hidden[:ran], h0[ran:n]])  # rows whose site is the layer just below enter here
             args = _take_rows(args, batch, n)
             kwargs = _take_rows(kwargs, batch, n)

@@ -224,7 +224,10 @@ class MultiSiteInterchangeModule(SiteModule):
                               for intervention, a, b in zip(interventions, bounds, bounds[1:])])  # fmt: skip
 
         logits = self._logits(stacked, layers, edit).float()
-        losses = [F.cross_entropy(logits[a:b], stacked["source_label"][a:b]) for a, b in zip(bounds, bounds[1:])]
+        # per row, then each site's mean: slicing the (rows, vocab) logits per site would cost a
+        # vocabulary-wide zero-filled gradient per site in the backward (sites² × rows × vocab)
+        per_row = F.cross_entropy(logits, stacked["source_label"], reduction="none")
+        losses = [per_row[a:b].mean() for a, b in zip(bounds, bounds[1:])]
         optimizers, schedules = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedules = schedules if isinstance(schedules, list) else [schedules]
