@@ -1,17 +1,20 @@
-"""Time per site of a one-task CausalGym sweep: ours against the paper's loop structure, same run.
+"""Time per site of a one-task CausalGym sweep: ours against a reference loop, same run.
 
 - ours: `python -m lit_interventions.sweep` (activations of every layer computed once per task,
-  in full batches; DAS at all regions of a layer trained in one loop; each site runs only the
-  blocks above it; one unintervened forward shared by all methods; the odds from the two labels'
-  rows of the LM head);
-- reference: per site, one `pyvene.IntervenableModel`; DAS trained with a full base and source
-  forward every step; the base representations for the closed-form methods read with a forward
-  per site; every method scored with full base and source forwards.
-
-Both use the same data, directions (`fit_direction`) and odds metric (`log_odds_ratio`). smollm2
-is the default because pyvene 0.1.8 has no mapping for Gemma 3.
+  in full batches; DAS at every layer and region of the task trained in one loop, one stacked
+  forward per step; each site runs only the blocks above it; one unintervened forward shared by
+  all methods; the odds from the two labels' rows of the LM head);
+- reference `pyvene` (the default): per site, one `pyvene.IntervenableModel`; DAS trained with a
+  full base and source forward every step; the base representations for the closed-form methods
+  read with a forward per site; every method scored with full base and source forwards. Both use
+  the same data, directions (`fit_direction`) and odds metric (`log_odds_ratio`). smollm2 is the
+  default model because pyvene 0.1.8 has no mapping for Gemma 3;
+- reference `per_layer`: our sweep with DAS trained in one loop per layer (the regions of a layer
+  stacked, `train_das(one_loop=False)`), the loop before the stacked one; any model (Gemma 3 too).
+  With `--repeat n`, the two sweeps alternate n times (a shared machine's load hits both alike).
 
     python benchmarks/sweep_speed.py [--lm smollm2-135m-instruct] [--layers 7 22] [--methods das diffmean probe]
+    python benchmarks/sweep_speed.py --against per_layer --lm gemma-3-270m --dtype bfloat16 --layers all --methods das
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 import pyvene
@@ -27,11 +31,12 @@ import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
 
 from datamodules.causalgym import CausalGymDataModule
+from lit_interventions.cli import choose_layers
 from lit_interventions.interventions.directions import fit_direction
-from lit_interventions.lm import load_lm
+from lit_interventions.lm import load_config, load_lm, num_layers
 from lit_interventions.metrics import log_odds_ratio
 from lit_interventions.sites import read_site
-from lit_interventions.sweep import run_sweep
+from lit_interventions import sweep
 
 
 def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str]) -> None:
@@ -86,30 +91,57 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
                 log_odds_ratio(clean, forward(batch), batch["base_label"], batch["source_label"])
 
 
+def our_sweep(args, one_loop: bool = True) -> float:
+    """Seconds of our sweep of the task (DAS in one loop, or one loop per layer)."""
+    train_das = sweep.train_das
+    sweep.train_das = partial(train_das, one_loop=one_loop)
+    start = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            sweep.run_sweep(tasks=args.task, methods=args.methods, layers=args.layers, lm=args.lm, out=out,
+                            dtype=args.dtype, train_pairs=args.train_pairs, eval_pairs=args.eval_pairs)  # fmt: skip
+    finally:
+        sweep.train_das = train_das
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lm", default="smollm2-135m-instruct")
     parser.add_argument("--task", default="agr_sv_num_pp")
-    parser.add_argument("--layers", type=int, nargs="+", default=[7, 22])
+    parser.add_argument("--layers", nargs="+", default=["7", "22"], help="layer indices, or all")
     parser.add_argument("--methods", nargs="+", default=["das", "probe", "diffmean", "pca", "kmeans", "lda", "random"])
+    parser.add_argument("--against", choices=["pyvene", "per_layer"], default="pyvene")
+    parser.add_argument("--dtype", default="float32", help="the LM's dtype (ours; pyvene runs float32)")
+    parser.add_argument("--train_pairs", type=int, default=200)
+    parser.add_argument("--eval_pairs", type=int, default=50)
+    parser.add_argument("--repeat", type=int, default=1, help="alternate ours and the per_layer reference n times")
     args = parser.parse_args()
+    if args.against == "pyvene" and (args.dtype, args.train_pairs, args.eval_pairs) != ("float32", 200, 50):
+        parser.error("--against pyvene runs the paper's sizes in float32: leave --dtype, --train_pairs, --eval_pairs")
+    layers = "all" if args.layers == ["all"] else [int(layer) for layer in args.layers]
+    args.layers = choose_layers(layers, num_layers(load_config(args.lm)))
     regions = CausalGymDataModule(task=args.task).template.regions
     sites = len(args.layers) * len(regions)
-    load_lm(args.lm)  # both timings exclude loading the model
+    load_lm(args.lm, args.dtype)  # the timings exclude loading the model
 
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out:
-        run_sweep(tasks=args.task, methods=args.methods, layers=args.layers, lm=args.lm, out=out)
-    ours = (time.perf_counter() - start) / sites
+    if args.against == "per_layer":
+        ours, reference = [], []
+        for _ in range(args.repeat):
+            ours.append(our_sweep(args) / sites)
+            reference.append(our_sweep(args, one_loop=False) / sites)
+        ours, reference = min(ours), min(reference)
+    else:
+        ours = our_sweep(args) / sites
+        start = time.perf_counter()
+        for layer in args.layers:
+            for region in regions:
+                reference_site(args.lm, args.task, layer, region, args.methods)
+        reference = (time.perf_counter() - start) / sites
 
-    start = time.perf_counter()
-    for layer in args.layers:
-        for region in regions:
-            reference_site(args.lm, args.task, layer, region, args.methods)
-    reference = (time.perf_counter() - start) / sites
-
-    print(f"{args.lm}, task {args.task}, layers {args.layers}, {len(regions)} regions, methods {args.methods}")
-    print(f"seconds per site: reference {reference:.1f}, ours {ours:.1f}")
+    print(f"{args.lm} ({args.dtype}), task {args.task}, layers {args.layers}, {len(regions)} regions, "
+          f"methods {args.methods}, {args.train_pairs} train / {args.eval_pairs} eval pairs")  # fmt: skip
+    print(f"seconds per site: reference ({args.against}) {reference:.2f}, ours {ours:.2f}")
     print(f"ratio={reference / ours:.2f}")
 
 

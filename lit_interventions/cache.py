@@ -49,12 +49,13 @@ class ActivationCache:
 
     def states(
         self,
-        layer: int,
+        layer: int | list[int],
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         keys: tuple[list[Key], list[int]] | None = None,
     ) -> torch.Tensor:
-        """The residual stream at `layer` for a padded batch, (batch, seq, d), padding as zeros.
+        """The residual stream at `layer` for a padded batch, (batch, seq, d), padding as zeros;
+        with a list, one layer per row (rows at different layers, `sites.stacked_logits`).
 
         `keys` is `input_keys(input_ids, attention_mask)` computed on the host (the CausalGym
         collate function does), which spares a device-to-host copy per step on a GPU."""
@@ -64,11 +65,12 @@ class ActivationCache:
             rows = torch.tensor(missing, device=input_ids.device)
             self._compute(input_ids[rows], attention_mask[rows], [keys[i] for i in missing],
                           [starts[i] for i in missing], [0] * len(missing))  # fmt: skip
-        index = self.layers.index(layer)
+        layers = [layer] * len(keys) if isinstance(layer, int) else layer
+        index = {layer: self.layers.index(layer) for layer in set(layers)}
         first = self._states[keys[0]]
         out = first.new_zeros(input_ids.shape + first.shape[-1:], device=input_ids.device)  # where the batch is
-        for i, key in enumerate(keys):
-            out[i, starts[i] : starts[i] + len(key)] = self._states[key][index]
+        for i, (key, layer) in enumerate(zip(keys, layers)):
+            out[i, starts[i] : starts[i] + len(key)] = self._states[key][index[layer]]
         return out
 
     def prefix(

@@ -493,3 +493,115 @@ def logits_at(
             stack.enter_context(site_hook(model, layer, component, write, input_ids.device))
         hidden = run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
     return final_logits(model, hidden[_rows(hidden), logit_positions], vocab)
+
+
+def _take_rows(value, batch: int, n: int):
+    """`value` with every batch-dimension tensor cut to its first `n` rows: tensors of 2 or more
+    dimensions whose first is `batch` (hidden states, masks, position ids, rotary cos and sin),
+    also inside tuples, lists and dicts. Masks broadcast over the batch (first dimension 1),
+    caches and 1-D tensors (cache positions) are left as they are."""
+    if torch.is_tensor(value):
+        return value[:n] if value.dim() >= 2 and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take_rows(v, batch, n) for v in value)
+    if isinstance(value, dict):
+        return {k: _take_rows(v, batch, n) for k, v in value.items()}
+    return value
+
+
+@contextmanager
+def _rows_enter_at_their_layer(model: nn.Module, starts: torch.Tensor, entered: list[int]):
+    """Block j runs only on the first `entered[j]` rows, those whose site layer is below j (the
+    rows are in ascending order of layer); every other row carries its start state `starts`
+    (batch, seq, d), the residual stream at its own layer, into the block above it."""
+    blocks = decoder_layers(model)
+    batch, as_tuple = starts.shape[0], _returns_tuple(model, blocks[0])  # (found before the blocks change)
+
+    def wrap(j, block):
+        forward, n = block.forward, entered[j]
+        ran = entered[j - 1] if j > 0 else 0  # rows that came out of block j - 1
+
+        def rows_above_their_site(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            h0 = starts.to(hidden.dtype)
+            if n == 0:
+                return (h0,) if as_tuple else h0
+            x = torch.cat([hidden[:ran], h0[ran:n]])  # rows whose site is the layer just below enter here
+            args = _take_rows(args, batch, n)
+            kwargs = _take_rows(kwargs, batch, n)
+            if args:
+                args = (x,) + tuple(args[1:])
+            else:
+                kwargs["hidden_states"] = x
+            output = forward(*args, **kwargs)
+            return _replace_hidden(output, torch.cat([_hidden(output), h0[n:]]))
+
+        return rows_above_their_site
+
+    for j, block in enumerate(blocks):
+        block.forward = wrap(j, block)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
+
+
+def stacked_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logit_positions: torch.Tensor,
+    layers: list[int],
+    site_positions: torch.Tensor,
+    intervention: Callable[[torch.Tensor], torch.Tensor] | None,
+    start_states: torch.Tensor,
+    vocab: torch.Tensor | None = None,
+    prefix: tuple[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`logits_at` for rows whose sites lie at different layers, in one forward: row i starts
+    from its residual stream at `layers[i]` (`start_states` (batch, seq, d), each row at its own
+    layer), with `intervention` (on all rows' site states at once, (batch, d)) written at its site,
+    and block j runs only the rows whose layer is below j. Each block's frozen weights are read
+    once for all rows, and the LM head once. Equals `logits_at` row by row, to float rounding.
+
+    `prefix` (c, keys and values of the first c columns in the blocks above min(layers),
+    (n_above, 2, batch, heads, c, head_dim), `ActivationCache.prefix`): only columns c.. run.
+    Rows may come in any order (they are sorted by layer inside); component='block_output' only.
+    """
+    n_blocks = len(decoder_layers(model))
+    for layer in set(layers):
+        check_layer(layer, n_blocks)
+    if len(layers) != len(input_ids):
+        raise ValueError(f"{len(layers)} layers for {len(input_ids)} rows: give one layer per row")
+    rows = _rows(start_states)
+    h0 = start_states.clone()
+    if intervention is not None:
+        h0[rows, site_positions] = intervention(h0[rows, site_positions]).to(h0.dtype)
+    order = sorted(range(len(layers)), key=layers.__getitem__)  # stable: ascending layer
+    if order != list(range(len(layers))):
+        index = torch.tensor(order, device=input_ids.device)
+        input_ids, attention_mask, logit_positions, h0 = (input_ids[index], attention_mask[index],
+                                                          logit_positions[index], h0[index])  # fmt: skip
+        vocab = None if vocab is None else vocab[index]
+        prefix = None if prefix is None else (prefix[0], prefix[1][:, :, index])
+        layers = [layers[i] for i in order]
+        unsort = torch.empty_like(index)
+        unsort[index] = torch.arange(len(index), device=index.device)
+    else:
+        unsort = None
+    entered = [sum(1 for layer in layers if layer < j) for j in range(n_blocks)]  # rows block j runs
+    past, positions = None, None
+    if prefix is not None:
+        c, above = prefix
+        lowest = layers[0]
+        placeholder = (above[0, 0], above[0, 1])  # blocks no row runs: never read
+        past = DynamicCache([placeholder] * (lowest + 1) + [(above[j - lowest - 1, 0, : entered[j]],
+                                                             above[j - lowest - 1, 1, : entered[j]])
+                                                            for j in range(lowest + 1, n_blocks)])  # fmt: skip
+        positions = position_ids(attention_mask)[:, c:]
+        input_ids, h0, logit_positions = input_ids[:, c:], h0[:, c:], logit_positions - c
+    with _rows_enter_at_their_layer(model, h0, entered):
+        hidden = run_body(model, input_ids, attention_mask, past, positions).last_hidden_state
+    logits = final_logits(model, hidden[_rows(hidden), logit_positions], vocab)
+    return logits if unsort is None else logits[unsort]

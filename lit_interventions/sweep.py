@@ -3,14 +3,15 @@
     python -m lit_interventions.sweep --config configs/sweep_causalgym.yaml [--tasks all] [--out DIR]
 
 Per task, the frozen LM's residual stream at every swept layer is computed once for all train
-and eval sentences (full batches, `ActivationCache.fill`). DAS is trained at all regions of a
-layer together (Lightning, the paper's setup per site, `MultiSiteInterchangeModule`); each site
-(layer, region) then fits the closed-form directions on the base train states and scores every
-method with the same 1-D interchange and the same odds metric as `train.py`
-(`InterchangeModule.score`), running only the blocks above the layer.
+and eval sentences (full batches, `ActivationCache.fill`). DAS is trained at every layer and
+region of the task together, in one loop (Lightning, the paper's setup per site,
+`MultiSiteInterchangeModule`: one stacked forward per step, each row entering at its own
+layer); each site (layer, region) then fits the closed-form directions on the base train
+states and scores every method with the same 1-D interchange and the same odds metric as
+`train.py` (`InterchangeModule.score`), running only the blocks above the layer.
 
 Writes, resumably (a rerun skips finished sites and reuses trained DAS subspaces; an interruption
-loses at most one site's scoring or one layer's DAS training):
+loses at most one site's scoring or one task's DAS training loop):
 - DIR/results.csv: task, method, layer, region, odds, iia [, control_odds, control_iia];
 - DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
@@ -35,9 +36,10 @@ import sys
 import math
 import warnings
 from collections import defaultdict
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import chain
 from pathlib import Path
+from typing import Callable
 
 import lightning as L
 import numpy as np
@@ -82,36 +84,51 @@ def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataMo
     return data
 
 
-def train_das(datas: dict, lm, layer, cache, seed, dtype="float32") -> dict:
-    """DAS at every region of `datas` ({region: data module, or None for an empty region}) at one
-    layer ({region: trained subspace}), the paper's setup, trained together in one Lightning loop
-    (`MultiSiteInterchangeModule`): each region gets the result it would get alone, for a
-    fraction of the time."""
-    datas = {region: data for region, data in datas.items() if data is not None}
-    if not datas:
-        return {}
-    module = MultiSiteInterchangeModule(lm=lm, layer=layer, regions=list(datas), dtype=dtype, seed=seed)
-    module.attach(datas).share_cache(cache)
-    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)  # fmt: skip
-    trainer.fit(module)
-    return dict(module.interventions)
+def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = True) -> dict:
+    """DAS at every site of `datas` ({(layer, region): data module, or None for an empty
+    region}), the paper's setup: {(layer, region): trained subspace}. All sites train together in
+    one Lightning loop (`MultiSiteInterchangeModule`: one stacked forward per step for every
+    layer and region); each site gets the result it would get alone, for a fraction of the time.
+    `one_loop=False`: one loop per layer (the earlier sweep, kept for benchmarks/sweep_speed.py)."""
+    datas = {site: data for site, data in datas.items() if data is not None}
+    groups = [datas] if one_loop else [{site: data for site, data in datas.items() if site[0] == layer}
+                                       for layer in sorted({layer for layer, _ in datas})]  # fmt: skip
+    trained = {}
+    for group in groups:
+        if not group:
+            continue
+        module = MultiSiteInterchangeModule(lm=lm, sites=list(group), dtype=dtype, seed=seed)
+        module.attach(group).share_cache(cache)
+        trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)  # fmt: skip
+        trainer.fit(module)
+        trained |= module.trained()
+    return trained
 
 
-def saved_das(path: Path, datas: dict, lm, layer, cache, seed, dtype="float32") -> dict:
-    """`train_das`, kept in `path` (DIR/das/TASK_LAYER[_control].safetensors, {region: basis W,
-    k × d}): a rerun scores the saved subspaces and trains only regions the file lacks, so an
-    interruption after training loses no training."""
-    saved = load_file(path) if path.is_file() else {}
-    missing = {region: data for region, data in datas.items() if region not in saved}
+def das_path(out: Path, task: str, layer: int, control: str | None = None) -> Path:
+    """Where the DAS subspaces of a task's layer are kept: DIR/das/TASK_LAYER[_control].safetensors."""
+    return out / "das" / f"{task}_{layer}{'' if control is None else '_' + control}.safetensors"
+
+
+def saved_das(paths: Callable[[int], Path], datas: dict, lm, cache, seed, dtype="float32") -> dict:
+    """`train_das`, kept in one file per layer (`paths(layer)`, `das_path`: {region: basis W,
+    k × d}): a rerun scores the saved subspaces and trains, in one loop, only the sites the files
+    lack, so an interruption after training loses no training."""
+    saved = {layer: load_file(paths(layer)) if paths(layer).is_file() else {} for layer in {layer for layer, _ in datas}}
+    missing = {(layer, region): data for (layer, region), data in datas.items() if region not in saved[layer]}
     if missing:
-        trained = train_das(missing, lm, layer, cache, seed, dtype)
-        saved |= {region: intervention.basis.detach().float().cpu().contiguous() for region, intervention in trained.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(saved, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)  # never a half-written file
-    return {region: FixedSubspaceIntervention(basis) for region, basis in saved.items() if region in datas}
+        trained = train_das(missing, lm, cache, seed, dtype)
+        for layer in sorted({layer for layer, _ in trained}):
+            saved[layer] |= {region: intervention.basis.detach().float().cpu().contiguous()
+                             for (at, region), intervention in trained.items() if at == layer}  # fmt: skip
+            path = paths(layer)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(saved[layer], path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)  # never a half-written file
+    return {(layer, region): FixedSubspaceIntervention(saved[layer][region])
+            for layer, region in datas if region in saved[layer]}  # fmt: skip
 
 
 def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hidden: int, das=None):
@@ -259,20 +276,20 @@ def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, ba
             """A region's data module (kind: None, or the control task), tokenised once per task."""
             return _region_data(task, templates, lm, region, kind, sizes)
 
-        for layer in layers:
-            todo = {region: [m for m in methods if (task, m, layer, region) not in done] for region in regions[task]}
-            das_regions = [region for region, names in todo.items() if "das" in names]
-            stem, args = out / "das" / f"{task}_{layer}", (lm, layer, cache, seed, dtype)
-            das = saved_das(Path(f"{stem}.safetensors"), {r: data_of(r) for r in das_regions}, *args) \
-                if das_regions else {}  # fmt: skip
-            control_das = saved_das(Path(f"{stem}_dog_give.safetensors"), {r: data_of(r, "dog_give") for r in das_regions},
-                                    *args) if das_regions and control else {}  # fmt: skip
-            for region, names in todo.items():
-                if names:
-                    store.add({"results": sweep_site(
-                        task, layer, region, names, lm, data_of(region), data_of(region, "dog_give") if control else None,
-                        cache, seed, dtype, das.get(region), control_das.get(region), batch_size)})  # fmt: skip
-                progress.update()
+        todo = {(layer, region): [m for m in methods if (task, m, layer, region) not in done]
+                for layer in layers for region in regions[task]}  # fmt: skip
+        das_sites = [site for site, names in todo.items() if "das" in names]  # every layer's, trained in one loop
+        das = saved_das(partial(das_path, out, task), {site: data_of(site[1]) for site in das_sites}, lm, cache,
+                        seed, dtype) if das_sites else {}  # fmt: skip
+        control_das = saved_das(partial(das_path, out, task, control="dog_give"),
+                                {site: data_of(site[1], "dog_give") for site in das_sites}, lm, cache, seed, dtype) \
+            if das_sites and control else {}  # fmt: skip
+        for (layer, region), names in todo.items():
+            if names:
+                store.add({"results": sweep_site(
+                    task, layer, region, names, lm, data_of(region), data_of(region, "dog_give") if control else None,
+                    cache, seed, dtype, das.get((layer, region)), control_das.get((layer, region)), batch_size)})  # fmt: skip
+            progress.update()
     progress.close()
 
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from datamodules.templates import load_task
 from lit_interventions import sweep
@@ -197,3 +198,54 @@ def test_a_task_whose_label_words_share_a_token_is_one_clear_line(tmp_path, tiny
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()  # (progress bars of the tiny model's load come first)
     assert "error: Task 'agr_sv_num_pp': label words" in err[-1] and "share their first token" in err[-1]
+
+
+def test_das_of_every_layer_in_one_loop_equals_one_loop_per_layer(tmp_path, tiny_lm_dir, monkeypatch):
+    """The stacked loop (every layer and region of the task at once) changes no result: DAS
+    rows equal the per-layer loops' to float rounding, every other method's exactly."""
+    from functools import partial
+
+    lm_dir = tiny_lm_dir("llama")
+    options = dict(methods=["das", "diffmean"], layers=[-1, 0, 2], control=True)
+    calls = []
+    train_das = sweep.train_das
+    monkeypatch.setattr(sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k))
+    _run(tmp_path / "one", lm_dir, **options)
+    regions = ["The", "subject", "prep", "the", "object"]
+    every_site = sorted((layer, region) for layer in (-1, 0, 2) for region in regions)
+    assert calls == [every_site, every_site]  # one loop for the task, one for its control task
+    monkeypatch.setattr(sweep, "train_das", partial(train_das, one_loop=False))
+    _run(tmp_path / "per_layer", lm_dir, **options)
+    one, per_layer = _rows(tmp_path / "one" / "out" / "results.csv"), _rows(tmp_path / "per_layer" / "out" / "results.csv")
+    assert [r["method"] for r in one] == [r["method"] for r in per_layer] and len(one) == 2 * len(every_site)
+    for a, b in zip(one, per_layer):
+        numbers = [float(a[c]) for c in ("odds", "iia", "control_odds", "control_iia")]
+        again = [float(b[c]) for c in ("odds", "iia", "control_odds", "control_iia")]
+        if a["method"] == "das":
+            assert numbers == pytest.approx(again, rel=1e-4, abs=1e-6)
+        else:
+            assert a == b
+
+
+def test_a_rerun_trains_only_the_missing_das_sites(tmp_path, tiny_lm_dir, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    lm_dir = tiny_lm_dir("llama")
+    _run(tmp_path, lm_dir, methods=["das"], layers=[0, 1])
+    out = tmp_path / "out"
+    first = _rows(out / "results.csv")
+    kept = load_file(out / "das" / "agr_sv_num_pp_0.safetensors")
+    save_file({r: w for r, w in kept.items() if r != "prep"}, out / "das" / "agr_sv_num_pp_0.safetensors")
+    (out / "das" / "agr_sv_num_pp_1.safetensors").unlink()
+    for name in ("results.csv", "results.sqlite"):
+        (out / name).unlink()
+    calls, train_das = [], sweep.train_das
+    monkeypatch.setattr(sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k))
+    _run(tmp_path, lm_dir, methods=["das"], layers=[0, 1])
+    regions = ["The", "subject", "prep", "the", "object"]
+    assert calls == [sorted([(0, "prep")] + [(1, region) for region in regions])]  # in one loop
+    again = load_file(out / "das" / "agr_sv_num_pp_0.safetensors")
+    assert set(again) == set(regions) and all(torch.equal(again[r], kept[r]) for r in regions if r != "prep")
+    # a site trained in a smaller stack gets the same subspace, to float rounding
+    torch.testing.assert_close(again["prep"], kept["prep"], rtol=1e-4, atol=1e-6)
+    assert [float(r["odds"]) for r in _rows(out / "results.csv")] == pytest.approx([float(r["odds"]) for r in first], abs=1e-6)

@@ -1,15 +1,18 @@
-"""DAS at several sites of one layer, trained together (the sweep's layer × region grid).
+"""DAS at many sites (layer, region) trained together: the sweep's whole layer × region grid
+of a task in one loop.
 
-Each region keeps its own subspace, Adam optimiser and linear schedule, and sees exactly its own
-batches. One step stacks the regions' batches into one: the frozen blocks above the layer run
-once on the stack (bigger matrices, which a CPU or GPU runs at a higher rate) and the LM head's
-weights, which dominate a step on a 262k-token vocabulary, are read once for all regions. The
-loss is the sum of the regions' losses, so each subspace gets exactly the gradient it would get
-alone: the result equals training the sites one by one with the same seed and batch order.
+Each site keeps its own subspace, Adam optimiser and linear schedule, and sees exactly its own
+batches. One step stacks the sites' batches into one forward (`sites.stacked_logits`): each
+row enters at its own site's layer from its cached state there, block j runs only the rows whose
+site is below it, so every frozen block's weights are read once per step for all sites, and the
+LM head's (which dominate a step on a 262k-token vocabulary) once for all. The loss is the sum
+of the sites' losses, so each subspace gets exactly the gradient it would get alone: the result
+equals training the sites one by one with the same seed and batch order (to float rounding).
 """
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from itertools import accumulate
 from typing import Callable
@@ -19,11 +22,12 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
+from lit_interventions.cache import ActivationCache
 from lit_interventions.interventions import RotatedSpaceIntervention
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config
+from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.optim import OptimizerArgs
-from lit_interventions.sites import logits_at
+from lit_interventions.sites import logits_at, read_layers, site_layer, stacked_logits
 
 
 def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
@@ -50,84 +54,194 @@ def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
     return stacked
 
 
-class MultiSiteInterchangeModule(SiteModule):
-    """An intervention at each of `regions` of one layer, each trained as if alone, in one loop
-    (see the module doc): the sweep's grid. `InterchangeModule` is the one-run case.
+SiteKey = tuple[int, str]  # (layer, region)
 
-    Give it the regions' data with `attach(datas)`, then `Trainer.fit(module)`.
-    `interventions[region]` holds the trained interventions: `intervention(d)` (default: DAS of
-    rank `k`), each initialised from `seed`, as `InterchangeModule` is after `seed_everything(seed)`.
+
+def site_name(layer: int, region: str) -> str:
+    """The name of site (layer, region) among the module's interventions: "layer/region"."""
+    return f"{layer}/{region}"
+
+
+def _rows_between(batch: dict, a: int, b: int) -> dict:
+    """Rows a:b of a stacked batch (tensors, cache keys and site lists alike)."""
+    part = {}
+    for name, value in batch.items():
+        if torch.is_tensor(value):
+            part[name] = value[a:b]
+        elif name.endswith("_keys"):
+            part[name] = (value[0][a:b], value[1][a:b])
+        else:
+            part[name] = value[a:b]
+    return part
+
+
+class MultiSiteInterchangeModule(SiteModule):
+    """An intervention at each site (layer, region), each trained as if alone, in one loop (see
+    the module doc): the sweep's grid. `InterchangeModule` is the one-site case.
+
+    Sites: `sites=[(layer, region), ...]`, or the regions of one layer, `layer=` and `regions=`.
+    Give it the regions' data with `attach(datas)`, then `Trainer.fit(module)`. `trained()`
+    returns the interventions, {(layer, region): intervention}: `intervention(d)` (default: DAS
+    of rank `k`), each initialised from `seed`, as `InterchangeModule` is after
+    `seed_everything(seed)`. With `cache=False` (or a model whose blocks cannot run on a subset
+    of rows, with a warning), each layer's sites run in their own forward instead: same results.
     """
 
-    def __init__(self, lm: str = DEFAULT_LM, layer: int | None = None, regions: list[str] = (), k: int = 1,
-                 lr: float = 5e-3, warmup_ratio: float = 0.1, dtype: str = "float32", cache: bool = True,
-                 seed: int = 0, padding_side: str = "right",
+    def __init__(self, lm: str = DEFAULT_LM, sites: list[SiteKey] = (), layer: int | None = None,
+                 regions: list[str] = (), k: int = 1, lr: float = 5e-3, warmup_ratio: float = 0.1,
+                 dtype: str = "float32", cache: bool = True, seed: int = 0, padding_side: str = "right",
                  intervention: Callable[[int], nn.Module] | None = None):  # fmt: skip
         super().__init__()
-        layer = self._check_site(lm, layer, dtype)
-        if not regions:
-            raise ValueError("regions is empty: name at least one region to train")
+        check_dtype(dtype)
+        if sites and (regions or layer is not None):
+            raise ValueError(f"give sites={list(sites)!r} or layer= and regions=, not both")
+        config = load_config(lm)
+        if not sites:
+            if not regions:
+                raise ValueError("regions is empty: name at least one region to train")
+            layer = site_layer(config, layer)
+            sites = [(layer, region) for region in regions]
+        sites = [(site_layer(config, layer), region) for layer, region in sites]
+        if len(set(sites)) != len(sites):
+            raise ValueError(f"sites {sites} name a site twice: each (layer, region) once")
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validated before any load
-        self.save_hyperparameters()
-        self.hparams.layer = layer
-        self.automatic_optimization = False  # one optimiser and schedule per region
-        d = hidden_size(load_config(lm))
+        self.save_hyperparameters(ignore=["layer", "regions"])
+        self.hparams.sites = self.sites = sorted(sites, key=lambda site: site[0])  # stacked by layer
+        self.hparams.layer = min(layer for layer, _ in self.sites)
+        self.automatic_optimization = False  # one optimiser and schedule per site
+        self._stacked = None  # whether the stacked forward works for this model (None: not tried yet)
+        d = hidden_size(config)
         build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
         self.interventions = nn.ModuleDict()
-        for region in regions:
+        for layer, region in self.sites:
             torch.manual_seed(seed)
-            self.interventions[region] = build(d)
+            self.interventions[site_name(layer, region)] = build(d)
+
+    def trained(self) -> dict[SiteKey, nn.Module]:
+        """{(layer, region): intervention}."""
+        return {(layer, region): self.interventions[site_name(layer, region)] for layer, region in self.sites}
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({layer for layer, _ in self.sites})
+
+    @property
+    def activations(self):
+        if not self.hparams.cache:
+            return None
+        if "cache" not in self._frozen:
+            self._frozen["cache"] = ActivationCache(self.lm, self.layers)
+        return self._frozen["cache"]
+
+    def share_cache(self, cache) -> None:
+        """Use activations already computed at every site's layer (a sweep computes them once per task)."""
+        missing = [layer for layer in self.layers if layer not in cache.layers]
+        if missing:
+            raise ValueError(f"the cache holds layers {cache.layers}, not layers {missing}")
+        self._frozen["cache"] = cache
 
     def attach(self, datas: dict, batch_size: int = 4) -> "MultiSiteInterchangeModule":
-        """The regions' data ({region: CausalGymDataModule}, set up). Training draws each region's
-        batches shuffled in the order `seed` gives it."""
-        missing = [region for region in self.hparams.regions if region not in datas]
+        """The sites' data: {region: CausalGymDataModule} (shared by the region's sites at every
+        layer) or {(layer, region): ...}, set up. Training draws each site's batches shuffled in
+        the order `seed` gives it."""
+        found = {site: datas.get(site, datas.get(site[1])) for site in self.sites}
+        missing = sorted({region for (_, region), data in found.items() if data is None})
         if missing:
-            raise ValueError(f"no data for regions {missing}; given: {sorted(datas)}")
-        self._frozen["loaders"] = {region: datas[region].loader("train", batch_size, shuffle=True, seed=self.hparams.seed)
-                                   for region in self.hparams.regions}  # fmt: skip
+            raise ValueError(f"no data for regions {missing}; given: {sorted(map(str, datas))}")
+        self._frozen["loaders"] = {site_name(*site): data.loader("train", batch_size, shuffle=True, seed=self.hparams.seed)
+                                   for site, data in found.items()}  # fmt: skip
         return self
 
     def setup(self, stage: str) -> None:
-        if self.trainer.world_size > 1:  # each region's batch order comes from its own seeded loader
+        if self.trainer.world_size > 1:  # each site's batch order comes from its own seeded loader
             raise ValueError(
                 f"MultiSiteInterchangeModule runs in one process (the sweep's DAS), not in {self.trainer.world_size} "
                 "DDP processes: for several GPUs, run one sweep per GPU on its own tasks or layers and --out"
             )
 
     def train_dataloader(self) -> CombinedLoader:
-        return CombinedLoader(self._frozen["loaders"], mode="max_size")  # a region with fewer pairs stops early
+        return CombinedLoader(self._frozen["loaders"], mode="max_size")  # a site with fewer pairs stops early
+
+    def _logits(self, stacked: dict, layers: list[int], edit: Callable) -> torch.Tensor:
+        """Logits at the bases' last tokens with each row's site edited by `edit` (all rows at
+        once, (batch, d) -> (batch, d)): one stacked forward for all layers (`stacked_logits`), or,
+        without a cache or where it failed, one forward per layer's rows."""
+        cache = self.activations
+        if cache is not None and self._stacked is not False:
+            base = cache.states(layers, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_keys"])
+            prefix = cache.prefix(layers[0], stacked["base_keys"], stacked["base_pos_list"])
+            try:
+                logits = stacked_logits(self.lm, stacked["base_input_ids"], stacked["base_attention_mask"],
+                                        stacked["base_last"], layers, stacked["base_pos"], edit, base, prefix=prefix)  # fmt: skip
+                self._stacked = True
+                return logits
+            except Exception as error:  # noqa: BLE001 -- tried once per model: any failure means "not this way"
+                if self._stacked:  # it worked before: a real error
+                    raise
+                self._stacked = False
+                warnings.warn(f"the stacked forward failed on {type(self.lm).__name__} ({type(error).__name__}: "
+                              f"{error}); each layer's sites run in their own forward instead (same results, slower)")  # fmt: skip
+        edited = edit(self._site_states(stacked, layers, "base"))
+        logits, a = [], 0
+        for layer in sorted(set(layers)):
+            b = a + layers.count(layer)
+            part = _rows_between(stacked, a, b)
+            rows = edited[a:b]
+            start = None if cache is None else cache.states(layer, part["base_input_ids"], part["base_attention_mask"],
+                                                            part["base_keys"])  # fmt: skip
+            prefix = None if cache is None else cache.prefix(layer, part["base_keys"], part["base_pos_list"])
+            logits.append(logits_at(self.lm, part["base_input_ids"], part["base_attention_mask"], part["base_last"],
+                                    layer=layer, site_positions=part["base_pos"], intervention=lambda _, rows=rows: rows,
+                                    start_states=start, prefix=prefix))  # fmt: skip
+            a = b
+        return torch.cat(logits)
+
+    def _site_states(self, stacked: dict, layers: list[int], side: str) -> torch.Tensor:
+        """f(x) at each row's site on `side`, at the row's own layer, (batch, d)."""
+        cache = self.activations
+        ids, mask, positions = stacked[f"{side}_input_ids"], stacked[f"{side}_attention_mask"], stacked[f"{side}_pos"]
+        if cache is not None:
+            states = cache.states(layers, ids, mask, stacked[f"{side}_keys"])
+            return states[torch.arange(len(states), device=states.device), positions]
+        found = read_layers(self.lm, sorted(set(layers)), ids, mask)
+        rows = torch.arange(len(ids), device=ids.device)
+        return torch.stack([found[layer][i, p] for i, layer, p in zip(rows.tolist(), layers, positions.tolist())])
 
     def training_step(self, batch: dict, batch_idx):
-        """`batch` is {region: collated batch, or None once that region's loader is exhausted}."""
-        present = [region for region in self.hparams.regions if batch.get(region) is not None]
-        parts = [batch[region] for region in present]
+        """`batch` is {site name: collated batch, or None once that site's loader is exhausted}."""
+        present = [site for site in self.sites if batch.get(site_name(*site)) is not None]
+        parts = [batch[site_name(*site)] for site in present]
         stacked = stack_batches(parts, self.hparams.padding_side)
         stacked = self.transfer_batch_to_device(stacked, self.device, 0)
-        bounds = [0, *accumulate(len(part["base_label"]) for part in parts)]  # region i: rows bounds[i]:bounds[i+1]
-        source = self.site_representation(stacked, "source")
+        sizes = [len(part["base_label"]) for part in parts]
+        bounds = [0, *accumulate(sizes)]  # site i: rows bounds[i]:bounds[i+1]
+        layers = [layer for (layer, _), size in zip(present, sizes) for _ in range(size)]
+        source = self._site_states(stacked, layers, "source")
+        interventions = [self.interventions[site_name(*site)] for site in present]
 
-        def edit(base):  # each region's rows through its own subspace
-            return torch.cat([self.interventions[region](base[a:b], source[a:b])
-                              for region, a, b in zip(present, bounds, bounds[1:])])  # fmt: skip
+        def edit(base):  # each site's rows through its own subspace
+            return torch.cat([intervention(base[a:b], source[a:b])
+                              for intervention, a, b in zip(interventions, bounds, bounds[1:])])  # fmt: skip
 
-        logits = logits_at(self.lm, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
-                           layer=self.hparams.layer, site_positions=stacked["base_pos"], intervention=edit,
-                           start_states=self._states(stacked, "base"), prefix=self._prefix(stacked)).float()  # fmt: skip
-        losses = [F.cross_entropy(logits[a:b], stacked["source_label"][a:b]) for a, b in zip(bounds, bounds[1:])]
+        logits = self._logits(stacked, layers, edit).float()
+        # per row, then each site's mean: slicing the (rows, vocab) logits per site would cost a
+        # vocabulary-wide zero-filled gradient per site in the backward (sites² × rows × vocab)
+        per_row = F.cross_entropy(logits, stacked["source_label"], reduction="none")
+        losses = [per_row[a:b].mean() for a, b in zip(bounds, bounds[1:])]
         optimizers, schedules = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedules = schedules if isinstance(schedules, list) else [schedules]
-        index = {region: i for i, region in enumerate(self.hparams.regions)}
+        index = {site: i for i, site in enumerate(self.sites)}
         self.manual_backward(torch.stack(losses).sum())
-        for region in present:
-            optimizers[index[region]].step()
-            optimizers[index[region]].zero_grad()
-            schedules[index[region]].step()
+        for site in present:
+            optimizers[index[site]].step()
+            optimizers[index[site]].zero_grad()
+            schedules[index[site]].step()
         self.log("train/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=len(logits))
 
     def configure_optimizers(self):
-        """Per region: Adam, linear warmup over `warmup_ratio` of its own steps, then decay to 0."""
-        built = [self.optimizer_args.build(self.interventions[region].parameters(), len(self._frozen["loaders"][region]))
-                 for region in self.hparams.regions]  # fmt: skip
+        """Per site: Adam, linear warmup over `warmup_ratio` of its own steps, then decay to 0."""
+        loaders = self._frozen["loaders"]
+        built = [self.optimizer_args.build(self.interventions[site_name(*site)].parameters(), len(loaders[site_name(*site)]))
+                 for site in self.sites]  # fmt: skip
         return [optimizer for optimizer, _ in built], [schedule for _, schedule in built]
