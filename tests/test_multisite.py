@@ -93,7 +93,7 @@ def test_ddp_is_refused_with_what_to_do_instead(tiny_lm_dir):
     module._trainer = SimpleNamespace(world_size=1)
     module.setup("fit")
     module._trainer = SimpleNamespace(world_size=2)
-    with pytest.raises(ValueError, match="not in 2 DDP processes: for several GPUs, run one sweep per GPU"):
+    with pytest.raises(ValueError, match="not in 2 DDP processes: for several GPUs, start the sweep under torchrun"):
         module.setup("fit")
 
 

@@ -156,7 +156,7 @@ class MultiSiteInterchangeModule(SiteModule):
         if self.trainer.world_size > 1:  # each site's batch order comes from its own seeded loader
             raise ValueError(
                 f"MultiSiteInterchangeModule runs in one process (the sweep's DAS), not in {self.trainer.world_size} "
-                "DDP processes: for several GPUs, run one sweep per GPU on its own tasks or layers and --out"
+                "DDP processes: for several GPUs, start the sweep under torchrun or srun (one GPU per rank, docs/multi-gpu.md)"
             )
 
     def train_dataloader(self) -> CombinedLoader:
