@@ -22,3 +22,19 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     # train_main passes the command line as `args` (with --config names resolved): not a mistake
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended to run from within Python")
+
+
+class _NoOptionalKernel(logging.Filter):
+    """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (logged when peft
+    imports it, in every run): an optional faster 4-bit kernel from the `kernels` hub package,
+    which this project does not use (`sharding.keep_4bit_differentiable` turns that path off)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in str(record.msg)
+
+
+def quiet_imports() -> None:
+    """Filters for what third-party packages log while being imported. Idempotent."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _NoOptionalKernel) for f in logger.filters):
+        logger.addFilter(_NoOptionalKernel())
