@@ -7,16 +7,18 @@ and eval sentences (full batches, `ActivationCache.fill`). DAS is trained at eve
 region of the task together, in one loop (Lightning, the paper's setup per site,
 `MultiSiteInterchangeModule`: one stacked forward per step, each row entering at its own
 layer); each site (layer, region) then fits the closed-form directions on the base train
-states and scores every method with the same 1-D interchange and the same odds metric as
-`train.py` (`InterchangeModule.score`), running only the blocks above the layer.
+states, and every method at every site of the unit is scored with the same 1-D interchange and
+the same odds metric as `train.py` (`InterchangeModule.score`) in stacked no-grad forwards
+(`stacked_scoring`: each row enters at its site's layer, runs only the blocks above it, and many
+sites and methods share each forward; `--stacked_scoring false`: site by site).
 
 Writes, resumably (a rerun skips finished sites and reuses trained DAS subspaces; an interruption
-loses at most one site's scoring or one task's DAS training loop):
+loses at most one unit's scoring (one site's, site by site) or one unit's DAS training loop):
 - DIR/results.csv: task, method, layer, region, odds, iia [, control_odds, control_iia];
 - DIR/summary.csv: task, method, accuracy, overall_odds (CausalGym eq. 19), selectivity;
 - DIR/heatmaps/TASK_METHOD.png: layer × region AvgOdds;
 - DIR/das/TASK_LAYER.safetensors: the trained DAS subspaces, {region: W (k × d)}.
-Finished sites are kept in DIR/results.sqlite (one transaction per site) and results.csv exported
+Finished sites are kept in DIR/results.sqlite (one transaction per unit, or per site) and results.csv exported
 from it, whole, after each (`lit_interventions.results`); one run at a time holds DIR/.lock. So are
 each task's Acc and the finished units (a rerun skips them whole).
 
@@ -61,6 +63,7 @@ from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.plots import odds_heatmap
 from lit_interventions.results import Table
+from lit_interventions.stacked_scoring import score_stacked
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
@@ -146,30 +149,66 @@ def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hid
     return FixedSubspaceIntervention(direction)
 
 
+def fit_site(layer, region, methods, lm, data, cache, seed, dtype="float32", das=None, batch_size=64):
+    """The site's module (`InterchangeModule` on the shared cache) and each method's intervention:
+    the closed-form directions fitted on the base train states, `das` as trained, {method: f}."""
+    module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype).to(cache.model.device)
+    module.share_cache(cache)
+    batches = [module.transfer_batch_to_device(batch, module.device, 0) for batch in data.loader("train", batch_size)]
+    X = torch.cat([module.site_representation(batch, "base") for batch in batches])  # what directions are fitted on
+    types = [e.base_type for e in data.splits["train"]]
+    return module, {method: _intervention(method, types, X, seed, X.shape[-1], das) for method in methods}
+
+
+def site_rows(task, layer, region, methods, scores, control_scores=None) -> list[dict]:
+    """results.csv rows of one site: {method: {odds, iia}} and, with the control, its scores."""
+    rows = [{"task": task, "method": m, "layer": layer, "region": region, **scores[m]} for m in methods]
+    if control_scores is not None:
+        for row in rows:
+            row |= {"control_odds": control_scores[row["method"]]["odds"], "control_iia": control_scores[row["method"]]["iia"]}
+    return rows
+
+
 def sweep_site(task, layer, region, methods, lm, data, control_data, cache, seed, dtype="float32",
                das=None, control_das=None, batch_size=64) -> list[dict]:  # fmt: skip
     """Every method at one site; one row per method. `data` and `control_data` (None: no control)
     are the region's data modules; `das` and `control_das` the subspaces trained at this site on
     the task and on the control task (`train_das`); `batch_size` the rows of each forward that
-    reads states or scores."""
+    reads states or scores. (The sweep scores a unit's sites together, `score_unit`; this is
+    the one-site path, kept for benchmarks and as its reference.)"""
     if data is None:
         return []
-    module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype).to(cache.model.device)
-    module.share_cache(cache)
-    train, evaluation = list(data.loader("train", batch_size)), list(data.loader("eval", batch_size))
-    batches = [module.transfer_batch_to_device(batch, module.device, 0) for batch in train]
-    X = torch.cat([module.site_representation(batch, "base") for batch in batches])  # what directions are fitted on
-    types = [e.base_type for e in data.splits["train"]]
-    found = {method: _intervention(method, types, X, seed, X.shape[-1], das) for method in methods}
-    scores = module.score(evaluation, found)
-    rows = [{"task": task, "method": m, "layer": layer, "region": region, **scores[m]} for m in methods]
+    module, found = fit_site(layer, region, methods, lm, data, cache, seed, dtype, das, batch_size)
+    scores = module.score(list(data.loader("eval", batch_size)), found)
+    control_scores = None
     if control_data is not None:
         if "das" in found:  # DAS is retrained on the control labels; the directions stay as fitted
             found["das"] = control_das
         control_scores = module.score(control_data.loader("eval", batch_size), found)
-        for row in rows:
-            row |= {"control_odds": control_scores[row["method"]]["odds"], "control_iia": control_scores[row["method"]]["iia"]}
-    return rows
+    return site_rows(task, layer, region, methods, scores, control_scores)
+
+
+def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, control_das=None,
+               batch_size=64, control=False) -> list[dict]:  # fmt: skip
+    """Every method at every site of a unit, `todo` ({(layer, region): methods}): each site's
+    directions are fitted first, then all sites × methods × eval rows are scored in stacked
+    no-grad forwards of `batch_size` rows (`stacked_scoring.score_stacked`), the control task
+    likewise (DAS retrained on it, the directions as fitted). The rows `sweep_site` gives, site
+    after site."""
+    das, control_das = das or {}, control_das or {}
+    sites = [site for site, names in todo.items() if names and data_of(site[1]) is not None]
+    found = {site: fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, das.get(site), batch_size)[1]
+             for site in sites}  # fmt: skip
+    regions = {region for _, region in sites}
+    scores = score_stacked(cache.model, cache, found, {r: list(data_of(r).loader("eval", batch_size)) for r in regions},
+                           batch_size)  # fmt: skip
+    control_scores = {}
+    if control:
+        kept = [site for site in sites if data_of(site[1], "dog_give") is not None]
+        controlled = {site: found[site] | ({"das": control_das.get(site)} if "das" in found[site] else {}) for site in kept}
+        evals = {r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}}
+        control_scores = score_stacked(cache.model, cache, controlled, evals, batch_size)
+    return [row for site in sites for row in site_rows(task, *site, todo[site], scores[site], control_scores.get(site))]
 
 
 @torch.no_grad()
@@ -261,9 +300,10 @@ def sweep_units(tasks: list[str], layers: list[int], layers_per_unit: int | None
 
 
 def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
-           accuracy) -> None:  # fmt: skip
-    """The sites of `units` ([(task, layers)], `sweep_units`) not in `done`, each stored as one
-    site; fills `accuracy` ({task: Acc})."""
+           accuracy, stacked_scoring=True) -> None:  # fmt: skip
+    """The sites of `units` ([(task, layers)], `sweep_units`) not in `done`, each unit's stored
+    together (`stacked_scoring`, `score_unit`) or each site as it is scored (`sweep_site`);
+    fills `accuracy` ({task: Acc})."""
     out = store.out
     model = load_lm(lm, dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # every site's module follows it
     progress = tqdm(total=sum(len(regions[task]) * len(layers) for task, layers in units), desc="sites", unit="site")
@@ -284,6 +324,16 @@ def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, ba
         control_das = saved_das(partial(das_path, out, task, control="dog_give"),
                                 {site: data_of(site[1], "dog_give") for site in das_sites}, lm, cache, seed, dtype) \
             if das_sites and control else {}  # fmt: skip
+        if stacked_scoring:  # every site at once: stored together (an interruption loses the unit's scoring)
+            try:
+                rows = score_unit(task, todo, lm, data_of, cache, seed, dtype, das, control_das, batch_size, control)
+            except Exception as error:  # noqa: BLE001 -- a model whose blocks cannot run on a subset of rows
+                warnings.warn(f"the stacked scoring failed on {lm} ({type(error).__name__}: {error}); each site is "
+                              "scored in its own forwards instead (same results, slower)")  # fmt: skip
+            else:
+                store.add({"results": rows})
+                progress.update(len(todo))
+                continue
         for (layer, region), names in todo.items():
             if names:
                 store.add({"results": sweep_site(
@@ -307,6 +357,7 @@ def run_sweep(
     dtype: str = "float32",
     batch_size: int = 64,
     layers_per_unit: int | None = None,
+    stacked_scoring: bool = True,
 ) -> list[dict]:
     """Run (or resume) the sweep; returns the summary rows.
 
@@ -330,6 +381,9 @@ def run_sweep(
             is. Raise it to fill a GPU.
         layers_per_unit: layers per unit of work (default: all of a task's layers in one);
             smaller spreads a few tasks over many processes.
+        stacked_scoring: score all sites × methods of a unit together, in stacked forwards of
+            `batch_size` rows (`score_unit`); false: site by site (`sweep_site`), the earlier
+            sweep, kept for benchmarks. Same results to float rounding.
     """
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
@@ -369,7 +423,7 @@ def run_sweep(
         for task, group in ranks.shard(todo):
             accuracy = {}
             _sweep(run.store, [(task, group)], methods, templates, lm, control, sizes, seed, dtype, batch_size, regions,
-                   done, accuracy)  # fmt: skip
+                   done, accuracy, stacked_scoring)  # fmt: skip
             finished = [{"task": task, "layer": layer, "method": m, "control": int(control)} for layer in group for m in methods
                         if control or (task, layer, m) not in with_control]  # fmt: skip
             run.store.add({"accuracy": [{"task": task, "accuracy": accuracy[task]}], "finished": finished})

@@ -181,6 +181,50 @@ def test_forward_batch_size_changes_no_result(tmp_path, tiny_lm_dir, monkeypatch
     assert [line["accuracy"] for line in big] == [line["accuracy"] for line in small]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch, arch):
+    # Every site × method of the unit in stacked forwards of 7 rows (pieces of several sites,
+    # methods and the clean rows at different layers share a forward) gives the results.csv
+    # that scoring each site alone gives, to float rounding, the control task included.
+    from lit_interventions import stacked_scoring
+
+    calls, score = [], stacked_scoring.score_stacked
+    def counted(*args, **kwargs):  # counts the calls that returned (a failure falls back to site by site)
+        scores = score(*args, **kwargs)
+        calls.append(1)
+        return scores
+
+    monkeypatch.setattr(sweep, "score_stacked", counted)
+    lm_dir = tiny_lm_dir(arch)
+    methods = ["das", "diffmean", "probe", "vanilla"]
+    options = dict(methods=methods, layers=[0, 1, 2], control=True, batch_size=7)
+    alone = _run(tmp_path / "alone", lm_dir, stacked_scoring=False, **options)
+    assert calls == []
+    stacked = _run(tmp_path / "stacked", lm_dir, **options)
+    assert len(calls) == 2  # the task and its control, each in one call for the unit
+    before, after = _rows(tmp_path / "alone" / "out" / "results.csv"), _rows(tmp_path / "stacked" / "out" / "results.csv")
+    key = ("task", "method", "layer", "region")
+    assert [tuple(r[k] for k in key) for r in before] == [tuple(r[k] for k in key) for r in after]
+    assert len(before) == len(methods) * 3 * 5
+    columns = ("odds", "iia", "control_odds", "control_iia")
+    numbers = [float(r[c]) for r in before for c in columns]
+    again = [float(r[c]) for r in after for c in columns]
+    assert again == pytest.approx(numbers, rel=1e-4, abs=1e-5) and any(n != 0.0 for n in numbers)
+    assert all(float(r["odds"]) == 0.0 for r in after if r["region"] == "The")  # no effect before the alternation
+    assert [line["overall_odds"] for line in stacked] == pytest.approx([line["overall_odds"] for line in alone], rel=1e-4)
+
+
+def test_stacked_scoring_packs_rows_across_jobs():
+    from lit_interventions.stacked_scoring import _pieces
+
+    assert list(_pieces([("a", 5), ("b", 3), ("c", 6)], 4)) == [
+        [("a", 0, 4)], [("a", 4, 5), ("b", 0, 3)], [("c", 0, 4)], [("c", 4, 6)]]
+    with pytest.raises(ValueError, match="rows=0 must be a positive integer"):
+        from lit_interventions.stacked_scoring import score_stacked
+
+        score_stacked(None, None, {}, {}, rows=0)
+
+
 def test_a_task_whose_label_words_share_a_token_is_one_clear_line(tmp_path, tiny_lm_dir, capsys):
     """The data module's error reaches the user as it is (it was once turned into an AttributeError
     by the sweep, which took every ValueError of a region for an empty region)."""
