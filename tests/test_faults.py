@@ -78,7 +78,7 @@ def test_a_csv_with_nothing_usable_is_recomputed(reference, tmp_path, tiny_lm_di
 
 def test_an_intact_old_csv_is_imported_and_nothing_recomputed(reference, tmp_path, tiny_lm_dir, monkeypatch):
     out = _old_run(reference, tmp_path, reference[1])
-    monkeypatch.setattr(sweep, "sweep_site", lambda *a, **k: pytest.fail("finished sites must be skipped"))
+    monkeypatch.setattr(sweep, "fit_site", lambda *a, **k: pytest.fail("finished sites must be skipped"))
     _run(out, tiny_lm_dir("llama"))
     assert (out / "results.csv").read_bytes() == reference[1]
     (out / "results.csv").write_bytes(b"garbage")  # the database, not the export, is the record now
@@ -123,13 +123,14 @@ def test_the_command_line_says_so_in_one_line(tmp_path, tiny_lm_dir, capsys):
     assert f"error: {out} is in use by another run (pid {os.getpid()})" in err and err.count("\n") == 1
 
 
-def test_the_lock_is_released_when_the_run_fails(tmp_path, tiny_lm_dir, monkeypatch):
+@pytest.mark.parametrize("stacked_scoring", [True, False], ids=["stacked", "site_by_site"])
+def test_the_lock_is_released_when_the_run_fails(tmp_path, tiny_lm_dir, monkeypatch, stacked_scoring):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(sweep, "sweep_site", broken)
+    monkeypatch.setattr(sweep, "fit_site", broken)  # both scoring paths fit every site first
     with pytest.raises(RuntimeError, match="out of memory"):
-        _run(tmp_path / "out", tiny_lm_dir("llama"))
+        _run(tmp_path / "out", tiny_lm_dir("llama"), stacked_scoring=stacked_scoring)
     OutDirLock(tmp_path / "out").acquire().release()
 
 
