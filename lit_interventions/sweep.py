@@ -188,6 +188,10 @@ def sweep_site(task, layer, region, methods, lm, data, control_data, cache, seed
     return site_rows(task, layer, region, methods, scores, control_scores)
 
 
+class StackedScoringFailed(RuntimeError):
+    """The stacked forwards of `score_unit` failed (not the fitting before them)."""
+
+
 def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, control_das=None,
                batch_size=64, control=False) -> list[dict]:  # fmt: skip
     """Every method at every site of a unit, `todo` ({(layer, region): methods}): each site's
@@ -200,14 +204,17 @@ def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, 
     found = {site: fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, das.get(site), batch_size)[1]
              for site in sites}  # fmt: skip
     regions = {region for _, region in sites}
-    scores = score_stacked(cache.model, cache, found, {r: list(data_of(r).loader("eval", batch_size)) for r in regions},
-                           batch_size)  # fmt: skip
     control_scores = {}
-    if control:
-        kept = [site for site in sites if data_of(site[1], "dog_give") is not None]
-        controlled = {site: found[site] | ({"das": control_das.get(site)} if "das" in found[site] else {}) for site in kept}
-        evals = {r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}}
-        control_scores = score_stacked(cache.model, cache, controlled, evals, batch_size)
+    try:
+        scores = score_stacked(cache.model, cache, found, {r: list(data_of(r).loader("eval", batch_size)) for r in regions},
+                               batch_size)  # fmt: skip
+        if control:
+            kept = [site for site in sites if data_of(site[1], "dog_give") is not None]
+            controlled = {site: found[site] | ({"das": control_das.get(site)} if "das" in found[site] else {}) for site in kept}
+            evals = {r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}}
+            control_scores = score_stacked(cache.model, cache, controlled, evals, batch_size)
+    except Exception as error:  # noqa: BLE001 -- e.g. blocks that cannot run on rows entering at different layers
+        raise StackedScoringFailed(f"{type(error).__name__}: {error}") from error
     return [row for site in sites for row in site_rows(task, *site, todo[site], scores[site], control_scores.get(site))]
 
 
@@ -327,9 +334,9 @@ def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, ba
         if stacked_scoring:  # every site at once: stored together (an interruption loses the unit's scoring)
             try:
                 rows = score_unit(task, todo, lm, data_of, cache, seed, dtype, das, control_das, batch_size, control)
-            except Exception as error:  # noqa: BLE001 -- a model whose blocks cannot run on a subset of rows
-                warnings.warn(f"the stacked scoring failed on {lm} ({type(error).__name__}: {error}); each site is "
-                              "scored in its own forwards instead (same results, slower)")  # fmt: skip
+            except StackedScoringFailed as error:  # only the stacked forwards: a failed fit is raised as it is
+                warnings.warn(f"the stacked scoring failed on {lm} ({error}); each site is scored in its own "
+                              "forwards instead (same results, slower; --stacked_scoring false skips the attempt)")  # fmt: skip
             else:
                 store.add({"results": rows})
                 progress.update(len(todo))

@@ -214,6 +214,34 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     assert [line["overall_odds"] for line in stacked] == pytest.approx([line["overall_odds"] for line in alone], rel=1e-4)
 
 
+def test_a_failed_stacked_scoring_falls_back_to_site_by_site_with_a_warning(tmp_path, tiny_lm_dir, monkeypatch):
+    options = dict(methods=["diffmean", "vanilla"], layers=[0, 1])
+    alone = _run(tmp_path / "alone", tiny_lm_dir("llama"), stacked_scoring=False, **options)
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("rows entering at different layers")
+
+    monkeypatch.setattr(sweep, "score_stacked", unsupported)
+    with pytest.warns(UserWarning, match=r"stacked scoring failed on .*NotImplementedError: rows entering at different "
+                                         r"layers.*each site is scored in its own forwards"):  # fmt: skip
+        fallen = _run(tmp_path / "fallen", tiny_lm_dir("llama"), **options)
+    assert fallen == alone
+    assert _rows(tmp_path / "fallen" / "out" / "results.csv") == _rows(tmp_path / "alone" / "out" / "results.csv")
+
+
+def test_a_failed_fit_is_raised_not_retried_site_by_site(tmp_path, tiny_lm_dir, monkeypatch):
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("singular covariance")
+
+    monkeypatch.setattr(sweep, "fit_site", broken)
+    with pytest.raises(ValueError, match="singular covariance"):
+        _run(tmp_path, tiny_lm_dir("llama"), methods=["lda"], layers=[0])
+    assert calls == [1]
+
+
 def test_stacked_scoring_packs_rows_across_jobs():
     from lit_interventions.stacked_scoring import _pieces
 
