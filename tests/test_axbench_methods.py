@@ -372,6 +372,32 @@ def test_trained_methods_fit_and_keep_their_norm(tmp_path, tiny_lm_dir, tokenize
     assert set(assert_detection_by_hand(trainer, module, data.val_dataloader())[0]) == {0, 1}
 
 
+@pytest.mark.parametrize("l1_ramp", [True, False], ids=["ramp", "constant"])
+def test_reft_r1_l1_coefficient_ramps_from_zero_as_axbench(tmp_path, tiny_lm_dir, tokenizer, l1_ramp):
+    # AxBench: loss = lm_loss + (curr_step / num_training_steps)·λ·l1, curr_step = 0 at the first step.
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", topk=2, l1=0.5, l1_ramp=l1_ramp,
+                            train_on_negative=False)  # fmt: skip
+    parts, losses, steered = [], [], module._steered_loss
+
+    def recorded(batch):
+        lm_loss, l1 = steered(batch)
+        parts.append((lm_loss.item(), l1.item()))
+        return lm_loss, l1
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(outputs["loss"].item())
+
+    module._steered_loss = recorded
+    trainer = _trainer(tmp_path, max_epochs=2, callbacks=[Losses()], limit_val_batches=0)
+    trainer.fit(module, datamodule=SyntheticConcepts(tokenizer))
+    total = trainer.estimated_stepping_batches
+    assert total == len(losses) >= 4 and all(l1 > 0 for _, l1 in parts)
+    share = [step / total if l1_ramp else 1.0 for step in range(total)]
+    assert losses == pytest.approx([lm + 0.5 * f * l1 for (lm, l1), f in zip(parts, share)], rel=1e-6)
+    assert (losses[0] == pytest.approx(parts[0][0])) is l1_ramp  # no L1 at the first step
+
+
 def test_diffmean_fit_detects_planted_concepts_and_exports_a_dictionary(tmp_path, tiny_lm_dir, tokenizer):
     module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="diffmean")
     data = SyntheticConcepts(tokenizer)

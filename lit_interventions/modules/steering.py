@@ -8,7 +8,7 @@ Trained by gradient (automatic optimization, AdamW + linear schedule):
   (`content_mask`: BOS, the template's system turn and user header get no intervention and never
   enter the TopK; AxBench's `exclude_bos`), loss −log p(response) + λ·Σ_{non-top-k}|latent|
   (AxBench eqs. 9–10). The L1 term is a per-sequence mean over the same tokens (AxBench's code;
-  λ is on that scale). By default (`train_on_negative: true`, AxBench's sweeps) each concept also
+  λ is on that scale), its λ ramped up linearly from 0 over training (`l1_ramp`, AxBench's code). By default (`train_on_negative: true`, AxBench's sweeps) each concept also
   trains on the negatives of its genre — the same intervention with its own w_c, the same LM loss
   — which needs the data module's `genre_negatives: true` (the negatives then carry concept ids);
   `train_on_negative: false` is positives only. `exclude_prefix: false` intervenes on every
@@ -114,6 +114,7 @@ class SteeringModule(FrozenLMModule):
             the data module's `.concepts` when fit/validate starts (`configure_model`). Not called
             `concepts`, which the data module uses for concept ids (Lightning merges both hparams).
         topk: k of ReFT-r1's TopK. l1: λ of ReFT-r1's L1 term.
+        l1_ramp: λ grows linearly from 0, λ·step/total_steps (AxBench's code); False: constant λ.
         negative_l1: ReFT-r1 also applies the L1 term to the negative pool (see the module doc).
         train_on_negative: ReFT-r1 also trains on each concept's genre-matched negatives (the same
             TopK intervention and LM loss; AxBench's sweeps). Needs the data module's
@@ -143,6 +144,7 @@ class SteeringModule(FrozenLMModule):
         concept_names: list[str] | None = None,
         topk: int = 8,
         l1: float = 5e-3,
+        l1_ramp: bool = True,
         negative_l1: bool = False,
         train_on_negative: bool = True,
         exclude_prefix: bool = True,
@@ -306,13 +308,20 @@ class SteeringModule(FrozenLMModule):
         if not self.automatic_optimization:
             return self._collect(batch)
         lm_loss, l1 = self._steered_loss(batch)
-        loss = lm_loss + self.hparams.l1 * l1
+        loss = lm_loss + self.l1_coefficient() * l1
         size = len(batch["label"])
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/lm_loss", lm_loss, batch_size=size)
         if self.hparams.method == "reft_r1":
             self.log("train/l1", l1, batch_size=size)
         return loss
+
+    def l1_coefficient(self) -> float:
+        """λ at this step: λ·step/total_steps with `l1_ramp` (AxBench: `coeff = curr_step /
+        num_training_steps`, 0 at the first step), else λ."""
+        if not self.hparams.l1_ramp:
+            return self.hparams.l1
+        return self.hparams.l1 * self.global_step / max(1, int(self.trainer.estimated_stepping_batches))
 
     def on_before_optimizer_step(self, optimizer):
         self.dictionary.remove_parallel_grad()
