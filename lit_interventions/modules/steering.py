@@ -10,7 +10,8 @@ Trained by gradient (automatic optimization, AdamW + linear schedule):
   (AxBench eqs. 9–10). The L1 term is a per-sequence mean over the same tokens (AxBench's code;
   λ is on that scale), λ ramped up linearly from 0 over training (`l1_ramp`, AxBench's code).
   By default (`train_on_negative: true`, AxBench's sweeps) each concept also trains on the
-  negatives of its genre — the same intervention with its own w_c, the same LM loss — which needs the data module's `genre_negatives: true` (the negatives then carry concept ids);
+  negatives of its genre — the same intervention with its own w_c, the same LM loss — which
+  needs the data module's `genre_negatives: true` (the negatives then carry concept ids);
   `train_on_negative: false` is positives only. `exclude_prefix: false` intervenes on every
   token. With `negative_l1: true` pool negatives (concept_id −1) get the L1 term on *every*
   concept's latents at all their tokens, pushing latents towards 0 off-concept; on smollm2 that
