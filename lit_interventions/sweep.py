@@ -203,16 +203,16 @@ def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, 
     sites = [site for site, names in todo.items() if names and data_of(site[1]) is not None]
     found = {site: fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, das.get(site), batch_size)[1]
              for site in sites}  # fmt: skip
-    regions = {region for _, region in sites}
+    evals = {r: list(data_of(r).loader("eval", batch_size)) for r in {region for _, region in sites}}
+    if control:
+        kept = [site for site in sites if data_of(site[1], "dog_give") is not None]
+        controlled = {site: found[site] | ({"das": control_das.get(site)} if "das" in found[site] else {}) for site in kept}
+        control_evals = {r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}}
     control_scores = {}
-    try:
-        scores = score_stacked(cache.model, cache, found, {r: list(data_of(r).loader("eval", batch_size)) for r in regions},
-                               batch_size)  # fmt: skip
+    try:  # only the stacked forwards: the fits and the data above fail as they are
+        scores = score_stacked(cache.model, cache, found, evals, batch_size)
         if control:
-            kept = [site for site in sites if data_of(site[1], "dog_give") is not None]
-            controlled = {site: found[site] | ({"das": control_das.get(site)} if "das" in found[site] else {}) for site in kept}
-            evals = {r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}}
-            control_scores = score_stacked(cache.model, cache, controlled, evals, batch_size)
+            control_scores = score_stacked(cache.model, cache, controlled, control_evals, batch_size)
     except Exception as error:  # noqa: BLE001 -- e.g. blocks that cannot run on rows entering at different layers
         raise StackedScoringFailed(f"{type(error).__name__}: {error}") from error
     return [row for site in sites for row in site_rows(task, *site, todo[site], scores[site], control_scores.get(site))]
