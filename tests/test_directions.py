@@ -154,6 +154,21 @@ def test_probe_is_offset_invariant_and_classifies_raw_inputs():
     assert shifted.estimator_.score(X + 100.0, y) > 0.9
 
 
+def test_probe_reaches_the_optimum_of_the_penalised_log_loss():
+    # Hidden-state-like inputs: a few dimensions with a large scale, on which SAGA's 1000
+    # iterations stop short of the optimum. At the optimum of Σ log-loss + (λ/2)‖w‖² the gradient
+    # is 0: X'(σ(Xw + b) − y) + λw = 0 and Σ(σ(Xw + b) − y) = 0.
+    rng = np.random.default_rng(1)
+    X, y, _ = two_classes(n=400, d=64, sep=1.0)
+    X = X * np.where(rng.random(64) < 0.1, 30.0, 1.0)
+    probe = ProbeDirection(strength=10.0).fit(X, y)
+    w, b = probe.estimator_.coef_[0], probe.estimator_.intercept_[0]
+    residual = 1 / (1 + np.exp(-(X @ w + b))) - y
+    grad_w, grad_b = X.T @ residual + 10.0 * w, residual.sum()
+    assert np.linalg.norm(grad_w) < 1e-3 * np.linalg.norm(10.0 * w) and abs(grad_b) < 1e-3
+    assert cos(probe.direction_, w) == pytest.approx(1.0, abs=1e-12)
+
+
 def test_random_is_seeded():
     X = np.zeros((3, 32))
     a = RandomDirection(random_state=1).fit(X).direction_
