@@ -18,13 +18,14 @@ device of the inputs.
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from lit_interventions.lm import num_layers
@@ -547,6 +548,13 @@ def _rows_enter_at_their_layer(model: nn.Module, starts: torch.Tensor, entered: 
             del block.forward
 
 
+def _attention_kernel(device: torch.device):
+    """On a CPU, scaled-dot-product attention by its plain (math) kernel: on the sweep's short
+    rows its backward is about 4× faster than the flash kernel's (0.04 s against 0.16 s at 360
+    rows × 4 heads × 8 query × 10 key columns, bfloat16); elsewhere the default choice."""
+    return sdpa_kernel([SDPBackend.MATH]) if device.type == "cpu" else nullcontext()
+
+
 def stacked_logits(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -601,7 +609,7 @@ def stacked_logits(
                                                             for j in range(lowest + 1, n_blocks)])  # fmt: skip
         positions = position_ids(attention_mask)[:, c:]
         input_ids, h0, logit_positions = input_ids[:, c:], h0[:, c:], logit_positions - c
-    with _rows_enter_at_their_layer(model, h0, entered):
+    with _rows_enter_at_their_layer(model, h0, entered), _attention_kernel(input_ids.device):
         hidden = run_body(model, input_ids, attention_mask, past, positions).last_hidden_state
     logits = final_logits(model, hidden[_rows(hidden), logit_positions], vocab)
     return logits if unsort is None else logits[unsort]

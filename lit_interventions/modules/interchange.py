@@ -245,7 +245,7 @@ class InterchangeModule(SiteModule):
                              "`validate` or `test` alone")  # fmt: skip
         intervened = self.intervened_logits(batch)
         clean = self.clean_logits(batch) if "clean" in self.eval_outputs else None
-        loss = self.objective.task_loss(intervened.float(), batch)
+        loss = self.objective.task_loss(intervened, batch)
         self.log(f"{stage}/loss", loss, batch_size=len(batch["base_input_ids"]), sync_dist=True)
         return {"intervened": intervened, "clean": clean}
 

@@ -26,6 +26,7 @@ from lit_interventions.cache import ActivationCache
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.modules.site import SiteModule
+from lit_interventions.objectives import cross_entropy_rows
 from lit_interventions.optim import OptimizerArgs
 from lit_interventions.sites import logits_at, read_layers, site_layer, stacked_logits
 
@@ -223,10 +224,10 @@ class MultiSiteInterchangeModule(SiteModule):
             return torch.cat([intervention(base[a:b], source[a:b])
                               for intervention, a, b in zip(interventions, bounds, bounds[1:])])  # fmt: skip
 
-        logits = self._logits(stacked, layers, edit).float()
+        logits = self._logits(stacked, layers, edit)
         # per row, then each site's mean: slicing the (rows, vocab) logits per site would cost a
         # vocabulary-wide zero-filled gradient per site in the backward (sites² × rows × vocab)
-        per_row = F.cross_entropy(logits, stacked["source_label"], reduction="none")
+        per_row = cross_entropy_rows(logits, stacked["source_label"])
         losses = [per_row[a:b].mean() for a, b in zip(bounds, bounds[1:])]
         optimizers, schedules = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]

@@ -1,0 +1,41 @@
+"""`cross_entropy_rows`: the float32 cross-entropy of (bfloat16) logits, a few rows at a time."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_interventions.objectives import ROWS_AT_ONCE, CounterfactualLoss, cross_entropy_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, ROWS_AT_ONCE, 2 * ROWS_AT_ONCE + 3])
+def test_equals_the_float_cross_entropy_and_its_gradient(dtype, rows):
+    # the reference: the conversion to float32, then F.cross_entropy; its backward rounds the
+    # gradient to the logits' dtype, as ours returns it
+    torch.manual_seed(0)
+    logits = (torch.randn(rows, 5000) * 4).to(dtype)
+    labels = torch.randint(0, 5000, (rows,))
+    weights = torch.rand(rows)  # a different upstream gradient per row
+    ours_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ours = cross_entropy_rows(ours_in, labels)
+    ref = F.cross_entropy(ref_in.float(), labels, reduction="none")
+    (ours * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert ours.dtype == torch.float32 and ours_in.grad.dtype == dtype
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ours_in.grad.float(), ref_in.grad.float(), rtol=0, atol=2e-6 if dtype == torch.float32 else 4e-3)
+    # by hand, in float64: −log softmax(z)_y
+    exact = torch.logsumexp(logits.double(), -1) - logits.double()[torch.arange(rows), labels]
+    torch.testing.assert_close(ours.double(), exact, rtol=1e-6, atol=1e-5)
+
+
+def test_counterfactual_loss_is_the_mean_over_rows():
+    logits, labels = torch.tensor([[0.0, 0.0], [2.0, 0.0]]), torch.tensor([0, 1])
+    # rows: log 2; log(1 + e²) − 0
+    expected = (torch.log(torch.tensor(2.0)) + torch.log1p(torch.exp(torch.tensor(2.0)))) / 2
+    assert CounterfactualLoss()(logits, {"source_label": labels}).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError, match=r"logits \(batch, vocab\) and labels \(batch,\)"):
+        cross_entropy_rows(torch.zeros(3, 4), torch.zeros(2, dtype=torch.long))
