@@ -16,7 +16,7 @@ from torch import nn
 
 from lit_interventions.metrics.disentangle import CAUSE, ISO  # the `kind` of an example
 
-ROWS_AT_ONCE = 4  # rows of a vocabulary-wide float32 chunk: 4 × 262k × 4 bytes, about a core's L2
+ROWS_AT_ONCE = 4  # rows of each float32 chunk: 1 and 4 rows measured alike on 262k logits, 16 and 64 slower
 
 
 class _RowCrossEntropy(torch.autograd.Function):
@@ -32,11 +32,10 @@ class _RowCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         logits, labels = ctx.saved_tensors
         out = torch.empty_like(logits)
-        for a in range(0, len(logits), ROWS_AT_ONCE):  # ∂/∂z = (softmax(z) − onehot(y)) · grad, per row
-            b = a + ROWS_AT_ONCE
-            p = torch.softmax(logits[a:b], -1, dtype=torch.float32)
-            p[torch.arange(len(p), device=p.device), labels[a:b]] -= 1
-            out[a:b] = p.mul_(grad[a:b, None])
+        for z, y, g, o in zip(*(t.split(ROWS_AT_ONCE) for t in (logits, labels, grad, out))):
+            p = torch.softmax(z, -1, dtype=torch.float32)  # ∂/∂z = (softmax(z) − onehot(y)) · grad, per row
+            p[torch.arange(len(p)), y] -= 1
+            o.copy_(p.mul_(g[:, None]))
         return out, None
 
 

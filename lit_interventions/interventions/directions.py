@@ -128,7 +128,7 @@ class ProbeDirection(_Direction):
     scikit-learn's C is 1/λ, as in the reference code (the penalty does not scale with n).
     The objective is the paper's; the solver is L-BFGS, not the reference code's SAGA: the
     objective is strictly convex, so both aim at the same w, and L-BFGS reaches it (cosine
-    ≥ 0.99996 with SAGA run to 1e-8 on gemma-3-270m's states) in ~0.02 s where SAGA stops at
+    ≥ 0.99996 with SAGA run to 1e-8 on gemma-3-270m's states) in ~0.04 s where SAGA stops at
     `max_iter` 1000 after ~1.5 s still off it (cosine 0.983–0.998), docs/differences.md.
     X is centred for the fit, which leaves the optimal w unchanged and conditions the problem;
     `estimator_` (the fitted LogisticRegression, intercept mapped back) classifies raw X.
