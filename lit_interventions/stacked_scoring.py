@@ -7,7 +7,9 @@ LM head are computed. Rows are packed `rows` at a time whatever site or method t
 so every block's weights are read once per forward for many sites, instead of once per site,
 method and eval batch. Each site's clean rows are computed at its own layer, as
 `InterchangeModule.score` does, and every row goes through the same `InterchangeOdds` (AvgOdds and
-IIA are sums over rows): the scores equal the per-site ones to float rounding.
+IIA are sums over rows): the scores equal the per-site ones to float rounding. The control task's
+rows that equal the task's but for their labels (the clean rows and every fitted direction: only
+DAS is retrained on the control labels) are not run again: the same rows give both tasks' labels.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from lit_interventions.modules.multisite import stack_batches
 from lit_interventions.sites import stacked_logits
 
 CLEAN = None  # the job of a site's unintervened rows, p(· | b)
+TASK, CONTROL = "task", "control"  # whose labels a job's logits are
+LABELS = ("base_label", "source_label", "label")  # what a control batch may change
 
 
 def _rows_of(batch: dict, a: int, b: int) -> dict:
@@ -62,24 +66,29 @@ def score_stacked(
     found: dict[tuple[int, str], dict[str, torch.nn.Module]],
     evals: dict[str, list[dict]],
     rows: int = 64,
-) -> dict[tuple[int, str], dict[str, dict[str, float]]]:
+    control: tuple[dict, dict] | None = None,
+):
     """AvgOdds and IIA of each site's interventions on its region's eval batches, in stacked
     forwards of at most `rows` rows: {(layer, region): {method: {odds, iia}}}.
 
     `found` is {(layer, region): {method: intervention (f(b), f(s)) -> f*}}; `evals` {region:
-    collated eval batches}; `cache` holds every site's layer and every eval sentence."""
+    collated eval batches}; `cache` holds every site's layer and every eval sentence.
+
+    `control` = (its `found`, its `evals`) scores the control task as well and returns
+    (scores, control scores). A control batch that is the task's batch with other labels (the
+    dog/give control) shares the task's forwards wherever the intervention is the same object (the
+    clean rows and every fitted direction): its two labels' logits are read off the same rows.
+    Only what differs (DAS, retrained on the control labels) gets rows of its own."""
     if not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows={rows!r} must be a positive integer")
     device = next(model.parameters()).device
-    evals = {region: [move_data_to_device(batch, device) for batch in evals[region]] for _, region in found}
-    found = {site: {name: f.to(device) for name, f in methods.items()} for site, methods in found.items()}
-    jobs = [((site, name, i), len(batch["base_label"]))
-            for site in found for i, batch in enumerate(evals[site[1]]) for name in (CLEAN, *found[site])]  # fmt: skip
-    logits = defaultdict(list)  # job -> its rows' label logits, (n, 2), in row order
-    for chunk in _pieces(jobs, rows):
-        parts = [_rows_of(evals[site[1]][i], a, b) for (site, _, i), a, b in chunk]
+    tasks = {TASK: (found, evals)} | ({CONTROL: control} if control is not None else {})
+    jobs, read_from = _jobs(tasks, device)
+    logits = defaultdict(list)  # job -> its rows' label logits, (n, columns), in row order
+    for chunk in _pieces([(key, len(labels)) for key, (_, labels, _) in jobs.items()], rows):
+        parts = [_rows_of(jobs[key][0], a, b) for key, a, b in chunk]
         stacked = stack_batches(parts)
-        layers = [site[0] for (site, _, _), a, b in chunk for _ in range(b - a)]
+        layers = [key[1][0] for key, a, b in chunk for _ in range(b - a)]
         base = cache.states(layers, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_keys"])
         source = cache.states(layers, stacked["source_input_ids"], stacked["source_attention_mask"], stacked["source_keys"])
         source = source[torch.arange(len(source), device=source.device), stacked["source_pos"]]
@@ -88,23 +97,79 @@ def score_stacked(
             bounds.append(bounds[-1] + b - a)
 
         def edit(h, chunk=chunk, source=source, bounds=bounds):  # each piece through its own method
-            return torch.cat([h[s:e] if name is CLEAN else found[site][name](h[s:e], source[s:e]).to(h.dtype)
-                              for ((site, name, _), _, _), s, e in zip(chunk, bounds, bounds[1:])])  # fmt: skip
+            return torch.cat([h[s:e] if jobs[key][2] is None else jobs[key][2](h[s:e], source[s:e]).to(h.dtype)
+                              for (key, _, _), s, e in zip(chunk, bounds, bounds[1:])])  # fmt: skip
 
-        vocab = torch.stack([stacked["base_label"], stacked["source_label"]], dim=1)  # columns 0 and 1
+        vocab = torch.cat([jobs[key][1][a:b] for key, a, b in chunk])
         prefix = cache.prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"])
         out = stacked_logits(model, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
                              layers, stacked["base_pos"], edit, base, vocab=vocab, prefix=prefix)  # fmt: skip
-        for (job, _, _), s, e in zip(chunk, bounds, bounds[1:]):
-            logits[job].append(out[s:e])
+        for (key, _, _), s, e in zip(chunk, bounds, bounds[1:]):
+            logits[key].append(out[s:e])
     scores = {}
+    for task, (task_found, task_evals) in tasks.items():
+        scores[task] = {}
+        for site, methods in task_found.items():
+            scores[task][site] = {}
+            for name in methods:
+                metric = InterchangeOdds().to(device)
+                for i in range(len(task_evals[site[1]])):
+                    (clean, c), (intervened, k) = (read_from[(task, site, n, i)] for n in (CLEAN, name))
+                    clean, intervened = torch.cat(logits[clean])[:, c : c + 2], torch.cat(logits[intervened])[:, k : k + 2]
+                    columns = torch.arange(2, device=device).expand(len(clean), 2)
+                    metric.update(clean, intervened, columns[:, 0], columns[:, 1])
+                scores[task][site][name] = {k: v.item() for k, v in metric.compute().items()}
+    return scores[TASK] if control is None else (scores[TASK], scores[CONTROL])
+
+
+def _jobs(tasks: dict, device) -> tuple[dict, dict]:
+    """The forwards' jobs and where each task's logits are read.
+
+    jobs: {(task, site, method or CLEAN, batch index): (batch, label ids (n, columns), intervention
+    or None)}; read_from: {(task, site, method, i): (job, first column)}. A control job whose batch
+    inputs and intervention equal a task job's is not a job: its labels become that job's columns
+    2 and 3. Every job has as many columns (the first two repeated where there is nothing to add)."""
+    found, evals = tasks[TASK]
+    evals = {region: [move_data_to_device(batch, device) for batch in evals[region]] for _, region in found}
+    jobs, read_from = {}, {}
     for site, methods in found.items():
-        scores[site] = {}
-        for name in methods:
-            metric = InterchangeOdds().to(device)
-            for i in range(len(evals[site[1]])):
-                clean, intervened = torch.cat(logits[(site, CLEAN, i)]), torch.cat(logits[(site, name, i)])
-                columns = torch.arange(2, device=device).expand(len(clean), 2)
-                metric.update(clean, intervened, columns[:, 0], columns[:, 1])
-            scores[site][name] = {k: v.item() for k, v in metric.compute().items()}
-    return scores
+        for i, batch in enumerate(evals[site[1]]):
+            labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)
+            for name in (CLEAN, *methods):
+                f = None if name is CLEAN else methods[name].to(device)
+                jobs[(TASK, site, name, i)] = (batch, labels, f)
+                read_from[(TASK, site, name, i)] = ((TASK, site, name, i), 0)
+    if CONTROL in tasks:
+        control_found, control_evals = tasks[CONTROL]
+        control_evals = {region: [move_data_to_device(batch, device) for batch in control_evals[region]]
+                         for _, region in control_found}  # fmt: skip
+        for site, methods in control_found.items():
+            for i, batch in enumerate(control_evals[site[1]]):
+                labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)
+                for name in (CLEAN, *methods):
+                    f = None if name is CLEAN else methods[name].to(device)
+                    twin = jobs.get((TASK, site, name, i))
+                    if twin is not None and twin[2] is f and len(twin[1]) == len(labels) and _same_inputs(twin[0], batch):
+                        jobs[(TASK, site, name, i)] = (twin[0], torch.cat([twin[1][:, :2], labels], dim=1), f)
+                        read_from[(CONTROL, site, name, i)] = ((TASK, site, name, i), 2)
+                    else:
+                        jobs[(CONTROL, site, name, i)] = (batch, labels, f)
+                        read_from[(CONTROL, site, name, i)] = ((CONTROL, site, name, i), 0)
+        width = max(len(labels[0]) for _, labels, _ in jobs.values()) if jobs else 2
+        jobs = {key: (batch, labels.repeat(1, width // labels.shape[1]), f) for key, (batch, labels, f) in jobs.items()}
+    return jobs, read_from
+
+
+def _same_inputs(a: dict, b: dict) -> bool:
+    """Whether two collated eval batches differ at most in their labels."""
+    return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a if k not in LABELS)
+
+
+def _equal(x, y) -> bool:
+    if torch.is_tensor(x):
+        return torch.is_tensor(y) and x.shape == y.shape and torch.equal(x, y)
+    if isinstance(x, (list, tuple)):
+        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    return type(x) is type(y) and x == y

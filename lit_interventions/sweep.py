@@ -196,9 +196,9 @@ def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, 
                batch_size=64, control=False) -> list[dict]:  # fmt: skip
     """Every method at every site of a unit, `todo` ({(layer, region): methods}): each site's
     directions are fitted first, then all sites × methods × eval rows are scored in stacked
-    no-grad forwards of `batch_size` rows (`stacked_scoring.score_stacked`), the control task
-    likewise (DAS retrained on it, the directions as fitted). The rows `sweep_site` gives, site
-    after site."""
+    no-grad forwards of `batch_size` rows (`stacked_scoring.score_stacked`), the control task in
+    the same call (DAS retrained on it, the directions as fitted, so only DAS needs rows of its
+    own). The rows `sweep_site` gives, site after site."""
     das, control_das = das or {}, control_das or {}
     sites = [site for site, names in todo.items() if names and data_of(site[1]) is not None]
     found = {site: fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, das.get(site), batch_size)[1]
@@ -210,9 +210,10 @@ def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, 
         control_evals = {r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}}
     control_scores = {}
     try:  # only the stacked forwards: the fits and the data above fail as they are
-        scores = score_stacked(cache.model, cache, found, evals, batch_size)
-        if control:
-            control_scores = score_stacked(cache.model, cache, controlled, control_evals, batch_size)
+        if control:  # one call: the control's rows that equal the task's but for the labels are shared
+            scores, control_scores = score_stacked(cache.model, cache, found, evals, batch_size, (controlled, control_evals))
+        else:
+            scores = score_stacked(cache.model, cache, found, evals, batch_size)
     except Exception as error:  # noqa: BLE001 -- e.g. blocks that cannot run on rows entering at different layers
         raise StackedScoringFailed(f"{type(error).__name__}: {error}") from error
     return [row for site in sites for row in site_rows(task, *site, todo[site], scores[site], control_scores.get(site))]

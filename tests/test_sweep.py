@@ -200,8 +200,18 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     options = dict(methods=methods, layers=[0, 1, 2], control=True, batch_size=7)
     alone = _run(tmp_path / "alone", lm_dir, stacked_scoring=False, **options)
     assert calls == []
+    forwarded = []  # rows of each stacked forward
+    def counted_rows(model, input_ids, *args, **kwargs):
+        forwarded.append(len(input_ids))
+        return logits(model, input_ids, *args, **kwargs)
+
+    logits = stacked_scoring.stacked_logits
+    monkeypatch.setattr(stacked_scoring, "stacked_logits", counted_rows)
     stacked = _run(tmp_path / "stacked", lm_dir, **options)
-    assert len(calls) == 2  # the task and its control, each in one call for the unit
+    assert len(calls) == 1  # the task and its control in one call for the unit
+    # the control shares the clean rows and the fitted directions' rows: only its DAS rows are extra
+    # (15 sites × 8 eval rows × (clean + 4 methods + control DAS), not twice 15 × 8 × 5)
+    assert sum(forwarded) == 15 * 8 * (1 + len(methods) + 1)
     before, after = _rows(tmp_path / "alone" / "out" / "results.csv"), _rows(tmp_path / "stacked" / "out" / "results.csv")
     key = ("task", "method", "layer", "region")
     assert [tuple(r[k] for k in key) for r in before] == [tuple(r[k] for k in key) for r in after]
