@@ -569,11 +569,30 @@ def stacked_logits(
     vocab: torch.Tensor | None = None,
     prefix: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`logits_at` for rows whose sites lie at different layers, in one forward: row i starts
+    """`logits_at` for rows whose sites lie at different layers, in one forward (`stacked_hidden`,
+    whose arguments these are), then the LM head once for all rows, or its `vocab` rows only."""
+    hidden = stacked_hidden(model, input_ids, attention_mask, logit_positions, layers, site_positions, intervention,
+                            start_states, prefix)  # fmt: skip
+    return final_logits(model, hidden, vocab)
+
+
+def stacked_hidden(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logit_positions: torch.Tensor,
+    layers: list[int],
+    site_positions: torch.Tensor,
+    intervention: Callable[[torch.Tensor], torch.Tensor] | None,
+    start_states: torch.Tensor,
+    prefix: tuple[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The final hidden states at `logit_positions` (batch, d), what the LM head reads, for rows
+    whose sites lie at different layers, in one forward: row i starts
     from its residual stream at `layers[i]` (`start_states` (batch, seq, d), each row at its own
     layer), with `intervention` (on all rows' site states at once, (batch, d)) written at its site,
     and block j runs only the rows whose layer is below j. Each block's frozen weights are read
-    once for all rows, and the LM head once. Equals `logits_at` row by row, to float rounding.
+    once for all rows. With the LM head, it equals `logits_at` row by row, to float rounding.
 
     `prefix` (c, keys and values of the first c columns in the blocks above min(layers),
     (n_above, 2, batch, heads, c, head_dim), `ActivationCache.prefix`): only columns c.. run.
@@ -593,7 +612,6 @@ def stacked_logits(
         index = torch.tensor(order, device=input_ids.device)
         input_ids, attention_mask, logit_positions, h0 = (input_ids[index], attention_mask[index],
                                                           logit_positions[index], h0[index])  # fmt: skip
-        vocab = None if vocab is None else vocab[index]
         prefix = None if prefix is None else (prefix[0], prefix[1][:, :, index])
         layers = [layers[i] for i in order]
         unsort = torch.empty_like(index)
@@ -613,5 +631,5 @@ def stacked_logits(
         input_ids, h0, logit_positions = input_ids[:, c:], h0[:, c:], logit_positions - c
     with _rows_enter_at_their_layer(model, h0, entered), _attention_kernel(input_ids.device):
         hidden = run_body(model, input_ids, attention_mask, past, positions).last_hidden_state
-    logits = final_logits(model, hidden[_rows(hidden), logit_positions], vocab)
-    return logits if unsort is None else logits[unsort]
+    hidden = hidden[_rows(hidden), logit_positions]
+    return hidden if unsort is None else hidden[unsort]

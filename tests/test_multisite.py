@@ -144,7 +144,7 @@ def test_per_layer_fallback_gives_the_same_subspaces(tiny_lm_dir, monkeypatch):
     def refuses(*args, **kwargs):
         raise TypeError("forward() got an unexpected keyword argument")
 
-    monkeypatch.setattr(multisite, "stacked_logits", refuses)
+    monkeypatch.setattr(multisite, "stacked_hidden", refuses)
     with pytest.warns(UserWarning, match=r"the stacked forward failed on LlamaForCausalLM \(TypeError: forward"):
         per_layer, module = _train_sites(lm_dir, SITES[:3], datas)
     assert module._stacked is False
