@@ -2,10 +2,11 @@
 of a task in one loop.
 
 Each site keeps its own subspace, Adam optimiser and linear schedule, and sees exactly its own
-batches. One step stacks the sites' batches into one forward (`sites.stacked_logits`): each
-row enters at its own site's layer from its cached state there, block j runs only the rows whose
-site is below it, so every frozen block's weights are read once per step for all sites, and the
-LM head's (which dominate a step on a 262k-token vocabulary) once for all. The loss is the sum
+batches. One step stacks the sites' batches into one forward per region (`sites.stacked_hidden`,
+each from the region's own column): each row enters at its own site's layer from its cached state
+there, block j runs only the rows whose site is below it, so every frozen block's weights are read
+once per step and region for all layers, and the LM head's (which dominate a step on a 262k-token
+vocabulary) once for all. The loss is the sum
 of the sites' losses, so each subspace gets exactly the gradient it would get alone: the result
 equals training the sites one by one with the same seed and batch order (to float rounding).
 """
