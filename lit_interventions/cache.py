@@ -55,7 +55,7 @@ class ActivationCache:
         keys: tuple[list[Key], list[int]] | None = None,
     ) -> torch.Tensor:
         """The residual stream at `layer` for a padded batch, (batch, seq, d), padding as zeros;
-        with a list, one layer per row (rows at different layers, `sites.stacked_logits`).
+        with a list, one layer per row (rows at different layers, `sites.stacked_hidden`).
 
         `keys` is `input_keys(input_ids, attention_mask)` computed on the host (the CausalGym
         collate function does), which spares a device-to-host copy per step on a GPU."""

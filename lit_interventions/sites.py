@@ -557,25 +557,6 @@ def _attention_kernel(device: torch.device):
     return sdpa_kernel([SDPBackend.MATH]) if device.type == "cpu" and torch.is_grad_enabled() else nullcontext()
 
 
-def stacked_logits(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    logit_positions: torch.Tensor,
-    layers: list[int],
-    site_positions: torch.Tensor,
-    intervention: Callable[[torch.Tensor], torch.Tensor] | None,
-    start_states: torch.Tensor,
-    vocab: torch.Tensor | None = None,
-    prefix: tuple[int, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """`logits_at` for rows whose sites lie at different layers, in one forward (`stacked_hidden`,
-    whose arguments these are), then the LM head once for all rows, or its `vocab` rows only."""
-    hidden = stacked_hidden(model, input_ids, attention_mask, logit_positions, layers, site_positions, intervention,
-                            start_states, prefix)  # fmt: skip
-    return final_logits(model, hidden, vocab)
-
-
 def stacked_hidden(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -592,7 +573,7 @@ def stacked_hidden(
     from its residual stream at `layers[i]` (`start_states` (batch, seq, d), each row at its own
     layer), with `intervention` (on all rows' site states at once, (batch, d)) written at its site,
     and block j runs only the rows whose layer is below j. Each block's frozen weights are read
-    once for all rows. With the LM head, it equals `logits_at` row by row, to float rounding.
+    once for all rows. With `final_logits` on it, it equals `logits_at` row by row, to float rounding.
 
     `prefix` (c, keys and values of the first c columns in the blocks above min(layers),
     (n_above, 2, batch, heads, c, head_dim), `ActivationCache.prefix`): only columns c.. run.

@@ -2,7 +2,7 @@
 
 The rows of a unit's scoring are (site, method or the clean forward, eval example): each one
 enters the frozen LM at its site's layer from its cached state there, with its method's
-f*(f(b), f(s)) written at the site (`sites.stacked_logits`), and only the two label rows of the
+f*(f(b), f(s)) written at the site (`sites.stacked_hidden`), and only the two label rows of the
 LM head are computed. Rows are packed `rows` at a time whatever site or method they belong to,
 so every block's weights are read once per forward for many sites, instead of once per site,
 method and eval batch. Each site's clean rows are computed at its own layer, as
@@ -22,7 +22,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lit_interventions.cache import ActivationCache
 from lit_interventions.metrics import InterchangeOdds
 from lit_interventions.modules.multisite import stack_batches
-from lit_interventions.sites import stacked_logits
+from lit_interventions.sites import final_logits, stacked_hidden
 
 CLEAN = None  # the job of a site's unintervened rows, p(· | b)
 TASK, CONTROL = "task", "control"  # whose labels a job's logits are
@@ -102,8 +102,9 @@ def score_stacked(
 
         vocab = torch.cat([jobs[key][1][a:b] for key, a, b in chunk])
         prefix = cache.prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"])
-        out = stacked_logits(model, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
-                             layers, stacked["base_pos"], edit, base, vocab=vocab, prefix=prefix)  # fmt: skip
+        hidden = stacked_hidden(model, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
+                                layers, stacked["base_pos"], edit, base, prefix)  # fmt: skip
+        out = final_logits(model, hidden, vocab)
         for (key, _, _), s, e in zip(chunk, bounds, bounds[1:]):
             logits[key].append(out[s:e])
     scores = {}
@@ -129,35 +130,27 @@ def _jobs(tasks: dict, device) -> tuple[dict, dict]:
     or None)}; read_from: {(task, site, method, i): (job, first column)}. A control job whose batch
     inputs and intervention equal a task job's is not a job: its labels become that job's columns
     2 and 3. Every job has as many columns (the first two repeated where there is nothing to add)."""
-    found, evals = tasks[TASK]
-    evals = {region: [move_data_to_device(batch, device) for batch in evals[region]] for _, region in found}
-    jobs, read_from = {}, {}
-    for site, methods in found.items():
-        for i, batch in enumerate(evals[site[1]]):
-            labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)
-            for name in (CLEAN, *methods):
-                f = None if name is CLEAN else methods[name].to(device)
-                jobs[(TASK, site, name, i)] = (batch, labels, f)
-                read_from[(TASK, site, name, i)] = ((TASK, site, name, i), 0)
-    if CONTROL in tasks:
-        control_found, control_evals = tasks[CONTROL]
-        control_evals = {region: [move_data_to_device(batch, device) for batch in control_evals[region]]
-                         for _, region in control_found}  # fmt: skip
-        for site, methods in control_found.items():
-            for i, batch in enumerate(control_evals[site[1]]):
+    jobs, read_from, evals = {}, {}, {}
+    for task, (task_found, task_evals) in tasks.items():
+        evals[task] = {region: [move_data_to_device(batch, device) for batch in task_evals[region]]
+                       for _, region in task_found}  # fmt: skip
+        shared = {(region, i): task == CONTROL and i < len(evals[TASK].get(region, ())) and
+                  _same_inputs(evals[TASK][region][i], batch)
+                  for region, batches in evals[task].items() for i, batch in enumerate(batches)}  # fmt: skip
+        for site, methods in task_found.items():
+            for i, batch in enumerate(evals[task][site[1]]):
                 labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)
                 for name in (CLEAN, *methods):
                     f = None if name is CLEAN else methods[name].to(device)
-                    twin = jobs.get((TASK, site, name, i))
-                    if twin is not None and twin[2] is f and len(twin[1]) == len(labels) and _same_inputs(twin[0], batch):
-                        jobs[(TASK, site, name, i)] = (twin[0], torch.cat([twin[1][:, :2], labels], dim=1), f)
-                        read_from[(CONTROL, site, name, i)] = ((TASK, site, name, i), 2)
+                    twin = jobs.get((TASK, site, name, i)) if shared[(site[1], i)] else None
+                    if twin is not None and twin[2] is f:  # the task's rows give this task's labels too
+                        jobs[(TASK, site, name, i)] = (twin[0], torch.cat([twin[1], labels], dim=1), f)
+                        read_from[(task, site, name, i)] = ((TASK, site, name, i), 2)
                     else:
-                        jobs[(CONTROL, site, name, i)] = (batch, labels, f)
-                        read_from[(CONTROL, site, name, i)] = ((CONTROL, site, name, i), 0)
-        width = max(len(labels[0]) for _, labels, _ in jobs.values()) if jobs else 2
-        jobs = {key: (batch, labels.repeat(1, width // labels.shape[1]), f) for key, (batch, labels, f) in jobs.items()}
-    return jobs, read_from
+                        jobs[(task, site, name, i)] = (batch, labels, f)
+                        read_from[(task, site, name, i)] = ((task, site, name, i), 0)
+    width = max((labels.shape[1] for _, labels, _ in jobs.values()), default=2)
+    return {key: (batch, labels.repeat(1, width // labels.shape[1]), f) for key, (batch, labels, f) in jobs.items()}, read_from
 
 
 def _same_inputs(a: dict, b: dict) -> bool:

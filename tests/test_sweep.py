@@ -203,10 +203,10 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     forwarded = []  # rows of each stacked forward
     def counted_rows(model, input_ids, *args, **kwargs):
         forwarded.append(len(input_ids))
-        return logits(model, input_ids, *args, **kwargs)
+        return hidden(model, input_ids, *args, **kwargs)
 
-    logits = stacked_scoring.stacked_logits
-    monkeypatch.setattr(stacked_scoring, "stacked_logits", counted_rows)
+    hidden = stacked_scoring.stacked_hidden
+    monkeypatch.setattr(stacked_scoring, "stacked_hidden", counted_rows)
     stacked = _run(tmp_path / "stacked", lm_dir, **options)
     assert len(calls) == 1  # the task and its control in one call for the unit
     # the control shares the clean rows and the fitted directions' rows: only its DAS rows are extra
