@@ -65,11 +65,6 @@ def site_name(layer: int, region: str) -> str:
     return f"{layer}/{region}"
 
 
-def _rows_between(batch: dict, a: int, b: int) -> dict:
-    """Rows a:b of a stacked batch (tensors, cache keys and site lists alike)."""
-    return _rows_at(batch, list(range(a, b)))
-
-
 def _rows_at(batch: dict, rows: list[int]) -> dict:
     """The rows `rows` of a stacked batch, in that order (tensors, cache keys and site lists alike)."""
     part, index = {}, None
@@ -192,7 +187,7 @@ class MultiSiteInterchangeModule(SiteModule):
         logits, a = [], 0
         for layer in sorted(set(layers)):
             b = a + layers.count(layer)
-            part = _rows_between(stacked, a, b)
+            part = _rows_at(stacked, list(range(a, b)))
             rows = edited[a:b]
             start = None if cache is None else cache.states(layer, part["base_input_ids"], part["base_attention_mask"],
                                                             part["base_keys"])  # fmt: skip
