@@ -1,5 +1,6 @@
-"""A sweep over many processes: torchrun or srun starts them, each takes its share of the units
-of work and writes its own results, and rank 0 merges them into the one output directory.
+"""A sweep over many processes: torchrun or srun starts them, each takes the next unit of work
+left whenever it is free and writes its own results, and rank 0 merges them into the one output
+directory.
 
     torchrun --standalone --nproc_per_node 4 -m lit_interventions.sweep --config ... --out DIR
 
@@ -18,6 +19,7 @@ import json
 import os
 import pickle
 import socket
+import uuid
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -52,10 +54,18 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def shard(self, units: Sequence[T]) -> list[T]:
-        """This rank's units: every world_size-th, from its rank on (round robin, so a rank's share
-        differs from another's by at most one unit)."""
-        return list(units[self.rank :: self.world_size])
+    def take(self, units: Sequence[T], cost: Callable[[T], float] | None = None, queue: str = "units") -> Iterator[T]:
+        """This rank's units, one at a time: whichever rank is free takes the next unit (a counter
+        `queue` in the store the ranks met on), the costliest first (`cost`, e.g. a unit's sites:
+        longest-processing-time-first), so no rank idles while another still has a queue, and a
+        slower node takes fewer. Alone: every unit, in order."""
+        if self.world_size == 1:
+            yield from units
+            return
+        order = sorted(units, key=cost, reverse=True) if cost else list(units)  # stable: ties keep their order
+        self._meet()
+        while (taken := self._store.add(f"lit_interventions/queue/{queue}", 1)) <= len(order):
+            yield order[taken - 1]
 
     def from_main(self, work: Callable[[], T]) -> T:
         """`work()` on rank 0; every rank returns its result, or raises its error (so a refused
@@ -200,7 +210,7 @@ class ShardedRun:
 
         with ShardedRun(ranks, out, meta, tables) as run:
             todo, _ = run.start(plan)         # rank 0: claim DIR, merge what ranks left, plan
-            for unit in ranks.shard(todo):
+            for unit in run.take(todo, cost): # the next unit left, whichever rank is free
                 run.store.add(...)            # this rank's store
             rows = run.finish(position, summarise)  # rank 0: merge the ranks', summarise
 
@@ -213,6 +223,7 @@ class ShardedRun:
     def __init__(self, ranks: Ranks, out, meta: dict, tables: list, what: str = "results", ignore: tuple = ()):
         self.ranks, self.out, self.meta, self.tables, self.what, self.ignore = ranks, out, meta, tables, what, ignore
         self.main = self.store = None  # DIR's store (rank 0 only); the store this rank writes
+        self.queue = None  # the name of this run's queue of units (`start`)
         self._stack = ExitStack()
 
     def __enter__(self) -> "ShardedRun":
@@ -230,18 +241,22 @@ class ShardedRun:
         rank 0 wrote it (one filesystem), and opens its store. Fewer units than ranks is a
         warning (`hint`: how to make more)."""
 
-        def claim() -> tuple[list, Any]:
+        def claim() -> tuple[list, Any, str]:
             self.main = self._stack.enter_context(open_results(self.out, self.meta, self.tables, self.what, self.ignore))
             self.main.absorb(rank_dirs(self.out))
-            return plan(self.main)
+            return *plan(self.main), uuid.uuid4().hex  # the run's own queue in the store
 
-        todo, context = self.ranks.from_main(claim)
+        todo, context, self.queue = self.ranks.from_main(claim)
         if self.ranks.is_main and 0 < len(todo) < self.ranks.world_size:
             warnings.warn(f"{self.ranks.world_size} ranks for {len(todo)} units of work left: "
                           f"{self.ranks.world_size - len(todo)} ranks have nothing to do{hint}", stacklevel=2)  # fmt: skip
         self.ranks.everywhere(self._check_shared)
         self.store = self.main if self.ranks.world_size == 1 else rank_store(self.out, self.ranks.rank, self.tables)
         return todo, context
+
+    def take(self, todo: Sequence[T], cost: Callable[[T], float] | None = None) -> Iterator[T]:
+        """This rank's units of `todo` (`Ranks.take`), from this run's queue."""
+        return self.ranks.take(todo, cost, self.queue)
 
     def finish(self, position: Callable[[str, dict], int], summarise: Callable[[ResultsStore], T]) -> T:
         """Once every rank is done, rank 0 merges their stores into DIR's and returns

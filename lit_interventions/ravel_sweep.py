@@ -16,7 +16,7 @@ and resumes: a rerun skips the (method, attribute) cells already done. Finished 
 `DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it, whole, after each
 (`lit_interventions.results`); one run at a time holds `DIR/.lock`.
 
-Under torchrun or srun the cells are shared out over the processes: each writes
+Under torchrun or srun each process takes the next cell left whenever it is free, and writes
 `DIR/ranks/rank-R/`, and rank 0 merges them into the files one process would have written
 (`lit_interventions.distributed`), resuming what any earlier run finished, at any world size.
 """
@@ -137,7 +137,7 @@ def run_ravel_sweep(
 
     with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
         todo, _ = run.start(plan)
-        mine = ranks.shard(todo)
+        mine = run.take(todo)
         for method, attribute in tqdm(mine, desc="RAVEL cells", unit="cell"):
             options, n_epochs = method_options[method]
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)

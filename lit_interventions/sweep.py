@@ -23,8 +23,8 @@ from it, whole, after each (`lit_interventions.results`); one run at a time hold
 each task's Acc and the finished units (a rerun skips them whole).
 
 The units of work are (task, layers) (`sweep_units`; `--layers_per_unit` splits a task's layers).
-Under torchrun or srun each process takes every N-th unit with work left and writes
-DIR/ranks/rank-R/; rank 0 merges them into the files above, as one process would have written
+Under torchrun or srun each process, whenever it is free, takes the next unit with work left (the
+ones with most sites first) and writes DIR/ranks/rank-R/; rank 0 merges them into the files above, as one process would have written
 them, and a rerun at any world size resumes what any rank finished (`lit_interventions.distributed`):
 
     torchrun --standalone --nproc_per_node 4 -m lit_interventions.sweep --config configs/sweep_causalgym.yaml
@@ -428,7 +428,7 @@ def run_sweep(
 
     with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates",)) as run:  # the file is known by its sha256
         todo, (done, with_control) = run.start(plan, hint=" (--layers_per_unit splits a task's layers into more units)")
-        for task, group in ranks.shard(todo):
+        for task, group in run.take(todo, cost=lambda unit: len(unit[1]) * len(regions[unit[0]])):  # its sites
             accuracy = {}
             _sweep(run.store, [(task, group)], methods, templates, lm, control, sizes, seed, dtype, batch_size, regions,
                    done, accuracy, stacked_scoring)  # fmt: skip

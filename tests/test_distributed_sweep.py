@@ -70,9 +70,22 @@ def test_units_and_shards():
     assert sweep_units(["a"], [0, 1, 2], layers_per_unit=2) == [("a", (0, 1)), ("a", (2,))]
     with pytest.raises(ValueError, match=r"layers_per_unit=0 must be a positive integer"):
         sweep_units(["a"], [0], layers_per_unit=0)
-    ranks = [distributed.Ranks(rank, 3) for rank in range(3)]
-    assert [r.shard(list("abcdefg")) for r in ranks] == [list("adg"), list("be"), list("cf")]
+    assert list(distributed.Ranks().take(list("cab"), cost=ord)) == list("cab")  # alone: all, in order
     assert distributed.detect() == distributed.Ranks()  # pytest itself: rank 0 of 1
+
+
+def test_a_free_rank_takes_the_next_unit_costliest_first():
+    """Two ranks on one store: whichever asks next gets the costliest unit left; each unit once."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    sites = {"a": 90, "b": 306, "c": 126, "d": 144, "e": 126}
+    zero, one = (distributed.Ranks(rank, 2, _store=store).take(list(sites), cost=sites.get, queue="q") for rank in (0, 1))
+    assert (next(zero), next(one)) == ("b", "d")
+    assert (next(one), next(one)) == ("c", "e")  # rank 0 still busy with b: rank 1 goes on (c before e: ties keep order)
+    assert next(zero) == "a" and next(zero, None) is None and next(one, None) is None
+    again = distributed.Ranks(0, 2, _store=store).take(list(sites), cost=sites.get, queue="another run")
+    assert next(again) == "b"  # every run has its own queue
 
 
 def test_ranks_from_torchrun_and_slurm(monkeypatch):
@@ -111,7 +124,7 @@ def test_causalgym_two_ranks_equal_one_process(tmp_path, tiny_lm_dir, one_thread
 @pytest.mark.slow
 def test_causalgym_resumes_what_a_rank_left(tmp_path, tiny_lm_dir, one_thread):
     """Rank 1 of an interrupted run finished agr_gender (its odds marked 123 here); a 2-process rerun
-    merges it and does only agr_sv_num_pp, which rank 0 takes while rank 1 has nothing to do."""
+    merges it and does only agr_sv_num_pp, which one rank takes while the other has nothing to do."""
     lm_dir = tiny_lm_dir("llama")
     out = tmp_path / "out"
     options = {**CAUSALGYM, "methods": ["diffmean", "vanilla"]}
