@@ -15,6 +15,11 @@
 
     python benchmarks/sweep_speed.py [--lm smollm2-135m-instruct] [--layers 7 22] [--methods das diffmean probe]
     python benchmarks/sweep_speed.py --against per_layer --lm gemma-3-270m --dtype bfloat16 --layers all --methods das
+    python benchmarks/sweep_speed.py --layers all --reference_layers 7 22   # a whole task against a sample
+
+A reference site costs the same whatever the other sites are, so `--reference_layers` times it on
+a sample of layers while ours runs all of `--layers`, as a whole study does; both figures are
+seconds per site.
 """
 
 from __future__ import annotations
@@ -111,6 +116,8 @@ def main() -> None:
     parser.add_argument("--task", default="agr_sv_num_pp")
     parser.add_argument("--layers", nargs="+", default=["7", "22"], help="layer indices, or all")
     parser.add_argument("--methods", nargs="+", default=["das", "probe", "diffmean", "pca", "kmeans", "lda", "random"])
+    parser.add_argument("--reference_layers", nargs="+", default=None,
+                        help="the layers the pyvene reference runs (default: --layers); its time per site is their mean")
     parser.add_argument("--against", choices=["pyvene", "per_layer"], default="pyvene")
     parser.add_argument("--dtype", default="float32", help="the LM's dtype (ours; pyvene runs float32)")
     parser.add_argument("--train_pairs", type=int, default=200)
@@ -121,6 +128,9 @@ def main() -> None:
         parser.error("--against pyvene runs the paper's sizes in float32: leave --dtype, --train_pairs, --eval_pairs")
     layers = "all" if args.layers == ["all"] else [int(layer) for layer in args.layers]
     args.layers = choose_layers(layers, num_layers(load_config(args.lm)))
+    reference_layers = args.layers if args.reference_layers is None else [int(layer) for layer in args.reference_layers]
+    if args.against == "per_layer" and args.reference_layers is not None:
+        parser.error("--reference_layers samples the pyvene reference; --against per_layer runs --layers")
     regions = CausalGymDataModule(task=args.task).template.regions
     sites = len(args.layers) * len(regions)
     load_lm(args.lm, args.dtype)  # the timings exclude loading the model
@@ -134,13 +144,15 @@ def main() -> None:
     else:
         ours = our_sweep(args) / sites
         start = time.perf_counter()
-        for layer in args.layers:
+        for layer in reference_layers:
             for region in regions:
                 reference_site(args.lm, args.task, layer, region, args.methods)
-        reference = (time.perf_counter() - start) / sites
+        reference = (time.perf_counter() - start) / (len(reference_layers) * len(regions))
 
     print(f"{args.lm} ({args.dtype}), task {args.task}, layers {args.layers}, {len(regions)} regions, "
           f"methods {args.methods}, {args.train_pairs} train / {args.eval_pairs} eval pairs")  # fmt: skip
+    if args.against == "pyvene" and reference_layers != args.layers:
+        print(f"the reference timed at layers {reference_layers} ({len(reference_layers) * len(regions)} sites)")
     print(f"seconds per site: reference ({args.against}) {reference:.2f}, ours {ours:.2f}")
     print(f"ratio={reference / ours:.2f}")
 
