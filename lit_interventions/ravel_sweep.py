@@ -137,7 +137,7 @@ def run_ravel_sweep(
 
     with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
         todo, _ = run.start(plan)
-        mine = run.take(todo)
+        mine = run.take(todo, cost=lambda cell: method_options[cell[0]][1])  # the trained methods' cells first (3 epochs)
         for method, attribute in tqdm(mine, desc="RAVEL cells", unit="cell"):
             options, n_epochs = method_options[method]
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)

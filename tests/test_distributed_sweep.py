@@ -161,7 +161,7 @@ def test_an_out_dir_of_another_config_stops_every_rank_before_any_work(tmp_path,
 @pytest.mark.slow
 def test_ravel_two_ranks_resume_and_equal_one_process(tmp_path, tiny_lm_dir, monkeypatch, one_thread):
     """Rank 1 of an interrupted run finished the full-swap cells (their scores marked here); a
-    2-process rerun merges them and shares out the 2 DAS cells, one per rank: every file equals a
+    2-process rerun merges them and the free ranks take the 2 DAS cells: every file equals a
     one-process run's but for the marks. The model's answers (the data filter) come from the
     on-disk cache the one-process run fills with an oracle, as in test_ddp."""
     from datamodules.ravel import RavelDataModule
