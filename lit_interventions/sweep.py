@@ -24,8 +24,9 @@ each task's Acc and the finished units (a rerun skips them whole).
 
 The units of work are (task, layers) (`sweep_units`; `--layers_per_unit` splits a task's layers).
 Under torchrun or srun each process, whenever it is free, takes the next unit with work left (the
-ones with most sites first) and writes DIR/ranks/rank-R/; rank 0 merges them into the files above, as one process would have written
-them, and a rerun at any world size resumes what any rank finished (`lit_interventions.distributed`):
+ones with most sites first) and writes DIR/ranks/rank-R/; rank 0 merges them into the files
+above, as one process would have written them, and a rerun at any world size resumes what any
+rank finished (`lit_interventions.distributed`):
 
     torchrun --standalone --nproc_per_node 4 -m lit_interventions.sweep --config configs/sweep_causalgym.yaml
 """
