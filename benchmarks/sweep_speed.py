@@ -127,10 +127,12 @@ def main() -> None:
     if args.against == "pyvene" and (args.dtype, args.train_pairs, args.eval_pairs) != ("float32", 200, 50):
         parser.error("--against pyvene runs the paper's sizes in float32: leave --dtype, --train_pairs, --eval_pairs")
     layers = "all" if args.layers == ["all"] else [int(layer) for layer in args.layers]
-    args.layers = choose_layers(layers, num_layers(load_config(args.lm)))
-    reference_layers = args.layers if args.reference_layers is None else [int(layer) for layer in args.reference_layers]
+    n_layers = num_layers(load_config(args.lm))
+    args.layers = choose_layers(layers, n_layers)
     if args.against == "per_layer" and args.reference_layers is not None:
         parser.error("--reference_layers samples the pyvene reference; --against per_layer runs --layers")
+    reference_layers = args.layers if args.reference_layers is None else choose_layers(
+        [int(layer) for layer in args.reference_layers], n_layers)  # checked before any work
     regions = CausalGymDataModule(task=args.task).template.regions
     sites = len(args.layers) * len(regions)
     load_lm(args.lm, args.dtype)  # the timings exclude loading the model

@@ -70,7 +70,7 @@ def test_units_and_shards():
     assert sweep_units(["a"], [0, 1, 2], layers_per_unit=2) == [("a", (0, 1)), ("a", (2,))]
     with pytest.raises(ValueError, match=r"layers_per_unit=0 must be a positive integer"):
         sweep_units(["a"], [0], layers_per_unit=0)
-    assert list(distributed.Ranks().take(list("cab"), cost=ord)) == list("cab")  # alone: all, in order
+    assert list(distributed.Ranks().take(list("cab"), cost=ord, queue="q")) == list("cab")  # alone: all, in order
     assert distributed.detect() == distributed.Ranks()  # pytest itself: rank 0 of 1
 
 
