@@ -39,6 +39,7 @@ import sys
 import math
 import warnings
 from collections import defaultdict
+from datetime import timedelta
 from functools import lru_cache, partial
 from itertools import chain
 from pathlib import Path
@@ -55,6 +56,7 @@ from datamodules.causalgym import CausalGymDataModule, EmptyRegionError
 from datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions import distributed
 from lit_interventions.cache import ActivationCache
+from lit_interventions.callbacks.resume import SaveProgress
 from lit_interventions.cli import choose_layers, choose_names, run_cli
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
@@ -88,12 +90,16 @@ def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataMo
     return data
 
 
-def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = True) -> dict:
+def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = True, progress: Path | None = None,
+              every: timedelta = timedelta(minutes=5)) -> dict:  # fmt: skip
     """DAS at every site of `datas` ({(layer, region): data module, or None for an empty
     region}), the paper's setup: {(layer, region): trained subspace}. All sites train together in
     one Lightning loop (`MultiSiteInterchangeModule`: one stacked forward per step for every
     layer and region); each site gets the result it would get alone, for a fraction of the time.
-    `one_loop=False`: one loop per layer (the earlier sweep, kept for benchmarks/sweep_speed.py)."""
+    `progress`: a loop's state is saved every `every` to PROGRESS-<digest of its sites and
+    setup>.ckpt, which a rerun resumes from (same result as no interruption) and which is
+    deleted once the loop ends. `one_loop=False`: one loop per layer (the earlier sweep, kept
+    for benchmarks/sweep_speed.py)."""
     datas = {site: data for site, data in datas.items() if data is not None}
     groups = [datas] if one_loop else [{site: data for site, data in datas.items() if site[0] == layer}
                                        for layer in sorted({layer for layer, _ in datas})]  # fmt: skip
@@ -103,12 +109,24 @@ def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = Tr
             continue
         module = MultiSiteInterchangeModule(lm=lm, sites=list(group), dtype=dtype, seed=seed)
         module.attach(group).share_cache(cache)
+        saved = None if progress is None else progress_path(progress, module)
         trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            callbacks=[] if saved is None else [SaveProgress(saved, every)],
                             accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)  # fmt: skip
-        trainer.fit(module)
+        trainer.fit(module, ckpt_path=saved if saved is not None and saved.is_file() else None, weights_only=True)
         trained |= module.trained()
+        if saved is not None:
+            saved.unlink(missing_ok=True)
     return trained
+
+
+def progress_path(progress: Path, module: MultiSiteInterchangeModule) -> Path:
+    """Where `train_das` keeps the loop's progress: PROGRESS-<digest>.ckpt, the digest of what
+    the loop's result depends on (its sites, LM, dtype, seed), so a changed setup never resumes
+    another's loop."""
+    setup = repr((module.sites, module.hparams.lm, module.hparams.dtype, module.hparams.seed))
+    return progress.with_name(f"{progress.name}-{hashlib.sha256(setup.encode()).hexdigest()[:12]}.ckpt")
 
 
 def das_path(out: Path, task: str, layer: int, control: str | None = None) -> Path:
@@ -116,14 +134,16 @@ def das_path(out: Path, task: str, layer: int, control: str | None = None) -> Pa
     return out / "das" / f"{task}_{layer}{'' if control is None else '_' + control}.safetensors"
 
 
-def saved_das(paths: Callable[[int], Path], datas: dict, lm, cache, seed, dtype="float32") -> dict:
+def saved_das(paths: Callable[[int], Path], datas: dict, lm, cache, seed, dtype="float32",
+              progress: Path | None = None) -> dict:  # fmt: skip
     """`train_das`, kept in one file per layer (`paths(layer)`, `das_path`: {region: basis W,
     k × d}): a rerun scores the saved subspaces and trains, in one loop, only the sites the files
-    lack, so an interruption after training loses no training."""
+    lack, so an interruption after training loses no training; during it, with `progress`
+    (`train_das`), at most its last few minutes."""
     saved = {layer: load_file(paths(layer)) if paths(layer).is_file() else {} for layer in {layer for layer, _ in datas}}
     missing = {(layer, region): data for (layer, region), data in datas.items() if region not in saved[layer]}
     if missing:
-        trained = train_das(missing, lm, cache, seed, dtype)
+        trained = train_das(missing, lm, cache, seed, dtype, progress=progress)
         for layer in sorted({layer for layer, _ in trained}):
             saved[layer] |= {region: intervention.basis.detach().float().cpu().contiguous()
                              for (at, region), intervention in trained.items() if at == layer}  # fmt: skip
@@ -328,11 +348,12 @@ def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, ba
         todo = {(layer, region): [m for m in methods if (task, m, layer, region) not in done]
                 for layer in layers for region in regions[task]}  # fmt: skip
         das_sites = [site for site, names in todo.items() if "das" in names]  # every layer's, trained in one loop
+        das_progress = out / "das" / "progress"  # the DAS loop's state while it runs (`train_das`)
         das = saved_das(partial(das_path, out, task), {site: data_of(site[1]) for site in das_sites}, lm, cache,
-                        seed, dtype) if das_sites else {}  # fmt: skip
+                        seed, dtype, das_progress / task) if das_sites else {}  # fmt: skip
         control_das = saved_das(partial(das_path, out, task, control="dog_give"),
-                                {site: data_of(site[1], "dog_give") for site in das_sites}, lm, cache, seed, dtype) \
-            if das_sites and control else {}  # fmt: skip
+                                {site: data_of(site[1], "dog_give") for site in das_sites}, lm, cache, seed, dtype,
+                                das_progress / f"{task}_dog_give") if das_sites and control else {}  # fmt: skip
         if stacked_scoring:  # every site at once: stored together (an interruption loses the unit's scoring)
             try:
                 rows = score_unit(task, todo, lm, data_of, cache, seed, dtype, das, control_das, batch_size, control)

@@ -321,13 +321,62 @@ def test_a_rerun_trains_only_the_missing_das_sites(tmp_path, tiny_lm_dir, monkey
     (out / "das" / "agr_sv_num_pp_1.safetensors").unlink()
     for name in ("results.csv", "results.sqlite"):
         (out / name).unlink()
-    calls, train_das = [], sweep.train_das
-    monkeypatch.setattr(sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k))
+    calls, progress, train_das = [], [], sweep.train_das
+    monkeypatch.setattr(sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or
+                        progress.append(k["progress"]) or train_das(datas, *a, **k))  # fmt: skip
     _run(tmp_path, lm_dir, methods=["das"], layers=[0, 1])
     regions = ["The", "subject", "prep", "the", "object"]
     assert calls == [sorted([(0, "prep")] + [(1, region) for region in regions])]  # in one loop
+    assert progress == [out / "das" / "progress" / "agr_sv_num_pp"]  # saved as it trains, gone once done
+    assert not list((out / "das").glob("progress/*"))
     again = load_file(out / "das" / "agr_sv_num_pp_0.safetensors")
     assert set(again) == set(regions) and all(torch.equal(again[r], kept[r]) for r in regions if r != "prep")
     # a site trained in a smaller stack gets the same subspace, to float rounding
     torch.testing.assert_close(again["prep"], kept["prep"], rtol=1e-4, atol=1e-6)
     assert [float(r["odds"]) for r in _rows(out / "results.csv")] == pytest.approx([float(r["odds"]) for r in first], abs=1e-6)
+
+
+def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir, monkeypatch):
+    """The DAS loop killed after 3 of its 12 steps, rerun, takes the last 9 from the saved progress
+    (weights, Adam moments, schedules, each site's place in its shuffled batches) and ends where
+    the loop run whole does; the progress file is gone after."""
+    from datetime import timedelta
+
+    from lit_interventions.cache import ActivationCache
+    from lit_interventions.callbacks.resume import SaveProgress
+    from lit_interventions.lm import load_lm
+    from lit_interventions.modules.multisite import MultiSiteInterchangeModule
+
+    lm_dir = tiny_lm_dir("llama")
+    datas = {(layer, region): sweep._region_data("agr_sv_num_pp", None, lm_dir, region, None,
+                                                 {"train_pairs": 24, "eval_pairs": 2})  # fmt: skip
+             for layer in (0, 2) for region in ("subject", "prep")}
+    cache = ActivationCache(load_lm(lm_dir), [0, 2])
+    step, steps = MultiSiteInterchangeModule.training_step, []
+    monkeypatch.setattr(MultiSiteInterchangeModule, "training_step", lambda self, *a: steps.append(1) or step(self, *a))
+    whole = sweep.train_das(datas, lm_dir, cache, seed=1)
+    assert len(steps) == 12  # 24 pairs, both ways, in batches of 4
+
+    class Killed(Exception):
+        pass
+
+    save = SaveProgress.on_train_batch_end
+
+    def save_then_die_at_3(self, trainer, *args):
+        save(self, trainer, *args)
+        if trainer.lightning_module._steps == 3:
+            raise Killed
+
+    monkeypatch.setattr(SaveProgress, "on_train_batch_end", save_then_die_at_3)
+    with pytest.raises(Killed):
+        sweep.train_das(datas, lm_dir, cache, seed=1, progress=tmp_path / "agr", every=timedelta(0))
+    assert len(list(tmp_path.glob("agr-*.ckpt"))) == 1
+    monkeypatch.setattr(SaveProgress, "on_train_batch_end", save)
+    steps.clear()
+    resumed = sweep.train_das(datas, lm_dir, cache, seed=1, progress=tmp_path / "agr")
+    assert len(steps) == 9 and not list(tmp_path.glob("agr-*"))
+    assert set(resumed) == set(datas)
+    for site in datas:
+        torch.testing.assert_close(resumed[site].basis, whole[site].basis, rtol=0, atol=1e-6)
+    fresh = MultiSiteInterchangeModule(lm=lm_dir, sites=list(datas), seed=1).trained()
+    assert not torch.allclose(fresh[(0, "prep")].basis, whole[(0, "prep")].basis, atol=1e-3)  # training moved it

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
+from datamodules.loaders import ResumableLoader
 from lit_interventions.cache import ActivationCache
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
@@ -114,6 +115,7 @@ class MultiSiteInterchangeModule(SiteModule):
         self.hparams.layer = min(layer for layer, _ in self.sites)
         self.automatic_optimization = False  # one optimiser and schedule per site
         self._stacked = None  # whether the stacked forward works for this model (None: not tried yet)
+        self._steps = 0  # training steps taken: the batches each site's loader has given (resumable)
         d = hidden_size(config)
         build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
         self.interventions = nn.ModuleDict()
@@ -164,7 +166,15 @@ class MultiSiteInterchangeModule(SiteModule):
             )
 
     def train_dataloader(self) -> CombinedLoader:
-        return CombinedLoader(self._frozen["loaders"], mode="max_size")  # a site with fewer pairs stops early
+        loaders = {name: ResumableLoader(loader, lambda: self._steps)
+                   for name, loader in self._frozen["loaders"].items()}  # fmt: skip
+        return CombinedLoader(loaders, mode="max_size")  # a site with fewer pairs stops early
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["steps"] = self._steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._steps = checkpoint["steps"]  # the loaders skip the batches these steps used
 
     def _logits(self, stacked: dict, layers: list[int], edit: Callable, groups: list[list[int]]) -> torch.Tensor:
         """Logits at the bases' last tokens with each row's site edited by `edit` (all rows at
@@ -260,6 +270,7 @@ class MultiSiteInterchangeModule(SiteModule):
             optimizers[index[site]].step()
             optimizers[index[site]].zero_grad()
             schedules[index[site]].step()
+        self._steps += 1
         self.log("train/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=len(logits))
 
     def configure_optimizers(self):
