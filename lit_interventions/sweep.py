@@ -123,9 +123,10 @@ def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = Tr
 
 def progress_path(progress: Path, module: MultiSiteInterchangeModule) -> Path:
     """Where `train_das` keeps the loop's progress: PROGRESS-<digest>.ckpt, the digest of what
-    the loop's result depends on (its sites, LM, dtype, seed), so a changed setup never resumes
-    another's loop."""
-    setup = repr((module.sites, module.hparams.lm, module.hparams.dtype, module.hparams.seed))
+    the loop's result depends on (its sites, LM, dtype, seed, each site's number of batches), so
+    a changed setup never resumes another's loop."""
+    batches = [len(loader) for loader in module._frozen["loaders"].values()]
+    setup = repr((module.sites, module.hparams.lm, module.hparams.dtype, module.hparams.seed, batches))
     return progress.with_name(f"{progress.name}-{hashlib.sha256(setup.encode()).hexdigest()[:12]}.ckpt")
 
 

@@ -373,6 +373,9 @@ def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir
     assert len(list(tmp_path.glob("agr-*.ckpt"))) == 1
     monkeypatch.setattr(SaveProgress, "on_train_batch_end", save)
     steps.clear()
+    sweep.train_das(datas, lm_dir, cache, seed=2, progress=tmp_path / "agr")  # another setup: not resumed
+    assert len(steps) == 12 and len(list(tmp_path.glob("agr-*.ckpt"))) == 1
+    steps.clear()
     resumed = sweep.train_das(datas, lm_dir, cache, seed=1, progress=tmp_path / "agr")
     assert len(steps) == 9 and not list(tmp_path.glob("agr-*"))
     assert set(resumed) == set(datas)
