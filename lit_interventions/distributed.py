@@ -56,9 +56,9 @@ class Ranks:
 
     def take(self, units: Sequence[T], cost: Callable[[T], float] | None, queue: str) -> Iterator[T]:
         """This rank's units, one at a time: whichever rank is free takes the next unit (a counter
-        `queue` in the store the ranks met on: one name per run, `ShardedRun.take`), the costliest first (`cost`, e.g. a unit's sites:
-        longest-processing-time-first), so no rank idles while another still has a queue, and a
-        slower node takes fewer. Alone: every unit, in order."""
+        `queue` in the store the ranks met on: one name per run, `ShardedRun.take`), the costliest
+        first (`cost`, e.g. a unit's sites: longest-processing-time-first), so no rank idles while
+        another still has a queue, and a slower node takes fewer. Alone: every unit, in order."""
         if self.world_size == 1:
             yield from units
             return
