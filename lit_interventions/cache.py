@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from lit_interventions.lm import num_layers
 from lit_interventions.sharding import input_device
-from lit_interventions.sites import keys_values_above, read_layers
+from lit_interventions.sites import RowPrefix, keys_values_above, read_layers
 
 Key = tuple[int, ...]
 PREFIXES = ("site", "all", "none")
@@ -91,6 +91,28 @@ class ActivationCache:
             if start < c:
                 out[:, :, i, :, start:c] = self._prefix[key][skip:, :, :, : c - start]
         return c, out
+
+    def row_prefix(self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]) -> RowPrefix | None:
+        """Each row's own cached keys and values of the blocks above `layer` before its site, for
+        `sites.stacked_hidden`: unlike `prefix`, a row whose site is late does not rerun the
+        columns between the batch's earliest site and its own. None: no row has any."""
+        keys, starts = keys
+        if layer >= self._n_blocks - 1:
+            return None
+        cached = [self._prefix[key].shape[-2] if key in self._prefix else 0 for key in keys]
+        lengths = [max(0, min(n, site - start)) for n, site, start in zip(cached, sites, starts)]
+        width = max(lengths)
+        if width == 0:
+            return None
+        skip = layer - self.layers[0]  # blocks between the lowest layer and this one are not needed
+        first = self._prefix[keys[lengths.index(width)]][skip:]
+        out = first.new_zeros((first.shape[0], 2, len(keys), first.shape[2], width, first.shape[-1]))
+        mask = torch.zeros((len(keys), width), dtype=torch.long, device=first.device)
+        for i, (key, n) in enumerate(zip(keys, lengths)):
+            if n > 0:  # right-aligned: the row's cached columns end where its run begins
+                out[:, :, i, :, width - n :] = self._prefix[key][skip:, :, :, :n]
+                mask[i, width - n :] = 1
+        return RowPrefix([start + n for start, n in zip(starts, lengths)], out, mask)
 
     def _compute(self, input_ids, attention_mask, keys: list[Key], starts: list[int], firsts: list[int]) -> None:
         """States at the layers for every row, and keys and values above the lowest layer for

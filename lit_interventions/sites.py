@@ -338,6 +338,18 @@ def keys_values_above(
     return keys_values
 
 
+@dataclass
+class RowPrefix:
+    """Cached keys and values of each row's first columns in the blocks above a layer
+    (`ActivationCache.row_prefix`), for `stacked_hidden`: row i runs from column `ends[i]` (at
+    or before its site) and reads its earlier columns from `keys_values`, (n_above, 2, batch,
+    heads, width, head_dim), right-aligned: `mask` (batch, width) is 1 on the row's own columns."""
+
+    ends: list[int]
+    keys_values: torch.Tensor
+    mask: torch.Tensor
+
+
 def _prefix_cache(model: nn.Module, layer: int, above: torch.Tensor) -> DynamicCache:
     """A cache of the first c columns from the keys and values of the blocks above `layer`,
     (n_above, 2, batch, heads, c, head_dim), each on its block's device. The skipped blocks
@@ -575,8 +587,9 @@ def stacked_hidden(
     and block j runs only the rows whose layer is below j. Each block's frozen weights are read
     once for all rows. With `final_logits` on it, it equals `logits_at` row by row, to float rounding.
 
-    `prefix` (c, keys and values of the first c columns in the blocks above min(layers),
-    (n_above, 2, batch, heads, c, head_dim), `ActivationCache.prefix`): only columns c.. run.
+    `prefix` (`ActivationCache.row_prefix` in the blocks above min(layers)): row i runs only its
+    columns ends[i]..logit_positions[i], left-aligned after its cached ones (so the real columns
+    of every row stay contiguous and their distances, which sliding windows read, are kept).
     Rows may come in any order (they are sorted by layer inside); component='block_output' only.
     """
     n_blocks = len(decoder_layers(model))
@@ -593,7 +606,8 @@ def stacked_hidden(
         index = torch.tensor(order, device=input_ids.device)
         input_ids, attention_mask, logit_positions, h0 = (input_ids[index], attention_mask[index],
                                                           logit_positions[index], h0[index])  # fmt: skip
-        prefix = None if prefix is None else (prefix[0], prefix[1][:, :, index])
+        if prefix is not None:
+            prefix = RowPrefix([prefix.ends[i] for i in order], prefix.keys_values[:, :, index], prefix.mask[index])
         layers = [layers[i] for i in order]
         unsort = torch.empty_like(index)
         unsort[index] = torch.arange(len(index), device=index.device)
@@ -602,14 +616,19 @@ def stacked_hidden(
     entered = [sum(1 for layer in layers if layer < j) for j in range(n_blocks)]  # rows block j runs
     past, positions = None, None
     if prefix is not None:
-        c, above = prefix
-        lowest = layers[0]
+        above, lowest = prefix.keys_values, layers[0]
         placeholder = (above[0, 0], above[0, 1])  # blocks no row runs: never read
         past = DynamicCache([placeholder] * (lowest + 1) + [(above[j - lowest - 1, 0, : entered[j]],
                                                              above[j - lowest - 1, 1, : entered[j]])
                                                             for j in range(lowest + 1, n_blocks)])  # fmt: skip
-        positions = position_ids(attention_mask)[:, c:]
-        input_ids, h0, logit_positions = input_ids[:, c:], h0[:, c:], logit_positions - c
+        ends = torch.tensor(prefix.ends, device=input_ids.device)
+        columns = ends[:, None] + torch.arange(int((logit_positions - ends).max()) + 1, device=ends.device)
+        inside = columns <= logit_positions[:, None]  # the columns a row needs: its own, up to its logits
+        columns = columns.clamp(max=input_ids.shape[1] - 1)
+        positions = position_ids(attention_mask).gather(1, columns)
+        running = attention_mask.gather(1, columns) * inside
+        input_ids, h0, logit_positions = input_ids.gather(1, columns), h0[rows[:, None], columns], logit_positions - ends
+        attention_mask = torch.cat([prefix.mask.to(running.dtype), running], dim=1)
     with _rows_enter_at_their_layer(model, h0, entered), _attention_kernel(input_ids.device):
         hidden = run_body(model, input_ids, attention_mask, past, positions).last_hidden_state
     hidden = hidden[_rows(hidden), logit_positions]

@@ -101,7 +101,7 @@ def score_stacked(
                               for (key, _, _), s, e in zip(chunk, bounds, bounds[1:])])  # fmt: skip
 
         vocab = torch.cat([jobs[key][1][a:b] for key, a, b in chunk])
-        prefix = cache.prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"])
+        prefix = cache.row_prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"])
         hidden = stacked_hidden(model, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
                                 layers, stacked["base_pos"], edit, base, prefix)  # fmt: skip
         out = final_logits(model, hidden, vocab)

@@ -8,7 +8,7 @@ from datamodules.causalgym import CausalGymDataModule
 from lit_interventions.cache import ActivationCache, input_keys
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
-from lit_interventions.sites import logits_at, read_layers
+from lit_interventions.sites import final_logits, logits_at, read_layers, stacked_hidden
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch
 
@@ -64,6 +64,38 @@ def test_prefix_of_keys_and_values_matches_the_full_forward(tiny_lm, arch, paddi
             torch.testing.assert_close(logits_at(model, ids, mask, last, layer, sites, edit, start_states=start,
                                                  prefix=(c, above)), full, rtol=1e-4, atol=1e-5)  # fmt: skip
     assert every_layer.prefix(LAYERS - 1, keys, sites.tolist()) is None  # nothing above the last block
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_each_row_runs_from_its_own_site_in_a_stacked_forward(tiny_lm, arch, padding_side):
+    """`row_prefix`: each row reads its own cached columns and runs only the columns from its
+    site to its logits, whatever the other rows' sites; rows at different layers in one stacked
+    forward give each row's full-forward logits. The third row has keys and values of its first
+    3 tokens only: it runs from column 3, before its site (6). Lengths up to 22 pass the sliding
+    window of 16."""
+    model = tiny_lm(arch)
+    ids, mask, last = _batch(model.config.vocab_size, lengths=(22, 9, 14), padding_side=padding_side)
+    src_ids, src_mask, _ = _batch(model.config.vocab_size, lengths=(10, 12, 22), padding_side=padding_side, seed=1)
+    starts = (mask.shape[1] - mask.sum(1)).tolist() if padding_side == "left" else [0, 0, 0]
+    sites = torch.tensor(starts) + torch.tensor([19, 4, 6])
+    cache = ActivationCache(model, list(range(-1, LAYERS)))
+    cache.fill([{"base_input_ids": ids, "base_attention_mask": mask, "base_pos": sites - torch.tensor([0, 0, 3])}])
+    keys, layers = input_keys(ids, mask), [1, -1, 0]
+    prefix = cache.row_prefix(min(layers), keys, sites.tolist())
+    assert prefix.ends == (torch.tensor(starts) + torch.tensor([19, 4, 3])).tolist()
+    assert prefix.mask.sum(1).tolist() == [19, 4, 3] and prefix.mask[:, -1].tolist() == [1, 1, 1]  # right-aligned
+    torch.manual_seed(0)
+    direction = FixedSubspaceIntervention(torch.nn.functional.normalize(torch.randn(1, HIDDEN), dim=-1))
+    source = cache.states(layers, src_ids, src_mask)[torch.arange(3), sites]
+    edit = lambda h: direction(h, source)  # noqa: E731
+    hidden = stacked_hidden(model, ids, mask, last, layers, sites, edit, cache.states(layers, ids, mask), prefix)
+    for i, layer in enumerate(layers):
+        full = logits_at(model, ids, mask, last, layer, sites, edit)[i]
+        assert not torch.allclose(full, logits_at(model, ids, mask, last)[i])  # the edit matters
+        torch.testing.assert_close(final_logits(model, hidden[i : i + 1])[0], full, rtol=1e-4, atol=1e-5)
+    assert cache.row_prefix(LAYERS - 1, keys, sites.tolist()) is None  # nothing above the last block
+    assert cache.row_prefix(0, keys, starts) is None  # every site at its row's first token
 
 
 def test_prefix_stops_at_the_earliest_site_and_at_what_is_cached(tiny_lm):

@@ -3,7 +3,7 @@ of a task in one loop.
 
 Each site keeps its own subspace, Adam optimiser and linear schedule, and sees exactly its own
 batches. One step stacks the sites' batches into one forward per region (`sites.stacked_hidden`,
-each from the region's own column): each row enters at its own site's layer from its cached state
+each row from its own site's column): each row enters at its own site's layer from its cached state
 there, block j runs only the rows whose site is below it, so every frozen block's weights are read
 once per step and region for all layers, and the LM head's (which dominate a step on a 262k-token
 vocabulary) once for all. The loss is the sum
@@ -179,7 +179,7 @@ class MultiSiteInterchangeModule(SiteModule):
     def _logits(self, stacked: dict, layers: list[int], edit: Callable, groups: list[list[int]]) -> torch.Tensor:
         """Logits at the bases' last tokens with each row's site edited by `edit` (all rows at
         once, (batch, d) -> (batch, d)): one stacked forward for all layers per group of rows
-        (`groups`: the row indices of each region, whose sites share a column), then the LM head
+        (`groups`: the row indices of each region), then the LM head
         once; or, without a cache or where it failed, one forward per layer's rows."""
         cache = self.activations
         if cache is not None and self._stacked is not False:
@@ -209,10 +209,9 @@ class MultiSiteInterchangeModule(SiteModule):
         return torch.cat(logits)
 
     def _stacked_logits(self, stacked: dict, layers: list[int], edit: Callable, groups: list[list[int]]) -> torch.Tensor:
-        """`_logits` by `sites.stacked_hidden`, one forward per group of rows: each group runs the
-        blocks from its own earliest site's column (the keys and values before it are cached), not
-        from the earliest of all regions, which cut the block columns of the 29 CausalGym tasks to
-        60 % when every region shared one forward."""
+        """`_logits` by `sites.stacked_hidden`, one forward per group of rows (a region's rows
+        have runs of similar length, so little padding): each row runs the blocks from its own
+        site's column on (the keys and values before it are cached, `ActivationCache.row_prefix`)."""
         cache = self.activations
         base = cache.states(layers, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_keys"])
         edited = edit(base[torch.arange(len(base), device=base.device), stacked["base_pos"]])
@@ -220,7 +219,7 @@ class MultiSiteInterchangeModule(SiteModule):
         for rows in groups:
             part, index = _rows_at(stacked, rows), torch.tensor(rows, device=base.device)
             at = [layers[i] for i in rows]
-            prefix = cache.prefix(min(at), part["base_keys"], part["base_pos_list"])
+            prefix = cache.row_prefix(min(at), part["base_keys"], part["base_pos_list"])
             hidden.append(stacked_hidden(self.lm, part["base_input_ids"], part["base_attention_mask"], part["base_last"],
                                          at, part["base_pos"], lambda _, new=edited[index]: new, base[index], prefix))  # fmt: skip
         order = torch.tensor([i for rows in groups for i in rows], device=base.device)
@@ -253,7 +252,7 @@ class MultiSiteInterchangeModule(SiteModule):
             return torch.cat([intervention(base[a:b], source[a:b])
                               for intervention, a, b in zip(interventions, bounds, bounds[1:])])  # fmt: skip
 
-        regions = defaultdict(list)  # the rows of each region: one forward each, from its own column
+        regions = defaultdict(list)  # the rows of each region: one forward each
         for (_, region), a, b in zip(present, bounds, bounds[1:]):
             regions[region] += range(a, b)
         logits = self._logits(stacked, layers, edit, list(regions.values()))
