@@ -92,20 +92,32 @@ class ActivationCache:
                 out[:, :, i, :, start:c] = self._prefix[key][skip:, :, :, : c - start]
         return c, out
 
-    def row_prefix(self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]) -> RowPrefix | None:
+    def longest_prefix(self) -> int:
+        """The most first tokens whose keys and values are cached for any input."""
+        return max((stored.shape[-2] for stored in self._prefix.values()), default=0)
+
+    def row_prefix(self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int],
+                   width: int | None = None) -> RowPrefix | None:  # fmt: skip
         """Each row's own cached keys and values of the blocks above `layer` before its site, for
         `sites.stacked_hidden`: unlike `prefix`, a row whose site is late does not rerun the
-        columns between the batch's earliest site and its own. None: no row has any."""
+        columns between the batch's earliest site and its own. None: no row has any.
+
+        `width`: the prefix's columns (default: the batch's longest). A fixed one
+        (`longest_prefix()`) puts each row's columns in the same places whatever rows share its
+        batch, so its scores' bits do not depend on them (a resumed sweep rescores a site
+        exactly)."""
         keys, starts = keys
         if layer >= self._n_blocks - 1:
             return None
         cached = [self._prefix[key].shape[-2] if key in self._prefix else 0 for key in keys]
         lengths = [max(0, min(n, site - start)) for n, site, start in zip(cached, sites, starts)]
-        width = max(lengths)
-        if width == 0:
+        if max(lengths) == 0:
             return None
+        width = max(lengths) if width is None else width
+        if width < max(lengths):
+            raise ValueError(f"width={width} is narrower than a row's {max(lengths)} cached columns")
         skip = layer - self.layers[0]  # blocks between the lowest layer and this one are not needed
-        first = self._prefix[keys[lengths.index(width)]][skip:]
+        first = self._prefix[keys[lengths.index(max(lengths))]][skip:]
         out = first.new_zeros((first.shape[0], 2, len(keys), first.shape[2], width, first.shape[-1]))
         mask = torch.zeros((len(keys), width), dtype=torch.long, device=first.device)
         for i, (key, n) in enumerate(zip(keys, lengths)):

@@ -84,6 +84,7 @@ def score_stacked(
     device = next(model.parameters()).device
     tasks = {TASK: (found, evals)} | ({CONTROL: control} if control is not None else {})
     jobs, read_from = _jobs(tasks, device)
+    width = cache.longest_prefix()
     logits = defaultdict(list)  # job -> its rows' label logits, (n, columns), in row order
     for chunk in _pieces([(key, len(labels)) for key, (_, labels, _) in jobs.items()], rows):
         parts = [_rows_of(jobs[key][0], a, b) for key, a, b in chunk]
@@ -101,7 +102,8 @@ def score_stacked(
                               for (key, _, _), s, e in zip(chunk, bounds, bounds[1:])])  # fmt: skip
 
         vocab = torch.cat([jobs[key][1][a:b] for key, a, b in chunk])
-        prefix = cache.row_prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"])
+        # a fixed prefix width: a row's bits do not depend on the rows beside it (exact resumes)
+        prefix = cache.row_prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"], width)
         hidden = stacked_hidden(model, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
                                 layers, stacked["base_pos"], edit, base, prefix)  # fmt: skip
         out = final_logits(model, hidden, vocab)
