@@ -106,11 +106,10 @@ class ActivationCache:
         (`longest_prefix()`) puts each row's columns in the same places whatever rows share its
         batch, so its scores' bits do not depend on them (a resumed sweep rescores a site
         exactly)."""
-        keys, starts = keys
         if layer >= self._n_blocks - 1:
             return None
-        cached = [self._prefix[key].shape[-2] if key in self._prefix else 0 for key in keys]
-        lengths = [max(0, min(n, site - start)) for n, site, start in zip(cached, sites, starts)]
+        keys, starts = keys
+        lengths = self._cached_before(keys, starts, sites)
         if max(lengths) == 0:
             return None
         width = max(lengths) if width is None else width
@@ -125,6 +124,16 @@ class ActivationCache:
                 out[:, :, i, :, width - n :] = self._prefix[key][skip:, :, :, :n]
                 mask[i, width - n :] = 1
         return RowPrefix([start + n for start, n in zip(starts, lengths)], out, mask)
+
+    def run_starts(self, keys: tuple[list[Key], list[int]], sites: list[int]) -> list[int]:
+        """Where each row's run begins in `row_prefix` (`RowPrefix.ends`): after its cached columns."""
+        keys, starts = keys
+        return [start + n for start, n in zip(starts, self._cached_before(keys, starts, sites))]
+
+    def _cached_before(self, keys: list[Key], starts: list[int], sites: list[int]) -> list[int]:
+        """How many of each row's columns before its site have cached keys and values."""
+        cached = [self._prefix[key].shape[-2] if key in self._prefix else 0 for key in keys]
+        return [max(0, min(n, site - start)) for n, site, start in zip(cached, sites, starts)]
 
     def _compute(self, input_ids, attention_mask, keys: list[Key], starts: list[int], firsts: list[int]) -> None:
         """States at the layers for every row, and keys and values above the lowest layer for

@@ -4,17 +4,17 @@ The rows of a unit's scoring are (site, method or the clean forward, eval exampl
 enters the frozen LM at its site's layer from its cached state there, with its method's
 f*(f(b), f(s)) written at the site (`sites.stacked_hidden`), and only the two label rows of the
 LM head are computed. Rows are packed `rows` at a time whatever site or method they belong to,
-so every block's weights are read once per forward for many sites, instead of once per site,
-method and eval batch. Each site's clean rows are computed at its own layer, as
-`InterchangeModule.score` does, and every row goes through the same `InterchangeOdds` (AvgOdds and
-IIA are sums over rows): the scores equal the per-site ones to float rounding. The control task's
+shortest runs first (a forward is as wide as its longest row), so every block's weights are read
+once per forward for many sites, instead of once per site, method and eval batch. Each site's
+clean rows are computed at its own layer, as `InterchangeModule.score` does, and every row goes
+through the same `InterchangeOdds` (AvgOdds and IIA are sums over rows): the scores equal the
+per-site ones to float rounding. A row its method leaves unchanged (f* = f(b) bit for bit: a site
+before the pair's first difference) is its clean row: it is not run, its odds are exactly 0. The control task's
 rows that equal the task's but for their labels (the clean rows and every fitted direction: only
 DAS is retrained on the control labels) are not run again: the same rows give both tasks' labels.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -29,34 +29,37 @@ TASK, CONTROL = "task", "control"  # whose labels a job's logits are
 LABELS = ("base_label", "source_label", "label")  # what a control batch may change
 
 
-def _rows_of(batch: dict, a: int, b: int) -> dict:
-    """Rows a:b of a collated batch: what `stack_batches` reads of each side."""
-    part = {}
+def _rows_of(batch: dict, rows: list[int]) -> dict:
+    """The rows `rows` of a collated batch: what `stack_batches` reads of each side."""
+    part, index = {}, torch.tensor(rows, device=batch["base_input_ids"].device)
     for side in ("base", "source"):
         for name in ("input_ids", "attention_mask", "pos", "last", "label"):
-            part[f"{side}_{name}"] = batch[f"{side}_{name}"][a:b]
+            part[f"{side}_{name}"] = batch[f"{side}_{name}"][index]
         keys, starts = batch[f"{side}_keys"]
-        part[f"{side}_keys"] = (keys[a:b], starts[a:b])
+        part[f"{side}_keys"] = ([keys[i] for i in rows], [starts[i] for i in rows])
         if batch.get(f"{side}_pos_list"):
-            part[f"{side}_pos_list"] = batch[f"{side}_pos_list"][a:b]
+            part[f"{side}_pos_list"] = [batch[f"{side}_pos_list"][i] for i in rows]
     return part
 
 
-def _pieces(jobs: list[tuple[object, int]], rows: int):
-    """`jobs` ([(job, n rows)]) cut into forwards of at most `rows` rows: [[(job, a, b)]]."""
-    chunk, room = [], rows
-    for job, n in jobs:
-        a = 0
-        while a < n:
-            b = min(n, a + room)
-            chunk.append((job, a, b))
-            room -= b - a
-            a = b
-            if room == 0:
-                yield chunk
-                chunk, room = [], rows
-    if chunk:
-        yield chunk
+def _runs(cache: ActivationCache, batch: dict) -> list[int]:
+    """The columns each base row runs in `stacked_hidden`: from after its cached ones to its logits."""
+    sites = batch.get("base_pos_list") or batch["base_pos"].tolist()
+    starts = cache.run_starts(batch["base_keys"], sites)
+    return [last - start for last, start in zip(batch["base_last"].tolist(), starts)]
+
+
+def _pieces(runs: dict[object, dict[int, int]], rows: int):
+    """The jobs' rows (`runs`: {job: {row: its run, in columns}}) in forwards of at most `rows`
+    rows, shortest runs first: a forward is as wide as its longest run, so rows of equal runs
+    share forwards and few columns are padding. [[(job, its rows in this forward)]]."""
+    jobs = list(runs)
+    order = sorted((run, n, i) for n, job in enumerate(jobs) for i, run in runs[job].items())
+    for a in range(0, len(order), rows):
+        chunk: dict[object, list[int]] = {}
+        for _, n, i in order[a : a + rows]:
+            chunk.setdefault(jobs[n], []).append(i)
+        yield list(chunk.items())
 
 
 @torch.no_grad()
@@ -85,30 +88,37 @@ def score_stacked(
     tasks = {TASK: (found, evals)} | ({CONTROL: control} if control is not None else {})
     jobs, read_from = _jobs(tasks, device)
     width = cache.longest_prefix()
-    logits = defaultdict(list)  # job -> its rows' label logits, (n, columns), in row order
-    for chunk in _pieces([(key, len(labels)) for key, (_, labels, _) in jobs.items()], rows):
-        parts = [_rows_of(jobs[key][0], a, b) for key, a, b in chunk]
+    runs = {id(batch): _runs(cache, batch) for batch, _, _ in jobs.values()}  # jobs share their eval batches
+    # a row its method leaves unchanged is its clean row: not run again, its logits are the clean ones
+    edited, unchanged = _edits(cache, jobs)
+    todo = {}  # job -> {row: its run} of the rows to run
+    for key, (batch, _, _) in jobs.items():
+        same = unchanged[key].tolist() if key in unchanged else [False] * len(runs[id(batch)])
+        todo[key] = {i: run for i, (run, skip) in enumerate(zip(runs[id(batch)], same)) if not skip}
+    logits = {}  # job -> its rows' label logits, (n, columns), in row order (unchanged rows: not filled)
+    for chunk in _pieces(todo, rows):
+        parts = [_rows_of(jobs[key][0], index) for key, index in chunk]
         stacked = stack_batches(parts)
-        layers = [key[1][0] for key, a, b in chunk for _ in range(b - a)]
+        layers = [key[1][0] for key, index in chunk for _ in index]
         base = cache.states(layers, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_keys"])
-        source = cache.states(layers, stacked["source_input_ids"], stacked["source_attention_mask"], stacked["source_keys"])
-        source = source[torch.arange(len(source), device=source.device), stacked["source_pos"]]
         bounds = [0]
-        for _, a, b in chunk:
-            bounds.append(bounds[-1] + b - a)
+        for _, index in chunk:
+            bounds.append(bounds[-1] + len(index))
 
-        def edit(h, chunk=chunk, source=source, bounds=bounds):  # each piece through its own method
-            return torch.cat([h[s:e] if jobs[key][2] is None else jobs[key][2](h[s:e], source[s:e]).to(h.dtype)
-                              for (key, _, _), s, e in zip(chunk, bounds, bounds[1:])])  # fmt: skip
+        def edit(h, chunk=chunk, bounds=bounds):  # each row's f*, or f(b) in a clean row
+            return torch.cat([h[s:e] if jobs[key][2] is None else edited[key][index].to(h.dtype)
+                              for (key, index), s, e in zip(chunk, bounds, bounds[1:])])  # fmt: skip
 
-        vocab = torch.cat([jobs[key][1][a:b] for key, a, b in chunk])
-        # a fixed prefix width: a row's bits do not depend on the rows beside it (exact resumes)
+        vocab = torch.cat([jobs[key][1][index] for key, index in chunk])
+        # a fixed prefix width: a row's key length does not depend on the rows beside it (exact resumes)
         prefix = cache.row_prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"], width)
         hidden = stacked_hidden(model, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
                                 layers, stacked["base_pos"], edit, base, prefix)  # fmt: skip
         out = final_logits(model, hidden, vocab)
-        for (key, _, _), s, e in zip(chunk, bounds, bounds[1:]):
-            logits[key].append(out[s:e])
+        for (key, index), s, e in zip(chunk, bounds, bounds[1:]):
+            if key not in logits:
+                logits[key] = out.new_full((len(jobs[key][1]), out.shape[1]), float("nan"))
+            logits[key][index] = out[s:e]
     scores = {}
     for task, (task_found, task_evals) in tasks.items():
         scores[task] = {}
@@ -117,12 +127,40 @@ def score_stacked(
             for name in methods:
                 metric = InterchangeOdds().to(device)
                 for i in range(len(task_evals[site[1]])):
-                    (clean, c), (intervened, k) = (read_from[(task, site, n, i)] for n in (CLEAN, name))
-                    clean, intervened = torch.cat(logits[clean])[:, c : c + 2], torch.cat(logits[intervened])[:, k : k + 2]
+                    (clean, c), (job, k) = (read_from[(task, site, n, i)] for n in (CLEAN, name))
+                    clean = logits[clean][:, c : c + 2]
+                    intervened = clean if job not in logits else logits[job][:, k : k + 2]
+                    if job in unchanged:
+                        intervened = torch.where(unchanged[job][:, None], clean, intervened)
                     columns = torch.arange(2, device=device).expand(len(clean), 2)
                     metric.update(clean, intervened, columns[:, 0], columns[:, 1])
                 scores[task][site][name] = {k: v.item() for k, v in metric.compute().items()}
     return scores[TASK] if control is None else (scores[TASK], scores[CONTROL])
+
+
+def _edits(cache: ActivationCache, jobs: dict) -> tuple[dict, dict]:
+    """Each method job's f*(f(b), f(s)) at its site, (n, d), and which of its rows it leaves as
+    they are (f* = f(b) bit for bit: a site before the pair's first difference, under causal
+    attention). f* is computed on the job's whole eval batch at once, as `InterchangeModule.score`
+    does, so a row's f* does not depend on the rows that share its forward (a matrix product's bits
+    can depend on its row count)."""
+    states, edited, unchanged = {}, {}, {}
+    for key, (batch, _, f) in jobs.items():
+        if f is None:
+            continue
+        layer = key[1][0]
+        if (layer, id(batch)) not in states:  # f(b), f(s) at the site, shared by the site's methods
+            states[(layer, id(batch))] = [at_site(cache, layer, batch, side) for side in ("base", "source")]
+        base, source = states[(layer, id(batch))]
+        edited[key] = f(base, source).to(base.dtype)
+        unchanged[key] = (edited[key] == base).all(dim=-1)
+    return edited, unchanged
+
+
+def at_site(cache: ActivationCache, layer: int, batch: dict, side: str) -> torch.Tensor:
+    """The cached states of a side's rows at their site, (n, d)."""
+    h = cache.states(layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch[f"{side}_keys"])
+    return h[torch.arange(len(h), device=h.device), batch[f"{side}_pos"]]
 
 
 def _jobs(tasks: dict, device) -> tuple[dict, dict]:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 import lightning as L
+from lightning.fabric.utilities.apply_func import move_data_to_device
 import numpy as np
 import torch
 import yaml
@@ -66,7 +67,7 @@ from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.plots import odds_heatmap
 from lit_interventions.results import Table
-from lit_interventions.stacked_scoring import score_stacked
+from lit_interventions.stacked_scoring import at_site, score_stacked
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
@@ -91,7 +92,7 @@ def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataMo
 
 
 def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = True, progress: Path | None = None,
-              every: timedelta = timedelta(minutes=5)) -> dict:  # fmt: skip
+              every: timedelta = timedelta(minutes=5), batch_size: int = 64) -> dict:  # fmt: skip
     """DAS at every site of `datas` ({(layer, region): data module, or None for an empty
     region}), the paper's setup: {(layer, region): trained subspace}. All sites train together in
     one Lightning loop (`MultiSiteInterchangeModule`: one stacked forward per step for every
@@ -99,11 +100,15 @@ def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = Tr
     `progress`: a loop's state is saved every `every` to PROGRESS-<digest of its sites and
     setup>.ckpt, which a rerun resumes from (same result as no interruption) and which is
     deleted once the loop ends. `one_loop=False`: one loop per layer (the earlier sweep, kept
-    for benchmarks/sweep_speed.py)."""
+    for benchmarks/sweep_speed.py). A site where every train pair's base and source states are
+    equal (`unchanged_sites`, reading `batch_size` rows at a time) keeps its initial subspace:
+    there is nothing to train."""
     datas = {site: data for site, data in datas.items() if data is not None}
+    unchanged = unchanged_sites(datas, cache, batch_size)  # nothing to learn there: their initial subspaces, untrained
+    trained = MultiSiteInterchangeModule(lm=lm, sites=sorted(unchanged), dtype=dtype, seed=seed).trained() if unchanged else {}
+    datas = {site: data for site, data in datas.items() if site not in unchanged}
     groups = [datas] if one_loop else [{site: data for site, data in datas.items() if site[0] == layer}
                                        for layer in sorted({layer for layer, _ in datas})]  # fmt: skip
-    trained = {}
     for group in groups:
         if not group:
             continue
@@ -121,6 +126,21 @@ def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = Tr
     return trained
 
 
+@torch.no_grad()
+def unchanged_sites(datas: dict, cache: ActivationCache, batch_size: int = 64) -> set:
+    """The sites of `datas` ({(layer, region): data module}) where every train pair's base and
+    source have the same state, bit for bit: a site before the pairs' first difference, under
+    causal attention. Every intervention leaves such a site as it is (f* = f(b) + Wᵀ(W f(s) − W f(b))
+    = f(b)), so the loss does not depend on W there: DAS has nothing to learn."""
+    device = next(cache.model.parameters()).device
+    found = set()
+    for (layer, region), data in datas.items():
+        batches = (move_data_to_device(batch, device) for batch in data.loader("train", batch_size))
+        if all(torch.equal(at_site(cache, layer, batch, "base"), at_site(cache, layer, batch, "source")) for batch in batches):
+            found.add((layer, region))
+    return found
+
+
 def progress_path(progress: Path, module: MultiSiteInterchangeModule) -> Path:
     """Where `train_das` keeps the loop's progress: PROGRESS-<digest>.ckpt, the digest of what
     the loop's result depends on (its sites, LM, dtype, seed, each site's number of batches), so
@@ -136,7 +156,7 @@ def das_path(out: Path, task: str, layer: int, control: str | None = None) -> Pa
 
 
 def saved_das(paths: Callable[[int], Path], datas: dict, lm, cache, seed, dtype="float32",
-              progress: Path | None = None) -> dict:  # fmt: skip
+              progress: Path | None = None, batch_size: int = 64) -> dict:  # fmt: skip
     """`train_das`, kept in one file per layer (`paths(layer)`, `das_path`: {region: basis W,
     k × d}): a rerun scores the saved subspaces and trains, in one loop, only the sites the files
     lack, so an interruption after training loses no training; during it, with `progress`
@@ -144,7 +164,7 @@ def saved_das(paths: Callable[[int], Path], datas: dict, lm, cache, seed, dtype=
     saved = {layer: load_file(paths(layer)) if paths(layer).is_file() else {} for layer in {layer for layer, _ in datas}}
     missing = {(layer, region): data for (layer, region), data in datas.items() if region not in saved[layer]}
     if missing:
-        trained = train_das(missing, lm, cache, seed, dtype, progress=progress)
+        trained = train_das(missing, lm, cache, seed, dtype, progress=progress, batch_size=batch_size)
         for layer in sorted({layer for layer, _ in trained}):
             saved[layer] |= {region: intervention.basis.detach().float().cpu().contiguous()
                              for (at, region), intervention in trained.items() if at == layer}  # fmt: skip
@@ -351,10 +371,10 @@ def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, ba
         das_sites = [site for site, names in todo.items() if "das" in names]  # every layer's, trained in one loop
         das_progress = out / "das" / "progress"  # the DAS loop's state while it runs (`train_das`)
         das = saved_das(partial(das_path, out, task), {site: data_of(site[1]) for site in das_sites}, lm, cache,
-                        seed, dtype, das_progress / task) if das_sites else {}  # fmt: skip
+                        seed, dtype, das_progress / task, batch_size) if das_sites else {}  # fmt: skip
         control_das = saved_das(partial(das_path, out, task, control="dog_give"),
                                 {site: data_of(site[1], "dog_give") for site in das_sites}, lm, cache, seed, dtype,
-                                das_progress / f"{task}_dog_give") if das_sites and control else {}  # fmt: skip
+                                das_progress / f"{task}_dog_give", batch_size) if das_sites and control else {}  # fmt: skip
         if stacked_scoring:  # every site at once: stored together (an interruption loses the unit's scoring)
             try:
                 rows = score_unit(task, todo, lm, data_of, cache, seed, dtype, das, control_das, batch_size, control)

@@ -210,8 +210,10 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     stacked = _run(tmp_path / "stacked", lm_dir, **options)
     assert len(calls) == 1  # the task and its control in one call for the unit
     # the control shares the clean rows and the fitted directions' rows: only its DAS rows are extra
-    # (15 sites × 8 eval rows × (clean + 4 methods + control DAS), not twice 15 × 8 × 5)
-    assert sum(forwarded) == 15 * 8 * (1 + len(methods) + 1)
+    # (15 sites × 8 eval rows × (clean + 4 methods + control DAS), not twice 15 × 8 × 5), and the
+    # rows a method leaves unchanged (region "The", before the pair's difference, at 3 layers) are
+    # their clean rows, not run again
+    assert sum(forwarded) == 15 * 8 * (1 + len(methods) + 1) - 3 * 8 * (len(methods) + 1)
     before, after = _rows(tmp_path / "alone" / "out" / "results.csv"), _rows(tmp_path / "stacked" / "out" / "results.csv")
     key = ("task", "method", "layer", "region")
     assert [tuple(r[k] for k in key) for r in before] == [tuple(r[k] for k in key) for r in after]
@@ -252,11 +254,14 @@ def test_a_failed_fit_is_raised_not_retried_site_by_site(tmp_path, tiny_lm_dir, 
     assert calls == [1]
 
 
-def test_stacked_scoring_packs_rows_across_jobs():
+def test_stacked_scoring_packs_rows_across_jobs_shortest_runs_first():
     from lit_interventions.stacked_scoring import _pieces
 
-    assert list(_pieces([("a", 5), ("b", 3), ("c", 6)], 4)) == [
-        [("a", 0, 4)], [("a", 4, 5), ("b", 0, 3)], [("c", 0, 4)], [("c", 4, 6)]]
+    runs = {"a": [3, 1, 3, 1, 2], "b": [2, 2, 2], "c": [1, 9, 9, 1, 1, 9]}  # each row's run, in columns
+    runs = {job: dict(enumerate(row_runs)) for job, row_runs in runs.items()}
+    assert list(_pieces(runs, 4)) == [
+        [("a", [1, 3]), ("c", [0, 3])], [("c", [4]), ("a", [4]), ("b", [0, 1])], [("b", [2]), ("a", [0, 2]), ("c", [1])],
+        [("c", [2, 5])]]  # fmt: skip
     with pytest.raises(ValueError, match="rows=0 must be a positive integer"):
         from lit_interventions.stacked_scoring import score_stacked
 
@@ -383,3 +388,28 @@ def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir
         torch.testing.assert_close(resumed[site].basis, whole[site].basis, rtol=0, atol=1e-6)
     fresh = MultiSiteInterchangeModule(lm=lm_dir, sites=list(datas), seed=1).trained()
     assert not torch.allclose(fresh[(0, "prep")].basis, whole[(0, "prep")].basis, atol=1e-3)  # training moved it
+
+
+def test_das_does_not_train_sites_no_pair_differs_at(tiny_lm_dir, monkeypatch):
+    # Region "The" comes before every pair's first difference: under causal attention its base and
+    # source states are equal at every layer, so any subspace leaves its rows as they are (f* = f(b)).
+    # The loop does not run it: it keeps its initial subspace. The other sites train.
+    from lit_interventions.cache import ActivationCache
+    from lit_interventions.lm import load_lm
+    from lit_interventions.modules.multisite import MultiSiteInterchangeModule
+
+    lm_dir = tiny_lm_dir("llama")
+    datas = {(layer, region): sweep._region_data("agr_sv_num_pp", None, lm_dir, region, None,
+                                                 {"train_pairs": 24, "eval_pairs": 2})  # fmt: skip
+             for layer in (0, 2) for region in ("The", "subject")}
+    cache = ActivationCache(load_lm(lm_dir), [0, 2])
+    assert sweep.unchanged_sites(datas, cache) == {(0, "The"), (2, "The")}
+    looped, attach = [], MultiSiteInterchangeModule.attach
+    monkeypatch.setattr(MultiSiteInterchangeModule, "attach",
+                        lambda self, group, *a, **k: looped.append(sorted(group)) or attach(self, group, *a, **k))  # fmt: skip
+    trained = sweep.train_das(datas, lm_dir, cache, seed=1)
+    assert looped == [[(0, "subject"), (2, "subject")]] and set(trained) == set(datas)
+    fresh = MultiSiteInterchangeModule(lm=lm_dir, sites=list(datas), seed=1).trained()
+    for site in ((0, "The"), (2, "The")):
+        assert torch.equal(trained[site].basis, fresh[site].basis)
+    assert not torch.allclose(trained[(0, "subject")].basis, fresh[(0, "subject")].basis, atol=1e-3)

@@ -62,7 +62,9 @@ class FixedSubspaceIntervention(Intervention):
     def __init__(self, basis: torch.Tensor):
         super().__init__()
         basis = torch.as_tensor(basis, dtype=torch.float32)
-        self.register_buffer("basis", basis.reshape(-1, basis.shape[-1]))  # (k, d)
+        # (k, d), a fresh copy: a tensor read from a file may be unaligned, and a matrix product's
+        # bits can depend on alignment (a resumed sweep scores saved DAS subspaces exactly)
+        self.register_buffer("basis", basis.reshape(-1, basis.shape[-1]).clone())
 
     def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
         return subspace_interchange(base, self._require_source(source), self.basis)
