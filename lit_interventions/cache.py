@@ -73,6 +73,12 @@ class ActivationCache:
             out[i, starts[i] : starts[i] + len(key)] = self._states[key][index[layer]]
         return out
 
+    def at_site(self, layer: int | list[int], batch: dict, side: str) -> torch.Tensor:
+        """f(x) at each row's site on one side ("base" or "source") of a collated batch, (batch, d):
+        `states` at `layer` (or one layer per row), read at `{side}_pos`."""
+        states = self.states(layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch.get(f"{side}_keys"))
+        return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
+
     def prefix(
         self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]
     ) -> tuple[int, torch.Tensor] | None:
@@ -104,8 +110,8 @@ class ActivationCache:
 
         `width`: the prefix's columns (default: the batch's longest). A fixed one
         (`longest_prefix()`) puts each row's columns in the same places whatever rows share its
-        batch, so its scores' bits do not depend on them (a resumed sweep rescores a site
-        exactly)."""
+        batch, so its attention's bits do not depend on them (part of what lets a resumed sweep
+        rescore a site exactly)."""
         if layer >= self._n_blocks - 1:
             return None
         keys, starts = keys

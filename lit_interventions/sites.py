@@ -566,7 +566,7 @@ def _attention_kernel(device: torch.device):
     0.16 s at 360 rows × 4 heads × 8 query × 10 key columns, bfloat16). Scoring: with rows
     shifted to their sites the batch's width depends on the other rows, and the flash kernel's
     bits for a row change with it (by ~1e-7); the math kernel's do not (with a fixed prefix
-    width, `ActivationCache.row_prefix`), so a resumed sweep rescores a site exactly."""
+    width, `ActivationCache.row_prefix`), part of what lets a resumed sweep rescore a site exactly."""
     return sdpa_kernel([SDPBackend.MATH]) if device.type == "cpu" else nullcontext()
 
 

@@ -150,17 +150,11 @@ def _edits(cache: ActivationCache, jobs: dict) -> tuple[dict, dict]:
             continue
         layer = key[1][0]
         if (layer, id(batch)) not in states:  # f(b), f(s) at the site, shared by the site's methods
-            states[(layer, id(batch))] = [at_site(cache, layer, batch, side) for side in ("base", "source")]
+            states[(layer, id(batch))] = [cache.at_site(layer, batch, side) for side in ("base", "source")]
         base, source = states[(layer, id(batch))]
         edited[key] = f(base, source).to(base.dtype)
         unchanged[key] = (edited[key] == base).all(dim=-1)
     return edited, unchanged
-
-
-def at_site(cache: ActivationCache, layer: int, batch: dict, side: str) -> torch.Tensor:
-    """The cached states of a side's rows at their site, (n, d)."""
-    h = cache.states(layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch[f"{side}_keys"])
-    return h[torch.arange(len(h), device=h.device), batch[f"{side}_pos"]]
 
 
 def _jobs(tasks: dict, device) -> tuple[dict, dict]:

@@ -67,7 +67,7 @@ from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.plots import odds_heatmap
 from lit_interventions.results import Table
-from lit_interventions.stacked_scoring import at_site, score_stacked
+from lit_interventions.stacked_scoring import score_stacked
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
@@ -136,7 +136,7 @@ def unchanged_sites(datas: dict, cache: ActivationCache, batch_size: int = 64) -
     found = set()
     for (layer, region), data in datas.items():
         batches = (move_data_to_device(batch, device) for batch in data.loader("train", batch_size))
-        if all(torch.equal(at_site(cache, layer, batch, "base"), at_site(cache, layer, batch, "source")) for batch in batches):
+        if all(torch.equal(cache.at_site(layer, batch, "base"), cache.at_site(layer, batch, "source")) for batch in batches):
             found.add((layer, region))
     return found
 

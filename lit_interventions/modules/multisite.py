@@ -230,8 +230,7 @@ class MultiSiteInterchangeModule(SiteModule):
         cache = self.activations
         ids, mask, positions = stacked[f"{side}_input_ids"], stacked[f"{side}_attention_mask"], stacked[f"{side}_pos"]
         if cache is not None:
-            states = cache.states(layers, ids, mask, stacked[f"{side}_keys"])
-            return states[torch.arange(len(states), device=states.device), positions]
+            return cache.at_site(layers, stacked, side)
         found = read_layers(self.lm, sorted(set(layers)), ids, mask)
         rows = torch.arange(len(ids), device=ids.device)
         return torch.stack([found[layer][i, p] for i, layer, p in zip(rows.tolist(), layers, positions.tolist())])

@@ -124,11 +124,11 @@ class SiteModule(FrozenLMModule):
 
     def site_representation(self, batch, side: str = "source") -> torch.Tensor:
         """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
-        states = self._states(batch, side)
-        if states is None:
+        cache = self.activations
+        if cache is None:
             return read_site(self.lm, self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
                              batch[f"{side}_pos"], component=self.component)  # fmt: skip
-        return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
+        return cache.at_site(self.hparams.layer, batch, side)
 
     def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab); only of the
