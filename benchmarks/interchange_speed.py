@@ -61,20 +61,33 @@ def run_ours(lm: str, layer: int, task: str, steps: int, device: str, dtype: str
     data = _data(lm, task, steps)
     L.seed_everything(0, verbose=False)
     module = InterchangeModule(lm=lm, layer=layer, dtype=dtype)
-    module.to(device).lm  # load the LM before the clock starts, as the reference does
+    _ = module.to(device).lm  # load the LM before the clock starts, as the reference does
     start = time.perf_counter()
     module.prefill(data.train_dataloader())  # once per dataset; fit's own prefill then finds it all
     fill = time.perf_counter() - start
-    trainer = L.Trainer(max_steps=steps, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0, accelerator="gpu" if device.startswith("cuda") else "cpu",
-                        devices=1)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=steps,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        accelerator="gpu" if device.startswith("cuda") else "cpu",
+        devices=1,
+    )
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - start
     odds = module.score(data.test_dataloader())["odds"]
-    return {"steps_per_s": steps / seconds, "fill_s": fill, "end_to_end_steps_per_s": steps / (seconds + fill),
-            "odds": odds, "peak_mb": _peak_mb(device)}  # fmt: skip
+    return {
+        "steps_per_s": steps / seconds,
+        "fill_s": fill,
+        "end_to_end_steps_per_s": steps / (seconds + fill),
+        "odds": odds,
+        "peak_mb": _peak_mb(device),
+    }
 
 
 def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype: str) -> dict:
@@ -101,11 +114,17 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype
 
     def forward(batch):
         batch = {k: v.to(device) for k, v in batch.items() if torch.is_tensor(v)}
-        locations = {"sources->base": ([[[p] for p in batch["source_pos"].tolist()]],
-                                       [[[p] for p in batch["base_pos"].tolist()]])}  # fmt: skip
-        _, out = intervenable({"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
-                              [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
-                              unit_locations=locations)  # fmt: skip
+        locations = {
+            "sources->base": (
+                [[[p] for p in batch["source_pos"].tolist()]],
+                [[[p] for p in batch["base_pos"].tolist()]],
+            )
+        }
+        _, out = intervenable(
+            {"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
+            [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
+            unit_locations=locations,
+        )
         rows = torch.arange(len(batch["base_last"]), device=device)
         return out.logits[rows, batch["base_last"]], batch
 
@@ -125,7 +144,9 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype
             intervened, batch = forward(batch)
             rows = torch.arange(len(batch["base_last"]), device=device)
             clean = model(input_ids=batch["base_input_ids"], attention_mask=batch["base_attention_mask"]).logits
-            odds.append(log_odds_ratio(clean[rows, batch["base_last"]], intervened, batch["base_label"], batch["source_label"]))
+            odds.append(
+                log_odds_ratio(clean[rows, batch["base_last"]], intervened, batch["base_label"], batch["source_label"])
+            )
     return {"steps_per_s": steps / seconds, "odds": torch.cat(odds).mean().item(), "peak_mb": _peak_mb(device)}
 
 
@@ -149,23 +170,44 @@ def main() -> None:
 
     n = num_layers(load_config(args.lm))
     layers = args.layers or [n // 8, n // 2, n - 1]
-    print(f"{args.lm} ({args.dtype}): DAS k=1, task {args.task}, batch 4, {args.steps} steps, device {args.device}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
-    print("layer | reference steps/s  odds  peak MB | ours steps/s  fill s  with fill  odds  peak MB | ratio  with fill")
+    print(
+        f"{args.lm} ({args.dtype}): DAS k=1, task {args.task}, batch 4, {args.steps} steps, device {args.device}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        "layer | reference steps/s  odds  peak MB | ours steps/s  fill s  with fill  odds  peak MB | ratio  with fill"
+    )
     ratios, end_to_end = {}, {}
     for layer in layers:
         result = {}
         for method in ("reference", "ours"):
-            command = [sys.executable, __file__, "--lm", args.lm, "--task", args.task, "--steps", str(args.steps),
-                       "--device", args.device, "--dtype", args.dtype, "--worker", method, str(layer)]  # fmt: skip
+            command = [
+                sys.executable,
+                __file__,
+                "--lm",
+                args.lm,
+                "--task",
+                args.task,
+                "--steps",
+                str(args.steps),
+                "--device",
+                args.device,
+                "--dtype",
+                args.dtype,
+                "--worker",
+                method,
+                str(layer),
+            ]
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
             result[method] = json.loads(done.stdout.strip().splitlines()[-1])
         ref, ours = result["reference"], result["ours"]
         ratios[layer] = ours["steps_per_s"] / ref["steps_per_s"]
         end_to_end[layer] = ours["end_to_end_steps_per_s"] / ref["steps_per_s"]
-        print(f"{layer:5d} | {ref['steps_per_s']:17.2f} {ref['odds']:5.2f} {ref['peak_mb']:8.0f} | "
-              f"{ours['steps_per_s']:12.2f} {ours['fill_s']:7.2f} {ours['end_to_end_steps_per_s']:10.2f} "
-              f"{ours['odds']:5.2f} {ours['peak_mb']:8.0f} | {ratios[layer]:5.2f} {end_to_end[layer]:10.2f}")  # fmt: skip
+        print(
+            f"{layer:5d} | {ref['steps_per_s']:17.2f} {ref['odds']:5.2f} {ref['peak_mb']:8.0f} | "
+            f"{ours['steps_per_s']:12.2f} {ours['fill_s']:7.2f} {ours['end_to_end_steps_per_s']:10.2f} "
+            f"{ours['odds']:5.2f} {ours['peak_mb']:8.0f} | {ratios[layer]:5.2f} {end_to_end[layer]:10.2f}"
+        )
     middle = layers[len(layers) // 2]
     print(f"ratio={ratios[middle]:.2f} (training steps; {end_to_end[middle]:.2f} end to end with the cache fill)")
 

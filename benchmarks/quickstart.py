@@ -29,8 +29,16 @@ def main() -> None:
     if args.cold:
         env["LIT_INTERVENTIONS_CACHE"] = tempfile.mkdtemp(prefix="lit-cache-")
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "train.py", "fit", "--config", "configs/das.yaml",
-                   f"--trainer.default_root_dir={out}", "--trainer.enable_progress_bar=false", *extra]  # fmt: skip
+        command = [
+            sys.executable,
+            "train.py",
+            "fit",
+            "--config",
+            "configs/das.yaml",
+            f"--trainer.default_root_dir={out}",
+            "--trainer.enable_progress_bar=false",
+            *extra,
+        ]
         start = time.perf_counter()
         subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         seconds = time.perf_counter() - start

@@ -23,12 +23,18 @@ SHAPES = {
     "pythia-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192),
     "pythia-1.4b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, intermediate_size=8192),
 }
-PYTHIA = dict(rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True, max_position_embeddings=2048,
-              layer_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="gelu")  # fmt: skip
+PYTHIA = dict(
+    rotary_pct=0.25,
+    rotary_emb_base=10000,
+    use_parallel_residual=True,
+    max_position_embeddings=2048,
+    layer_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    hidden_act="gelu",
+)
 
 
-def write_random_lm(shape: str, out: Path, tokenizer: str = "smollm2-135m-instruct", seed: int = 0,
-                    **override) -> Path:  # fmt: skip
+def write_random_lm(shape: str, out: Path, tokenizer: str = "smollm2-135m-instruct", seed: int = 0, **override) -> Path:
     """Save a random-init GPT-NeoX model of `shape` (`override` changes fields, e.g. for a test)
     and `tokenizer`'s files to `out`, a directory `--model.lm` and `load_lm` accept."""
     from lit_interventions.lm import load_tokenizer
@@ -36,9 +42,13 @@ def write_random_lm(shape: str, out: Path, tokenizer: str = "smollm2-135m-instru
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}: choose one of {sorted(SHAPES)}")
     tok = load_tokenizer(tokenizer)
-    config = GPTNeoXConfig(**{**PYTHIA, **SHAPES[shape], **override}, vocab_size=len(tok),
-                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.pad_token_id)  # fmt: skip
+    config = GPTNeoXConfig(
+        **{**PYTHIA, **SHAPES[shape], **override},
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)

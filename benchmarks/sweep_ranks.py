@@ -58,9 +58,22 @@ def main() -> None:
     if args.ranks < 2:
         parser.error(f"--ranks {args.ranks}: at least 2 (a machine with one core has nothing to share out)")
     layers = args.layers[0] if args.layers == ["all"] else f"[{','.join(args.layers)}]"
-    sweep = ["-m", "lit_interventions.sweep", "--config", "configs/sweep_causalgym.yaml", "--lm", args.lm,
-             "--tasks", f"[{','.join(args.tasks)}]", "--layers", layers, "--dtype", args.dtype,
-             "--control", str(args.control).lower()]  # fmt: skip
+    sweep = [
+        "-m",
+        "lit_interventions.sweep",
+        "--config",
+        "configs/sweep_causalgym.yaml",
+        "--lm",
+        args.lm,
+        "--tasks",
+        f"[{','.join(args.tasks)}]",
+        "--layers",
+        layers,
+        "--dtype",
+        args.dtype,
+        "--control",
+        str(args.control).lower(),
+    ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks)]
     threads = {**os.environ, "OMP_NUM_THREADS": str(args.ranks)}
     one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -70,8 +83,11 @@ def main() -> None:
         for i in range(args.repeat):
             one.append(timed([sys.executable, *sweep, "--out", f"{tmp}/one{i}"], threads))
             many.append(timed([*torchrun, *sweep, "--out", f"{tmp}/many{i}"], one_thread))
-            print(f"round {i + 1}: one process × {args.ranks} threads {one[-1]:.1f} s, "
-                  f"{args.ranks} ranks × 1 thread {many[-1]:.1f} s", flush=True)  # fmt: skip
+            print(
+                f"round {i + 1}: one process × {args.ranks} threads {one[-1]:.1f} s, "
+                f"{args.ranks} ranks × 1 thread {many[-1]:.1f} s",
+                flush=True,
+            )
         methods = differing(Path(f"{tmp}/one0/results.csv"), Path(f"{tmp}/many0/results.csv"))
     print(f"{args.lm} ({args.dtype}), tasks {args.tasks}, layers {args.layers}, control {args.control}")
     print(f"methods whose values differ: {sorted(methods) or 'none'}")

@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
 
 from datamodules.causalgym import CausalGymDataModule
+from lit_interventions import sweep
 from lit_interventions.cli import choose_layers
 from lit_interventions.interventions.directions import fit_direction
 from lit_interventions.lm import load_config, load_lm, num_layers
 from lit_interventions.metrics import log_odds_ratio
 from lit_interventions.sites import read_site
-from lit_interventions import sweep
 
 
 def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str]) -> None:
@@ -61,16 +61,26 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
     intervention = intervention[0] if isinstance(intervention, (tuple, list)) else intervention
 
     def forward(batch):
-        locations = {"sources->base": ([[[p] for p in batch["source_pos"].tolist()]],
-                                       [[[p] for p in batch["base_pos"].tolist()]])}  # fmt: skip
-        _, out = intervenable({"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
-                              [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
-                              unit_locations=locations)  # fmt: skip
+        locations = {
+            "sources->base": (
+                [[[p] for p in batch["source_pos"].tolist()]],
+                [[[p] for p in batch["base_pos"].tolist()]],
+            )
+        }
+        _, out = intervenable(
+            {"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
+            [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
+            unit_locations=locations,
+        )
         return out.logits[torch.arange(len(batch["base_last"])), batch["base_last"]]
 
     train, evaluation = data.loader("train", 4), data.loader("eval", 16)
-    X = torch.cat([read_site(model, layer, b["base_input_ids"], b["base_attention_mask"], b["base_pos"])
-                   for b in data.loader("train", 16)])  # fmt: skip
+    X = torch.cat(
+        [
+            read_site(model, layer, b["base_input_ids"], b["base_attention_mask"], b["base_pos"])
+            for b in data.loader("train", 16)
+        ]
+    )
     types = np.array([e.base_type for e in data.splits["train"]])
     for method in methods:
         if method == "das":
@@ -103,8 +113,16 @@ def our_sweep(args, one_loop: bool = True) -> float:
     start = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as out:
-            sweep.run_sweep(tasks=args.task, methods=args.methods, layers=args.layers, lm=args.lm, out=out,
-                            dtype=args.dtype, train_pairs=args.train_pairs, eval_pairs=args.eval_pairs)  # fmt: skip
+            sweep.run_sweep(
+                tasks=args.task,
+                methods=args.methods,
+                layers=args.layers,
+                lm=args.lm,
+                out=out,
+                dtype=args.dtype,
+                train_pairs=args.train_pairs,
+                eval_pairs=args.eval_pairs,
+            )
     finally:
         sweep.train_das = train_das
     return time.perf_counter() - start
@@ -116,8 +134,12 @@ def main() -> None:
     parser.add_argument("--task", default="agr_sv_num_pp")
     parser.add_argument("--layers", nargs="+", default=["7", "22"], help="layer indices, or all")
     parser.add_argument("--methods", nargs="+", default=["das", "probe", "diffmean", "pca", "kmeans", "lda", "random"])
-    parser.add_argument("--reference_layers", nargs="+", default=None,
-                        help="the layers the pyvene reference runs (default: --layers); its time per site is their mean")
+    parser.add_argument(
+        "--reference_layers",
+        nargs="+",
+        default=None,
+        help="the layers the pyvene reference runs (default: --layers); its time per site is their mean",
+    )
     parser.add_argument("--against", choices=["pyvene", "per_layer"], default="pyvene")
     parser.add_argument("--dtype", default="float32", help="the LM's dtype (ours; pyvene runs float32)")
     parser.add_argument("--train_pairs", type=int, default=200)
@@ -131,8 +153,11 @@ def main() -> None:
     args.layers = choose_layers(layers, n_layers)
     if args.against == "per_layer" and args.reference_layers is not None:
         parser.error("--reference_layers samples the pyvene reference; --against per_layer runs --layers")
-    reference_layers = args.layers if args.reference_layers is None else choose_layers(
-        [int(layer) for layer in args.reference_layers], n_layers)  # checked before any work
+    reference_layers = (
+        args.layers
+        if args.reference_layers is None
+        else choose_layers([int(layer) for layer in args.reference_layers], n_layers)
+    )  # checked before any work
     regions = CausalGymDataModule(task=args.task).template.regions
     sites = len(args.layers) * len(regions)
     load_lm(args.lm, args.dtype)  # the timings exclude loading the model
@@ -151,8 +176,10 @@ def main() -> None:
                 reference_site(args.lm, args.task, layer, region, args.methods)
         reference = (time.perf_counter() - start) / (len(reference_layers) * len(regions))
 
-    print(f"{args.lm} ({args.dtype}), task {args.task}, layers {args.layers}, {len(regions)} regions, "
-          f"methods {args.methods}, {args.train_pairs} train / {args.eval_pairs} eval pairs")  # fmt: skip
+    print(
+        f"{args.lm} ({args.dtype}), task {args.task}, layers {args.layers}, {len(regions)} regions, "
+        f"methods {args.methods}, {args.train_pairs} train / {args.eval_pairs} eval pairs"
+    )
     if args.against == "pyvene" and reference_layers != args.layers:
         print(f"the reference timed at layers {reference_layers} ({len(reference_layers) * len(regions)} sites)")
     print(f"seconds per site: reference ({args.against}) {reference:.2f}, ours {ours:.2f}")

@@ -30,8 +30,9 @@ class ActivationsDataModule(LightningDataModule):
     """Batches of site activations (B, d). After setup: `mean` (d,) of the train part and `scale`,
     the factor that makes the mean squared norm of the centred train activations equal to d."""
 
-    def __init__(self, activations: torch.Tensor | None = None, val_fraction: float = 0.1, batch_size: int = 256,
-                 seed: int = 0):  # fmt: skip
+    def __init__(
+        self, activations: torch.Tensor | None = None, val_fraction: float = 0.1, batch_size: int = 256, seed: int = 0
+    ):
         super().__init__()
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")

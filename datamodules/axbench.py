@@ -70,7 +70,9 @@ def _check_columns(table: pd.DataFrame, path: Path, columns: list[str]) -> None:
 
 def _read_metadata(path: Path) -> list[dict]:
     if not path.exists():
-        raise FileNotFoundError(f"Missing {path} (one JSON object per concept: concept_id, concept, concept_genres_map)")
+        raise FileNotFoundError(
+            f"Missing {path} (one JSON object per concept: concept_id, concept, concept_genres_map)"
+        )
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for row in rows:
         for key in ("concept_id", "concept"):
@@ -109,8 +111,9 @@ def load_concepts(concept_dir: str | Path | None = None) -> ConceptData:
         if not genre:  # fall back to the genre written on the concept's positives
             genre = train.loc[train["concept_id"] == i, "concept_genre"].head(1).tolist() or ["text"]
         genres.append(genre[0] if isinstance(genre, (list, tuple)) else str(genre))
-    return ConceptData(train.reset_index(drop=True), evaluation.reset_index(drop=True), concepts, genres, train_path,
-                       eval_path)  # fmt: skip
+    return ConceptData(
+        train.reset_index(drop=True), evaluation.reset_index(drop=True), concepts, genres, train_path, eval_path
+    )
 
 
 def check_counts(data: ConceptData, concept_ids: list[int]) -> None:
@@ -122,24 +125,32 @@ def check_counts(data: ConceptData, concept_ids: list[int]) -> None:
     chosen = f"{len(concept_ids)} selected concept(s)"
     train_rows = train[train["concept_id"].isin(concept_ids)]
     if len(train_rows) == 0:
-        raise ValueError(f"{where['train']}: the train split has 0 rows for the {chosen} "
-                         f"(of {len(train)} rows in the file); a dictionary needs training data")  # fmt: skip
+        raise ValueError(
+            f"{where['train']}: the train split has 0 rows for the {chosen} "
+            f"(of {len(train)} rows in the file); a dictionary needs training data"
+        )
     eval_rows = evaluation[evaluation["concept_id"].isin(concept_ids)]
     if len(eval_rows) == 0:
-        raise ValueError(f"{where['eval']}: the eval split has 0 rows for the {chosen} (of {len(evaluation)} rows in "
-                         "the file); detection (AUROC) and the max activations need eval data")  # fmt: skip
+        raise ValueError(
+            f"{where['eval']}: the eval split has 0 rows for the {chosen} (of {len(evaluation)} rows in "
+            "the file); detection (AUROC) and the max activations need eval data"
+        )
     for c in concept_ids:
         name = data.concepts[c]
         positives = int(((train["concept_id"] == c) & (train["category"] == "positive")).sum())
         if positives == 0:
-            raise ValueError(f"{where['train']}: concept {c} ({name!r}) has 0 positive rows in the train split; "
-                             "each concept needs at least 1")  # fmt: skip
+            raise ValueError(
+                f"{where['train']}: concept {c} ({name!r}) has 0 positive rows in the train split; "
+                "each concept needs at least 1"
+            )
         rows = evaluation[evaluation["concept_id"] == c]
         n_pos = int((rows["category"] == "positive").sum())
         n_neg = len(rows) - n_pos
         if n_pos == 0 or n_neg == 0:
-            raise ValueError(f"{where['eval']}: concept {c} ({name!r}) has {n_pos} positive and {n_neg} negative rows "
-                             "in the eval split; its AUROC and max activation need at least 1 of each")  # fmt: skip
+            raise ValueError(
+                f"{where['eval']}: concept {c} ({name!r}) has {n_pos} positive and {n_neg} negative rows "
+                "in the eval split; its AUROC and max activation need at least 1 of each"
+            )
 
 
 def load_instructions(path: str | Path | None = None) -> list[str]:
@@ -175,7 +186,9 @@ def split_chat(tokenizer, instruction: str, response: str) -> tuple[str, str, st
     text = response if response in rest else response.strip()  # some templates trim the content
     start = rest.find(text)
     if not text or start < 0:
-        raise ValueError(f"The chat template does not render the response {response[:60]!r} verbatim; pass chat_template=False")
+        raise ValueError(
+            f"The chat template does not render the response {response[:60]!r} verbatim; pass chat_template=False"
+        )
     return prompt + rest[:start], text, rest[start + len(text) :]
 
 
@@ -192,7 +205,9 @@ class Example:
     prefix: int = 0  # the chat-prefix tokens (BOS, template) the ids start with
 
 
-def encode(tokenizer, instruction: str, response: str, chat: bool, max_length: int, end_of_turn: bool) -> tuple[list[int], list[int], list[int], bool]:
+def encode(
+    tokenizer, instruction: str, response: str, chat: bool, max_length: int, end_of_turn: bool
+) -> tuple[list[int], list[int], list[int], bool]:
     """Token ids of (prompt, response truncated to fit max_length, end-of-turn token or []), truncated?"""
     if chat:
         prompt, text, end = split_chat(tokenizer, instruction, response)
@@ -238,11 +253,17 @@ def common_length(ids: list[int], prefix: list[int]) -> int:
     return n
 
 
-def tokenize_rows(rows: pd.DataFrame, tokenizer, chat: bool, max_length: int, end_of_turn: bool, concept_index: dict[int, int]) -> list[Example]:
+def tokenize_rows(
+    rows: pd.DataFrame, tokenizer, chat: bool, max_length: int, end_of_turn: bool, concept_index: dict[int, int]
+) -> list[Example]:
     examples = []
     prefix = chat_prefix(tokenizer, chat, max_length)
-    for instruction, response, category, concept in zip(rows["input"], rows["output"], rows["category"], rows["concept_id"]):
-        prompt_ids, response_ids, end_ids, truncated = encode(tokenizer, instruction, response, chat, max_length, end_of_turn)
+    for instruction, response, category, concept in zip(
+        rows["input"], rows["output"], rows["category"], rows["concept_id"]
+    ):
+        prompt_ids, response_ids, end_ids, truncated = encode(
+            tokenizer, instruction, response, chat, max_length, end_of_turn
+        )
         start = len(prompt_ids)
         examples.append(
             Example(
@@ -338,7 +359,11 @@ class AxBenchDataModule(LightningDataModule):
         self.save_hyperparameters()
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
-        for name, value in (("max_length", max_length), ("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+        for name, value in (
+            ("max_length", max_length),
+            ("batch_size", batch_size),
+            ("eval_batch_size", eval_batch_size),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self.lm = lm
@@ -368,8 +393,10 @@ class AxBenchDataModule(LightningDataModule):
         rows = table[keep]
         if split == "train" and self.genre_negatives:  # the pool once per concept of the negative's genre
             pool = table[table["concept_id"] == NEGATIVE_POOL]
-            copies = [pool[pool["concept_genre"] == genre].assign(concept_id=c)
-                      for c, genre in zip(self.concept_ids, self.concept_genres)]  # fmt: skip
+            copies = [
+                pool[pool["concept_genre"] == genre].assign(concept_id=c)
+                for c, genre in zip(self.concept_ids, self.concept_genres)
+            ]
             rows = pd.concat([rows, *copies])
         return rows.reset_index(drop=True)
 
@@ -384,11 +411,16 @@ class AxBenchDataModule(LightningDataModule):
         self.chat = chat
         index = {c: i for i, c in enumerate(self.concept_ids)}
         for split in ("train", "eval"):
-            self.splits[split] = tokenize_rows(self.rows(split), self.tokenizer, chat, hp.max_length, hp.end_of_turn, index)
+            self.splits[split] = tokenize_rows(
+                self.rows(split), self.tokenizer, chat, hp.max_length, hp.end_of_turn, index
+            )
         for split, examples in self.splits.items():
             truncated = sum(e.truncated for e in examples)
             if truncated:
-                warnings.warn(f"{split}: {truncated} of {len(examples)} responses truncated to max_length={hp.max_length}", stacklevel=2)
+                warnings.warn(
+                    f"{split}: {truncated} of {len(examples)} responses truncated to max_length={hp.max_length}",
+                    stacklevel=2,
+                )
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
         if not self.splits.get(split):

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from datamodules.loaders import split_loader
 from datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from lit_interventions.callbacks.metrics import OddsCallback
-from lit_interventions.metrics.disentangle import CAUSE, ISO
 from lit_interventions.lm import DEFAULT_LM, load_tokenizer
+from lit_interventions.metrics.disentangle import CAUSE, ISO
 from lit_interventions.surprisal import bos_prefix
 from lit_interventions.tokens import pad_batch, token_covering
 
@@ -75,14 +75,17 @@ def label_token_ids(task: TaskTemplate, tokenizer, control: str | None = None) -
     return ids
 
 
-def tokenize_pairs(pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, int]], control: str | None,
-                   kind: int = CAUSE) -> list[Example]:  # fmt: skip
+def tokenize_pairs(
+    pairs: list[Pair], tokenizer, label_ids: dict[str, dict[str, int]], control: str | None, kind: int = CAUSE
+) -> list[Example]:
     prefix = bos_prefix(tokenizer)  # every sentence starts with BOS (pythia's tokenizer adds none)
 
     def encode(sentence):
         enc = tokenizer(prefix + sentence.text, return_offsets_mapping=True)
-        positions = {region: token_covering(enc["offset_mapping"], len(prefix) + end - 1, sentence.text)
-                     for region, (start, end) in sentence.spans.items()}  # fmt: skip
+        positions = {
+            region: token_covering(enc["offset_mapping"], len(prefix) + end - 1, sentence.text)
+            for region, (start, end) in sentence.spans.items()
+        }
         return enc["input_ids"], positions
 
     def label_id(label_type, word):
@@ -123,8 +126,9 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
         batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = ids, mask
         batch[f"{side}_pos"] = positions + shift  # (batch,)
         shared = set.intersection(*(set(getattr(e, f"{side}_positions")) for e in examples))
-        batch[f"{side}_region_pos"] = {r: torch.tensor([getattr(e, f"{side}_positions")[r] for e in examples]) + shift
-                                       for r in sorted(shared)}  # every region of every row: composed sites  # fmt: skip
+        batch[f"{side}_region_pos"] = {
+            r: torch.tensor([getattr(e, f"{side}_positions")[r] for e in examples]) + shift for r in sorted(shared)
+        }  # every region of every row: composed sites
         batch[f"{side}_pos_list"] = batch[f"{side}_pos"].tolist()
         batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
         batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])
@@ -178,13 +182,19 @@ class CausalGymDataModule(LightningDataModule):
         if region is None:
             region = self.template.label_region
         if region not in self.template.regions:
-            raise ValueError(f"Unknown region {region!r} for task {task!r}; regions: {', '.join(self.template.regions)}")
+            raise ValueError(
+                f"Unknown region {region!r} for task {task!r}; regions: {', '.join(self.template.regions)}"
+            )
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
         if control is not None and control not in CONTROL_TASKS:
             raise ValueError(f"Unknown control task {control!r}; choose one of {sorted(CONTROL_TASKS)}")
-        for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size),
-                            ("train_pairs", train_pairs), ("eval_pairs", eval_pairs)):  # fmt: skip
+        for name, value in (
+            ("batch_size", batch_size),
+            ("eval_batch_size", eval_batch_size),
+            ("train_pairs", train_pairs),
+            ("eval_pairs", eval_pairs),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self.task, self.region, self.lm = task, region, lm
@@ -202,8 +212,9 @@ class CausalGymDataModule(LightningDataModule):
         splits = {"train": train, "eval": evaluation, "dev": dev}
         if hp.multitask:  # Iso pairs from sentences of the dev and eval sets' complement, like train's
             held_out = {p.base.text for p in evaluation + dev}
-            splits["train_iso"] = sample_pairs(self.template, hp.train_pairs, hp.seed + 104729, exclude=held_out,
-                                               same_type=True)  # fmt: skip
+            splits["train_iso"] = sample_pairs(
+                self.template, hp.train_pairs, hp.seed + 104729, exclude=held_out, same_type=True
+            )
         return splits
 
     def setup(self, stage: str | None = None) -> None:
@@ -229,13 +240,15 @@ class CausalGymDataModule(LightningDataModule):
             self.splits[split] = kept
         self.splits["train"] = self.splits["train"] + self.splits.pop("train_iso", [])
 
-    def loader(self, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None,
-               shard: bool = True) -> DataLoader:  # fmt: skip
+    def loader(
+        self, split: str, batch_size: int, shuffle: bool = False, seed: int | None = None, shard: bool = True
+    ) -> DataLoader:
         """Batches of one split ("train", "dev" or "eval"), collated for this region; `seed` fixes
         the shuffled order (default: drawn from torch's global generator); `shard=False`: all of
         it on every process."""
-        collate_fn = partial(collate, region=self.region, pad_id=self.tokenizer.pad_token_id,
-                             padding_side=self.hparams.padding_side)  # fmt: skip
+        collate_fn = partial(
+            collate, region=self.region, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side
+        )
         return split_loader(self.splits[split], batch_size, collate_fn, self.trainer if shard else None, shuffle, seed)
 
     def metric_callbacks(self) -> list:

@@ -18,13 +18,6 @@ from torch.utils.data import DataLoader
 
 from datamodules.causalgym import collate as causalgym_collate
 from datamodules.loaders import split_loader
-from lit_interventions.callbacks.metrics import DisentangleCallback
-from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
-from lit_interventions.metrics.disentangle import DevDisentangle
-from lit_interventions.sites import logits_at
-from lit_interventions.surprisal import bos_prefix
-from lit_interventions.tokens import pad_batch
-
 from datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's reader and prompt encoding)
     BUILTIN_RAVEL,
     FILES,
@@ -35,12 +28,16 @@ from datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's re
     load_ravel,
     value_separator,
 )
+from lit_interventions.callbacks.metrics import DisentangleCallback
+from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
+from lit_interventions.metrics.disentangle import DevDisentangle
+from lit_interventions.sites import logits_at
+from lit_interventions.surprisal import bos_prefix
+from lit_interventions.tokens import pad_batch
 
 # ---------------------------------------------------------------------------------------------
 # DataModule: filtered (entity, template) pairs -> Cause / Iso interchange examples
 # ---------------------------------------------------------------------------------------------
-
-
 
 
 SPLIT_SETTINGS = ("entity", "context")
@@ -48,6 +45,8 @@ SOURCES = ("attribute", "wikipedia", "mixed")
 CAUSE_LABELS = ("model", "gold")
 CAUSE, ISO = 0, 1
 SKIPPED_ATTRIBUTES = ("Latitude", "Longitude")  # numeric: RAVEL scores them within ±2, not by first token
+
+
 @dataclass
 class Query:
     """One (entity, template) pair: the prompt, its token ids and the entity's last token."""
@@ -145,8 +144,13 @@ class RavelDataModule(LightningDataModule):
             raise ValueError(f"cause_label={cause_label!r}; choose one of {', '.join(CAUSE_LABELS)}")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
-        for name, value in (("train_size", train_size), ("eval_size", eval_size), ("max_candidates", max_candidates),
-                            ("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):  # fmt: skip
+        for name, value in (
+            ("train_size", train_size),
+            ("eval_size", eval_size),
+            ("max_candidates", max_candidates),
+            ("batch_size", batch_size),
+            ("eval_batch_size", eval_batch_size),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self.data = load_ravel(ravel_dir, entity_type)  # validates the directory and the type
@@ -201,7 +205,9 @@ class RavelDataModule(LightningDataModule):
     def model_answers(self, queries: list[Query]) -> list[int]:
         """The model's argmax next token for each query, from the answer cache or computed (during
         setup only)."""
-        todo = sorted({tuple(q.ids): q for q in queries if self._answers.get(q.ids) is None}.values(), key=lambda q: len(q.ids))
+        todo = sorted(
+            {tuple(q.ids): q for q in queries if self._answers.get(q.ids) is None}.values(), key=lambda q: len(q.ids)
+        )
         for k in range(0, len(todo), 64):
             chunk = todo[k : k + 64]
             for q, p in zip(chunk, self.predict_next(self._model, chunk)):
@@ -244,17 +250,24 @@ class RavelDataModule(LightningDataModule):
         self.kept[split], self.checked[split] = {}, {}
         for attribute in self.used_attributes:
             queries = [self.encode(e, t, attribute) for e, t in self.candidates(attribute, split)]
-            todo = sorted((q for q in queries if answers.get(q.ids) is None), key=lambda q: len(q.ids))  # little padding
+            todo = sorted(
+                (q for q in queries if answers.get(q.ids) is None), key=lambda q: len(q.ids)
+            )  # little padding
             for k in range(0, len(todo), batch):
                 chunk = todo[k : k + batch]
                 for q, p in zip(chunk, self.predict_next(model, chunk)):
                     answers.put(q.ids, p)
-            correct = [q for q in queries
-                       if answers.get(q.ids) == self.value_token(q.template, self.data.entities[q.entity][attribute])]  # fmt: skip
+            correct = [
+                q
+                for q in queries
+                if answers.get(q.ids) == self.value_token(q.template, self.data.entities[q.entity][attribute])
+            ]
             kept[attribute] = sorted(correct, key=lambda q: (q.entity, q.template))
             self.kept[split][attribute], self.checked[split][attribute] = len(correct), len(queries)
-            print(f"RAVEL {self.data.entity_type} {self.hparams.split}-split {split} {attribute}: "
-                  f"kept {len(correct)} of {len(queries)} (entity, template) pairs the model answers correctly")  # fmt: skip
+            print(
+                f"RAVEL {self.data.entity_type} {self.hparams.split}-split {split} {attribute}: "
+                f"kept {len(correct)} of {len(queries)} (entity, template) pairs the model answers correctly"
+            )
         answers.save()
         return kept
 
@@ -333,20 +346,29 @@ class RavelDataModule(LightningDataModule):
             if own_answer:  # y = what the model says for the base template with E' (official `inv_label`)
                 labels = self.model_answers([self.encode(src.entity, base.template, queried) for base, src in drawn])
             else:
-                labels = [self.value_token(base.template, d.entities[(src if kind == CAUSE else base).entity][queried])
-                          for base, src in drawn]  # fmt: skip
+                labels = [
+                    self.value_token(base.template, d.entities[(src if kind == CAUSE else base).entity][queried])
+                    for base, src in drawn
+                ]
             for (base, src), label in zip(drawn, labels):
                 base_label = self.value_token(base.template, d.entities[base.entity][queried])
                 if own_answer and label == base_label:
                     continue  # the model's answer would not change: no Cause example
                 out.append(
                     RavelExample(
-                        base.ids, src.ids, {"entity": base.entity_pos}, {"entity": src.entity_pos},
-                        base_label=base_label, source_label=label,
-                        attribute=self.attributes.index(queried), kind=kind,
-                        base_entity=self.entity_index[base.entity], source_entity=self.entity_index[src.entity],
-                        base_template=base.template, source_template=src.template,
-                    )  # fmt: skip
+                        base.ids,
+                        src.ids,
+                        {"entity": base.entity_pos},
+                        {"entity": src.entity_pos},
+                        base_label=base_label,
+                        source_label=label,
+                        attribute=self.attributes.index(queried),
+                        kind=kind,
+                        base_entity=self.entity_index[base.entity],
+                        source_entity=self.entity_index[src.entity],
+                        base_template=base.template,
+                        source_template=src.template,
+                    )
                 )
             tried += len(drawn)
             if len(out) < n and tried >= 20 * n + 200:

@@ -47,7 +47,7 @@ class Pair:
     base_type: str
     source_type: str
 
-    def swapped(self) -> "Pair":
+    def swapped(self) -> Pair:
         return Pair(self.source, self.base, self.source_type, self.base_type)
 
 
@@ -268,7 +268,11 @@ def load_task(task: str, path: str | Path | None = None) -> TaskTemplate:
 
 
 def sample_pairs(
-    task: TaskTemplate, n: int, seed: int, exclude: set[str] = frozenset(), max_tries_per_pair: int = 200,
+    task: TaskTemplate,
+    n: int,
+    seed: int,
+    exclude: set[str] = frozenset(),
+    max_tries_per_pair: int = 200,
     same_type: bool = False,
 ) -> list[Pair]:
     """n distinct pairs, none of whose sentences is in `exclude`; each also added swapped (2n).

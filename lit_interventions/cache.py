@@ -63,8 +63,13 @@ class ActivationCache:
         missing = [i for i, key in enumerate(keys) if key not in self._states]
         if missing:
             rows = torch.tensor(missing, device=input_ids.device)
-            self._compute(input_ids[rows], attention_mask[rows], [keys[i] for i in missing],
-                          [starts[i] for i in missing], [0] * len(missing))  # fmt: skip
+            self._compute(
+                input_ids[rows],
+                attention_mask[rows],
+                [keys[i] for i in missing],
+                [starts[i] for i in missing],
+                [0] * len(missing),
+            )
         layers = [layer] * len(keys) if isinstance(layer, int) else layer
         index = {layer: self.layers.index(layer) for layer in set(layers)}
         first = self._states[keys[0]]
@@ -76,7 +81,9 @@ class ActivationCache:
     def at_site(self, layer: int | list[int], batch: dict, side: str) -> torch.Tensor:
         """f(x) at each row's site on one side ("base" or "source") of a collated batch, (batch, d):
         `states` at `layer` (or one layer per row), read at `{side}_pos`."""
-        states = self.states(layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch.get(f"{side}_keys"))
+        states = self.states(
+            layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch.get(f"{side}_keys")
+        )
         return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
 
     def prefix(
@@ -102,8 +109,9 @@ class ActivationCache:
         """The most first tokens whose keys and values are cached for any input."""
         return max((stored.shape[-2] for stored in self._prefix.values()), default=0)
 
-    def row_prefix(self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int],
-                   width: int | None = None) -> RowPrefix | None:  # fmt: skip
+    def row_prefix(
+        self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int], width: int | None = None
+    ) -> RowPrefix | None:
         """Each row's own cached keys and values of the blocks above `layer` before its site, for
         `sites.stacked_hidden`: unlike `prefix`, a row whose site is late does not rerun the
         columns between the batch's earliest site and its own. None: no row has any.
@@ -150,18 +158,20 @@ class ActivationCache:
         below = DynamicCache() if wanted else None
         found = read_layers(self.model, self.layers, input_ids, attention_mask, keys_values=below)
         for j, (key, start) in enumerate(zip(keys, starts)):
-            self._states[key] = torch.stack([found[l][j, start : start + len(key)] for l in self.layers])
+            self._states[key] = torch.stack([found[layer][j, start : start + len(key)] for layer in self.layers])
         if not wanted:
             return
         width = max(start + n for start, n in zip(starts, firsts))
         blocks = [below.layers[b] for b in range(lowest + 1, highest + 1)]
         if highest < self._n_blocks - 1:
-            above = keys_values_above(self.model, highest, input_ids[:, :width], attention_mask[:, :width],
-                                      found[highest][:, :width])  # fmt: skip
+            above = keys_values_above(
+                self.model, highest, input_ids[:, :width], attention_mask[:, :width], found[highest][:, :width]
+            )
             blocks += [above.layers[b] for b in range(highest + 1, self._n_blocks)]
         home = input_ids.device  # a dispatched model keeps each block's keys and values on its device
-        stacked = torch.stack([torch.stack([b.keys[..., :width, :].to(home), b.values[..., :width, :].to(home)])
-                               for b in blocks])  # fmt: skip
+        stacked = torch.stack(
+            [torch.stack([b.keys[..., :width, :].to(home), b.values[..., :width, :].to(home)]) for b in blocks]
+        )
         for j, (key, start, n) in enumerate(zip(keys, starts, firsts)):
             if n > 0:  # (n_above, 2, heads, n, head_dim)
                 self._prefix[key] = stacked[:, :, j, :, start : start + n].clone()

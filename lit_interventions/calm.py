@@ -39,12 +39,6 @@ from pathlib import Path
 import torch
 
 from datamodules.ravel import load_ravel
-from lit_interventions.cli import run_cli
-from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
-from lit_interventions.lm import DEFAULT_LM, check_device, hidden_size, load_config, load_lm, load_tokenizer
-from lit_interventions.sharding import LoadOptions, is_dispatched
-from lit_interventions.metrics.competence import Competence, competence_scores
-from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
 from lit_interventions.calm_data import (
     SPLITS,
     Prompt,
@@ -61,6 +55,12 @@ from lit_interventions.calm_data import (
     split_entities,
     tokenize_prompt,
 )
+from lit_interventions.cli import run_cli
+from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
+from lit_interventions.lm import DEFAULT_LM, check_device, hidden_size, load_config, load_lm, load_tokenizer
+from lit_interventions.metrics.competence import Competence, competence_scores
+from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
+from lit_interventions.sharding import LoadOptions, is_dispatched
 from lit_interventions.sites import logits_at, site_layer
 
 RANDOM = "random"  # the control: ±ε per coordinate, same size as the attacks
@@ -85,8 +85,20 @@ class _Batch:
     def logits(self, model, layer: int, delta: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits (batch, vocab) of the LM, with h + δ written at the site if δ is given."""
         edit = None if delta is None else add(delta.to(self.ids.device))
-        return logits_at(model, self.ids, self.mask, self.last, layer=layer, site_positions=self.sites,
-                         intervention=edit, start_states=self.start).float().cpu()  # fmt: skip
+        return (
+            logits_at(
+                model,
+                self.ids,
+                self.mask,
+                self.last,
+                layer=layer,
+                site_positions=self.sites,
+                intervention=edit,
+                start_states=self.start,
+            )
+            .float()
+            .cpu()
+        )
 
 
 @torch.no_grad()
@@ -95,21 +107,37 @@ def _make_batch(prompts, states, h, data, classes, probes, pad_id, device) -> _B
     width = ids.shape[1]
     start = torch.stack([torch.nn.functional.pad(s, (0, 0, 0, width - len(s))) for s in states])
     return _Batch(
-        prompts, ids.to(device), mask.to(device), start.to(device),
-        torch.tensor([p.site for p in prompts], device=device), torch.tensor([p.last for p in prompts], device=device),
-        h, {p: _labels(data, prompts, p, c) for p, c in classes.items()},
+        prompts,
+        ids.to(device),
+        mask.to(device),
+        start.to(device),
+        torch.tensor([p.site for p in prompts], device=device),
+        torch.tensor([p.last for p in prompts], device=device),
+        h,
+        {p: _labels(data, prompts, p, c) for p, c in classes.items()},
         {p: probe.predict(h) for p, probe in probes.items()},
-    )  # fmt: skip
+    )
 
 
 @torch.no_grad()
-def _record(t: Counter, batch: _Batch, probes, prop: str, target, delta, clean, edited, k_max: int,
-            candidates: torch.Tensor | None = None) -> None:  # fmt: skip
+def _record(
+    t: Counter,
+    batch: _Batch,
+    probes,
+    prop: str,
+    target,
+    delta,
+    clean,
+    edited,
+    k_max: int,
+    candidates: torch.Tensor | None = None,
+) -> None:
     """Add one batch of do(prop = target) to the counts of a (method, property); the top-k overlap
     and the top-1 change are taken within `candidates` (the task's answer vocabulary) if given."""
     t["n"] += len(target)
-    t["overlap"] += competence_scores(clean, edited, torch.zeros(len(target), dtype=torch.bool), k_max,
-                                      candidates).sum().item()  # fmt: skip
+    t["overlap"] += (
+        competence_scores(clean, edited, torch.zeros(len(target), dtype=torch.bool), k_max, candidates).sum().item()
+    )
     if candidates is not None:
         clean, edited = clean[:, candidates], edited[:, candidates]
     t["top1_changed"] += (edited.argmax(-1) != clean.argmax(-1)).sum().item()
@@ -130,14 +158,19 @@ def _record(t: Counter, batch: _Batch, probes, prop: str, target, delta, clean, 
 
 def _result_row(task: str, method: str, prop: str, t: Counter) -> dict:
     return {
-        "task": task, "method": method, "property": prop, "causal": prop == task, "n": t["n"],
+        "task": task,
+        "method": method,
+        "property": prop,
+        "causal": prop == task,
+        "n": t["n"],
         "target_success": t["target_success"] / t["n"],
         "probe_acc_before": t["acc_before"] / max(1, t["known"]),
         "probe_acc_after": t["acc_after"] / max(1, t["known"]),
         "collateral_acc_before": t["collateral_before"] / max(1, t["collateral_n"]),
         "collateral_acc_after": t["collateral_after"] / max(1, t["collateral_n"]),
-        "top1_changed": t["top1_changed"] / t["n"], "mean_topk_overlap": t["overlap"] / t["n"],
-    }  # fmt: skip
+        "top1_changed": t["top1_changed"] / t["n"],
+        "mean_topk_overlap": t["overlap"] / t["n"],
+    }
 
 
 def fit_probes(data, prompts, site, classes, loaded, where, args: dict, seed: int, save_dir: Path):
@@ -151,18 +184,32 @@ def fit_probes(data, prompts, site, classes, loaded, where, args: dict, seed: in
         if prop in loaded:
             probes[prop] = loaded[prop]
         else:
-            module = ProbeModule(classes[prop], lm, layer, d, POSITION, kind=args["kind"], hidden=args["hidden"],
-                                 lr=args["lr"], property_name=prop)  # fmt: skip
+            module = ProbeModule(
+                classes[prop],
+                lm,
+                layer,
+                d,
+                POSITION,
+                kind=args["kind"],
+                hidden=args["hidden"],
+                lr=args["lr"],
+                property_name=prop,
+            )
             train = (site["train"][known["train"]], labels["train"][known["train"]])
             val = (site["val"][known["val"]], labels["val"][known["val"]])
-            probes[prop] = train_probe(module, train, val, args["epochs"], args["batch_size"], seed,
-                                       save_to=save_dir / f"{prop}.ckpt")  # fmt: skip
+            probes[prop] = train_probe(
+                module, train, val, args["epochs"], args["batch_size"], seed, save_to=save_dir / f"{prop}.ckpt"
+            )
         with torch.no_grad():
             accs = {f"{s}_acc": _accuracy(probes[prop].predict(site[s]), labels[s]) for s in SPLITS}
         test_known = labels["test"][known["test"]].tolist()
         majority = max(Counter(test_known).values()) / len(test_known) if test_known else math.nan
-        info[prop] = {"classes": classes[prop], **accs, "test_majority": majority,
-                      **{f"n_{s}": int(known[s].sum()) for s in SPLITS}}  # fmt: skip
+        info[prop] = {
+            "classes": classes[prop],
+            **accs,
+            "test_majority": majority,
+            **{f"n_{s}": int(known[s].sum()) for s in SPLITS},
+        }
     return probes, info
 
 
@@ -305,8 +352,16 @@ def run_calm(
         tally = {(m, prop): Counter() for m in names for prop in properties}
         lm_correct = 0
         for chunk in _batches(rows, batch_size):
-            batch = _make_batch([prompts["test"][i] for i in chunk], [states["test"][i] for i in chunk],
-                                site["test"][chunk], data, classes, g, pad_id, device)  # fmt: skip
+            batch = _make_batch(
+                [prompts["test"][i] for i in chunk],
+                [states["test"][i] for i in chunk],
+                site["test"][chunk],
+                data,
+                classes,
+                g,
+                pad_id,
+                device,
+            )
             clean = batch.logits(model, layer)
             answers = [_first_tokens(tokenizer, data.entities[p.entity][task]) for p in batch.prompts]
             lm_correct += sum(t in ids for t, ids in zip(clean.argmax(-1).tolist(), answers))
@@ -324,24 +379,55 @@ def run_calm(
             mine = [_result_row(task, m, prop, tally[(m, prop)]) for prop in properties]
             results.extend(mine)
             scores = {k: v.item() for k, v in metric[m].compute().items()}
-            summary.append({
-                "task": task, "method": m, "competence": scores["competence"],
-                "competence_causal": scores["causal"], "competence_environmental": scores["environmental"],
-                "random_model": 1 / len(properties), "do_nothing": (len(properties) - 1) / len(properties),
-                "target_success": _mean(r["target_success"] for r in mine),
-                "collateral_acc_before": _mean(r["collateral_acc_before"] for r in mine),
-                "collateral_acc_after": _mean(r["collateral_acc_after"] for r in mine),
-                "lm_accuracy": lm_correct / len(rows), "n_examples": len(rows), "answer_vocabulary": len(vocabulary),
-                "epsilon": epsilon, "epsilon_abs": eps,
-            })  # fmt: skip
-    _write(out_dir, results, summary, {
-        "lm": lm, "layer": layer, "hidden_size": d, "site": POSITION, "entity_type": entity_type,
-        "ravel_dir": ravel_dir, "properties": properties, "tasks": tasks, "methods": methods,
-        "epsilon": epsilon, "epsilon_relative": epsilon_relative, "epsilon_abs": eps, "site_scale": scale,
-        "alpha": (alpha if alpha is not None else eps / 10), "steps": steps, "k_max": k_max, "probe": probe,
-        "probe_epochs": probe_epochs, "entities": {s: len(v) for s, v in split_of.items()},
-        "prompts": {s: len(v) for s, v in prompts.items()}, "templates": templates, "seed": seed,
-    }, probe_info)  # fmt: skip
+            summary.append(
+                {
+                    "task": task,
+                    "method": m,
+                    "competence": scores["competence"],
+                    "competence_causal": scores["causal"],
+                    "competence_environmental": scores["environmental"],
+                    "random_model": 1 / len(properties),
+                    "do_nothing": (len(properties) - 1) / len(properties),
+                    "target_success": _mean(r["target_success"] for r in mine),
+                    "collateral_acc_before": _mean(r["collateral_acc_before"] for r in mine),
+                    "collateral_acc_after": _mean(r["collateral_acc_after"] for r in mine),
+                    "lm_accuracy": lm_correct / len(rows),
+                    "n_examples": len(rows),
+                    "answer_vocabulary": len(vocabulary),
+                    "epsilon": epsilon,
+                    "epsilon_abs": eps,
+                }
+            )
+    _write(
+        out_dir,
+        results,
+        summary,
+        {
+            "lm": lm,
+            "layer": layer,
+            "hidden_size": d,
+            "site": POSITION,
+            "entity_type": entity_type,
+            "ravel_dir": ravel_dir,
+            "properties": properties,
+            "tasks": tasks,
+            "methods": methods,
+            "epsilon": epsilon,
+            "epsilon_relative": epsilon_relative,
+            "epsilon_abs": eps,
+            "site_scale": scale,
+            "alpha": (alpha if alpha is not None else eps / 10),
+            "steps": steps,
+            "k_max": k_max,
+            "probe": probe,
+            "probe_epochs": probe_epochs,
+            "entities": {s: len(v) for s, v in split_of.items()},
+            "prompts": {s: len(v) for s, v in prompts.items()},
+            "templates": templates,
+            "seed": seed,
+        },
+        probe_info,
+    )
     return summary
 
 

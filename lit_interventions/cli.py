@@ -8,8 +8,8 @@ from __future__ import annotations
 import csv
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from jsonargparse import ActionConfigFile
 
@@ -36,8 +36,14 @@ def _cell(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def run_cli(function: Callable[..., list[dict]], description: str, args=None, customize=None, ignore=(),
-            errors=(ValueError, FileNotFoundError)) -> list[dict]:  # fmt: skip
+def run_cli(
+    function: Callable[..., list[dict]],
+    description: str,
+    args=None,
+    customize=None,
+    ignore=(),
+    errors=(ValueError, FileNotFoundError),
+) -> list[dict]:
     """Parse `args` for `function`, call it and print its rows. `customize(parser)` adds or
     replaces options; keys in `ignore` are parsed but not passed on. Bad input, found by the
     parser or by `function` (one of `errors`), is one `error:` line on stderr with exit code 2;

@@ -66,8 +66,16 @@ def run_name(model, data) -> str:
 
 SHARED = ("lm", "region", "multitask")  # model init args the data module also takes
 # may differ from a checkpoint's: how the run reads its data and where the frozen LM is placed
-RUNTIME = {"eval_batch_size", "cache", "num_workers", "read_batch_size",
-           "device_map", "quantization", "max_memory", "offload_folder"}  # fmt: skip
+RUNTIME = {
+    "eval_batch_size",
+    "cache",
+    "num_workers",
+    "read_batch_size",
+    "device_map",
+    "quantization",
+    "max_memory",
+    "offload_folder",
+}
 
 
 def given_options(args: list[str]) -> dict[str, set[str]]:
@@ -191,8 +199,11 @@ class InterventionCLI(LightningCLI):
             root = config.get("default_root_dir") or os.getcwd()
             config["logger"] = TensorBoardLogger(save_dir=root, name=run_name(self.model, self.datamodule))
         listed = [*(config.get("callbacks") or []), *callbacks]
-        if (config.get("enable_progress_bar") is not False and not sys.stdout.isatty()
-                and not any(isinstance(c, ProgressBar) for c in listed)):  # fmt: skip
+        if (
+            config.get("enable_progress_bar") is not False
+            and not sys.stdout.isatty()
+            and not any(isinstance(c, ProgressBar) for c in listed)
+        ):
             callbacks.append(LineProgress())
         return super()._instantiate_trainer(config, callbacks)
 
@@ -221,9 +232,15 @@ def _checkpoint_config(args: list[str]) -> list[str]:
         if not Path(path).is_file():
             fail(f"--ckpt_path {path}: no such checkpoint file")
         if not zipfile.is_zipfile(path):  # torch.save's format; a truncated file loses its index at the end
-            fail(f"--ckpt_path {path} is not a readable Lightning checkpoint (truncated, or another kind of "
-                 "file); point it at a .ckpt file under the run's checkpoints/")  # fmt: skip
-    if args[:1] and args[0] in ("validate", "test") and not any(a in ("--config", "-c") or a.startswith("--config=") for a in args):
+            fail(
+                f"--ckpt_path {path} is not a readable Lightning checkpoint (truncated, or another kind of "
+                "file); point it at a .ckpt file under the run's checkpoints/"
+            )
+    if (
+        args[:1]
+        and args[0] in ("validate", "test")
+        and not any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
+    ):
         if path and (Path(path).parent.parent / "config.yaml").is_file():
             return [args[0], "--config", str(Path(path).parent.parent / "config.yaml"), *args[1:]]
     return args

@@ -84,9 +84,11 @@ def _check_finite(vectors, max_activations, concepts, where: Path, doing: str) -
         rows = bad.nonzero().flatten().tolist() or inf.nonzero().flatten().tolist()
         names = ", ".join(repr(concepts[r]) if r < len(concepts) else str(r) for r in rows[:3])
         what = "vectors" if bad.any() else "max_activations"
-        raise ValueError(f"{where}: {doing} a dictionary whose {what} hold NaN/inf ({len(rows)} of "
-                         f"{len(peaks if what == 'max_activations' else vectors)} concepts, e.g. {names}); the "
-                         "training diverged: retrain it (NonFiniteGuard stops such runs)")  # fmt: skip
+        raise ValueError(
+            f"{where}: {doing} a dictionary whose {what} hold NaN/inf ({len(rows)} of "
+            f"{len(peaks if what == 'max_activations' else vectors)} concepts, e.g. {names}); the "
+            "training diverged: retrain it (NonFiniteGuard stops such runs)"
+        )
 
 
 @dataclass
@@ -114,8 +116,9 @@ class Dictionary:
             raise ValueError("concept names must be unique")
         self.max_activations = torch.as_tensor(self.max_activations).detach().float().cpu().reshape(-1)
         if self.max_activations.shape[0] != self.vectors.shape[0]:
-            raise ValueError(f"max_activations has {self.max_activations.shape[0]} entries for "
-                             f"{self.vectors.shape[0]} concepts")  # fmt: skip
+            raise ValueError(
+                f"max_activations has {self.max_activations.shape[0]} entries for {self.vectors.shape[0]} concepts"
+            )
         self.concepts = [str(c) for c in self.concepts]
 
     @property
@@ -172,7 +175,7 @@ class Dictionary:
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory_or_hub_id: str | Path, **download) -> "Dictionary":
+    def from_pretrained(cls, directory_or_hub_id: str | Path, **download) -> Dictionary:
         """A dictionary from a local directory (config.json, or an older dictionary.json) or a hub
         repository, downloaded with `huggingface_hub.snapshot_download` (`download`: revision,
         token, cache_dir, local_files_only)."""
@@ -188,26 +191,30 @@ class Dictionary:
         return push_object(self, repo_id, **kwargs)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Dictionary":
+    def load(cls, path: str | Path) -> Dictionary:
         """Read a dictionary from its .safetensors path, its .json card path or their stem. A file
         that cannot be read, or vectors holding NaN/inf, is a ValueError naming the file."""
         weights, card_path = _paths(path)
         card_path, hub = _card_path(weights, card_path)
         for needed in (weights, card_path):
             if not needed.is_file():
-                raise FileNotFoundError(f"no dictionary file {needed} (a dictionary is NAME.safetensors + NAME.json, "
-                                        "or a directory of dictionary.safetensors + config.json)")  # fmt: skip
+                raise FileNotFoundError(
+                    f"no dictionary file {needed} (a dictionary is NAME.safetensors + NAME.json, "
+                    "or a directory of dictionary.safetensors + config.json)"
+                )
         redo = "re-export it (rerun the fit that wrote it) or restore a good copy"
         try:
             tensors = load_file(weights)
         except Exception as err:  # SafetensorError (truncated, empty, text), OSError
-            raise ValueError(f"{weights} is not a readable safetensors file ({type(err).__name__}: "
-                             f"{_first_line(err)}); {redo}") from err  # fmt: skip
+            raise ValueError(
+                f"{weights} is not a readable safetensors file ({type(err).__name__}: {_first_line(err)}); {redo}"
+            ) from err
         try:
             card = json.loads(card_path.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as err:
-            raise ValueError(f"{card_path} is not a readable JSON card ({type(err).__name__}: {_first_line(err)}); "
-                             f"{redo}") from err  # fmt: skip
+            raise ValueError(
+                f"{card_path} is not a readable JSON card ({type(err).__name__}: {_first_line(err)}); {redo}"
+            ) from err
         if not isinstance(card, dict):
             raise ValueError(f"{card_path} is not a dictionary card (a JSON object); {redo}")
         missing = sorted({"concepts", "model", "layer", "method"} - set(card))
@@ -217,25 +224,43 @@ class Dictionary:
         if missing:
             raise ValueError(f"{weights} is not a concept dictionary: it lacks {sorted(missing)}")
         if tensors["vectors"].dim() != 2:
-            raise ValueError(f"{weights}: vectors must be (concepts, hidden_size); got shape "
-                             f"{tuple(tensors['vectors'].shape)}; {redo}")  # fmt: skip
+            raise ValueError(
+                f"{weights}: vectors must be (concepts, hidden_size); got shape "
+                f"{tuple(tensors['vectors'].shape)}; {redo}"
+            )
         if card.get("hidden_size") not in (None, tensors["vectors"].shape[1]):
-            raise ValueError(f"{card_path} says hidden_size {card['hidden_size']} but the vectors have "
-                             f"{tensors['vectors'].shape[1]}")  # fmt: skip
+            raise ValueError(
+                f"{card_path} says hidden_size {card['hidden_size']} but the vectors have {tensors['vectors'].shape[1]}"
+            )
         _check_finite(tensors["vectors"], tensors["max_activations"], card["concepts"], weights, "refusing to load")
-        known = {"format", "model", "layer", "method", "latent", "hidden_size", "num_concepts", "concepts",
-                 "training_data", "auroc"}  # fmt: skip
+        known = {
+            "format",
+            "model",
+            "layer",
+            "method",
+            "latent",
+            "hidden_size",
+            "num_concepts",
+            "concepts",
+            "training_data",
+            "auroc",
+        }
         if hub:  # what config.json adds to the card (rebuilt by save_pretrained); a copied "training" command
             known |= {"library_name", "kind", "weights", "class_path", "base_model", "site", "metrics"}
             if card.get("command") is not None and card.get("command") == card.get("training"):
                 known.add("command")
         try:
             return cls(
-                vectors=tensors["vectors"], max_activations=tensors["max_activations"], concepts=card["concepts"],
-                model=card["model"], layer=card["layer"], method=card["method"],
-                training_data=card.get("training_data"), auroc=card.get("auroc"),
+                vectors=tensors["vectors"],
+                max_activations=tensors["max_activations"],
+                concepts=card["concepts"],
+                model=card["model"],
+                layer=card["layer"],
+                method=card["method"],
+                training_data=card.get("training_data"),
+                auroc=card.get("auroc"),
                 card={k: v for k, v in card.items() if k not in known},
-            )  # fmt: skip
+            )
         except (ValueError, TypeError) as err:
             raise ValueError(f"{weights} and {card_path} do not agree: {err}; {redo}") from err
 
@@ -247,8 +272,10 @@ class Dictionary:
             raise ValueError(f"concept must be a name or an index; got {concept!r}")
         if isinstance(concept, int):
             if not 0 <= concept < len(self.concepts):
-                raise ValueError(f"concept index {concept} is out of range: this dictionary has "
-                                 f"{len(self.concepts)} concepts (0..{len(self.concepts) - 1})")  # fmt: skip
+                raise ValueError(
+                    f"concept index {concept} is out of range: this dictionary has "
+                    f"{len(self.concepts)} concepts (0..{len(self.concepts) - 1})"
+                )
             return concept
         if concept not in self.concepts:
             shown = ", ".join(repr(c) for c in self.concepts[:5])
@@ -270,21 +297,32 @@ class Dictionary:
             lm = load_lm(lm, dtype)
         trained_type, lm_type = self.card.get("model_type"), getattr(lm.config, "model_type", None)
         if trained_type and lm_type and trained_type != lm_type:
-            raise ValueError(f"this dictionary was trained for model {self.model!r} (a {trained_type} model); "
-                             f"the LM given is a {lm_type} model")  # fmt: skip
+            raise ValueError(
+                f"this dictionary was trained for model {self.model!r} (a {trained_type} model); "
+                f"the LM given is a {lm_type} model"
+            )
         size = hidden_size(lm.config)
         if size != self.hidden_size:
             name = getattr(lm.config, "_name_or_path", "") or type(lm).__name__
-            raise ValueError(f"this dictionary was trained for model {self.model!r} (hidden size {self.hidden_size}); "
-                             f"the LM {name!r} has hidden size {size}")  # fmt: skip
+            raise ValueError(
+                f"this dictionary was trained for model {self.model!r} (hidden size {self.hidden_size}); "
+                f"the LM {name!r} has hidden size {size}"
+            )
         check_layer(self.layer, num_layers(lm.config))
         return lm
 
     # --- detection and steering -----------------------------------------------------------------
 
     @torch.no_grad()
-    def detect(self, texts: list[str], lm=None, tokenizer=None, batch_size: int = 16, max_length: int = 256,
-               dtype: str = "float32") -> torch.Tensor:  # fmt: skip
+    def detect(
+        self,
+        texts: list[str],
+        lm=None,
+        tokenizer=None,
+        batch_size: int = 16,
+        max_length: int = 256,
+        dtype: str = "float32",
+    ) -> torch.Tensor:
         """Per-concept scores of each text, (N, C): the max over its tokens of each concept's
         latent (AxBench eq. 2, unnormalised). Texts are tokenized as they are (no chat template)
         after a BOS (`bos_prefix`), truncated to `max_length`. The first position (the BOS) is
@@ -301,8 +339,14 @@ class Dictionary:
         prefix, out = bos_prefix(tokenizer), []
         for start in range(0, len(texts), batch_size):
             batch = [prefix + text for text in texts[start : start + batch_size]]
-            enc = tokenizer(batch, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
-                            return_special_tokens_mask=True).to(model.device)  # fmt: skip
+            enc = tokenizer(
+                batch,
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_special_tokens_mask=True,
+            ).to(model.device)
             hidden = read_layers(model, [self.layer], enc["input_ids"], enc["attention_mask"])[self.layer]
             scored = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()  # (batch, seq)
             first = enc["attention_mask"].int().argmax(1)  # the first real position (either padding side)
@@ -316,8 +360,10 @@ class Dictionary:
         row = self.index(concept)
         peak = float(self.max_activations[row])
         if not torch.isfinite(torch.tensor(peak)):
-            raise ValueError(f"concept {self.concepts[row]!r} has no max activation (the dictionary was never "
-                             "validated); pass alpha= directly")  # fmt: skip
+            raise ValueError(
+                f"concept {self.concepts[row]!r} has no max activation (the dictionary was never "
+                "validated); pass alpha= directly"
+            )
         return factor * peak
 
     @contextmanager

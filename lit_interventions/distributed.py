@@ -21,11 +21,12 @@ import pickle
 import socket
 import uuid
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -165,7 +166,6 @@ def _meet(ranks: Ranks):
     return store
 
 
-
 def pin_device(ranks: Ranks) -> str | None:
     """With GPUs, this rank's one: GPU LOCAL_RANK (mod the GPUs of the node) becomes the only one
     the process sees (CUDA_VISIBLE_DEVICES, set before CUDA starts), so `cuda` and Lightning's
@@ -226,7 +226,7 @@ class ShardedRun:
         self.queue = None  # the name of this run's queue of units (`start`)
         self._stack = ExitStack()
 
-    def __enter__(self) -> "ShardedRun":
+    def __enter__(self) -> ShardedRun:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -242,14 +242,19 @@ class ShardedRun:
         warning (`hint`: how to make more)."""
 
         def claim() -> tuple[list, Any, str]:
-            self.main = self._stack.enter_context(open_results(self.out, self.meta, self.tables, self.what, self.ignore))
+            self.main = self._stack.enter_context(
+                open_results(self.out, self.meta, self.tables, self.what, self.ignore)
+            )
             self.main.absorb(rank_dirs(self.out))
             return *plan(self.main), uuid.uuid4().hex  # the run's own queue in the store
 
         todo, context, self.queue = self.ranks.from_main(claim)
         if self.ranks.is_main and 0 < len(todo) < self.ranks.world_size:
-            warnings.warn(f"{self.ranks.world_size} ranks for {len(todo)} units of work left: "
-                          f"{self.ranks.world_size - len(todo)} ranks have nothing to do{hint}", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{self.ranks.world_size} ranks for {len(todo)} units of work left: "
+                f"{self.ranks.world_size - len(todo)} ranks have nothing to do{hint}",
+                stacklevel=2,
+            )
         self.ranks.everywhere(self._check_shared)
         self.store = self.main if self.ranks.world_size == 1 else rank_store(self.out, self.ranks.rank, self.tables)
         return todo, context

@@ -48,7 +48,9 @@ def _config_values(args: list[str], key: str) -> dict:
 
     values = {}
     for i, arg in enumerate(args):
-        name, value = (arg.split("=", 1) + [None])[:2] if "=" in arg else (arg, args[i + 1] if i + 1 < len(args) else None)
+        name, value = (
+            (arg.split("=", 1) + [None])[:2] if "=" in arg else (arg, args[i + 1] if i + 1 < len(args) else None)
+        )
         if name in ("--config", "-c") and value and Path(value).is_file():
             section = (yaml.safe_load(Path(value).read_text()) or {}).get(key) or {}
             if isinstance(section, dict):
@@ -60,12 +62,21 @@ def short_help(args: list[str]) -> None:
     """The options most runs change: the chosen model's and data module's init args (with their
     docs), the common Trainer options and the subcommand's own; `--help-all` lists everything."""
     subcommand = args[0]
-    parser = ArgumentParser(prog=f"{PROG} {subcommand}", default_config_files=[],
-                            description=f"{subcommand}: common options (--help-all: every Trainer option)")  # fmt: skip
-    parser.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML config, e.g. configs/das.yaml (or das.yaml)")
+    parser = ArgumentParser(
+        prog=f"{PROG} {subcommand}",
+        default_config_files=[],
+        description=f"{subcommand}: common options (--help-all: every Trainer option)",
+    )
+    parser.add_argument(
+        "-c", "--config", action=ActionConfigFile, help="a YAML config, e.g. configs/das.yaml (or das.yaml)"
+    )
     if subcommand != "fit":
-        parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="a checkpoint: its model and data settings are used (a conflicting option is an error)")  # fmt: skip
+        parser.add_argument(
+            "--ckpt_path",
+            type=str | None,
+            default=None,
+            help="a checkpoint: its model and data settings are used (a conflicting option is an error)",
+        )
     else:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume training from this checkpoint")
     parser.add_argument("--seed_everything", type=int | bool, default=True, help="the seed (true: a random one)")
@@ -81,8 +92,7 @@ def short_help(args: list[str]) -> None:
         except (ImportError, AttributeError):
             fail(f"--{key}: cannot import {class_path!r}")
         skip = set(LINKED[key])  # set by links, not by the user
-        parser.add_class_arguments(cls, key, skip=skip, sub_configs=True,
-                                   help=f"{class_path} (--{key}.NAME VALUE)")  # fmt: skip
+        parser.add_class_arguments(cls, key, skip=skip, sub_configs=True, help=f"{class_path} (--{key}.NAME VALUE)")
         for name, value in _config_values(args, key).items():  # the config's values as the defaults shown
             if name not in skip and not isinstance(value, dict):
                 try:

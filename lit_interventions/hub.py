@@ -171,8 +171,11 @@ def _site_text(site) -> str:
         return "; ".join(_site_text(s) for s in site["sites"])
     component = site.get("component") or "block_output"
     where = "the residual stream" if component == "block_output" else f"the {component}"
-    text = f"{where} after block {site.get('layer')}" if component == "block_output" else \
-        f"{where} of block {site.get('layer')}"  # fmt: skip
+    text = (
+        f"{where} after block {site.get('layer')}"
+        if component == "block_output"
+        else f"{where} of block {site.get('layer')}"
+    )
     return text + (f", at the last token of the `{site['region']}` region" if site.get("region") else "")
 
 
@@ -201,23 +204,40 @@ def model_card(config: dict):
     layer = (config.get("site") or {}).get("layer") if isinstance(config.get("site"), dict) else None
     layer = config.get("layer") if layer is None else layer
     lm = f"`{model}`" + (f" ([{base}](https://huggingface.co/{base}))" if base else "")
-    rows = [("language model (frozen, not included)", lm), ("site", _site_text(config.get("site"))),
-            ("method", f"`{method}`"), ("data", _data_text(config))]  # fmt: skip
+    rows = [
+        ("language model (frozen, not included)", lm),
+        ("site", _site_text(config.get("site"))),
+        ("method", f"`{method}`"),
+        ("data", _data_text(config)),
+    ]
     if config.get("task"):
         rows.append(("task", f"`{config['task']}`"))
     if kind == "dictionary":
         rows.append(("concepts", f"{config.get('num_concepts')} × hidden size {config.get('hidden_size')}"))
     elif config.get("config"):
         rows.append(("config", f"`{json.dumps(config['config'])}`"))
-    lines = [f"# {method} {noun} for {model}" + (f", layer {layer}" if layer is not None else ""), "",
-             f"{'An' if noun[0] in 'aeiou' else 'A'} {noun} (`{config.get('class_path')}`) trained with lit-interventions on a frozen language "
-             "model; this repository holds its tensors "
-             f"(`{config.get('weights')}`) and its settings (`config.json`), never the language model.",
-             "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]  # fmt: skip
+    lines = [
+        f"# {method} {noun} for {model}" + (f", layer {layer}" if layer is not None else ""),
+        "",
+        f"{'An' if noun[0] in 'aeiou' else 'A'} {noun} (`{config.get('class_path')}`) trained with lit-interventions on a frozen language "
+        "model; this repository holds its tensors "
+        f"(`{config.get('weights')}`) and its settings (`config.json`), never the language model.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in rows),
+        "",
+    ]
     metrics = config.get("metrics") or {}
     if metrics:
-        lines += ["## Metrics", "", "| metric | value |", "|---|---|",
-                  *(f"| `{k}` | {v:.4g} |" for k, v in metrics.items()), ""]  # fmt: skip
+        lines += [
+            "## Metrics",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            *(f"| `{k}` | {v:.4g} |" for k, v in metrics.items()),
+            "",
+        ]
     if kind == "dictionary" and config.get("concepts"):
         lines += ["## Concepts", "", *(f"{i}. {c}" for i, c in enumerate(config["concepts"])), ""]
     lines += ["## Command", "", "```bash", config.get("command") or "not recorded", "```", ""]
@@ -225,13 +245,19 @@ def model_card(config: dict):
         lines += [f"How it was trained: {config['training']}", ""]
     lines += ["## Use", "", "```python"]
     if kind == "dictionary":
-        lines += ["from lit_interventions.dictionary import Dictionary", "from lit_interventions.lm import load_lm", "",
-                  'd = Dictionary.from_pretrained("REPO_OR_DIRECTORY")',
-                  "scores = d.detect([\"some text\"])              # (texts, concepts)",
-                  "with d.steer(load_lm(d.model), d.concepts[0], factor=1.0) as lm: ..."]  # fmt: skip
+        lines += [
+            "from lit_interventions.dictionary import Dictionary",
+            "from lit_interventions.lm import load_lm",
+            "",
+            'd = Dictionary.from_pretrained("REPO_OR_DIRECTORY")',
+            'scores = d.detect(["some text"])              # (texts, concepts)',
+            "with d.steer(load_lm(d.model), d.concepts[0], factor=1.0) as lm: ...",
+        ]
     else:
-        lines += ["from lit_interventions.hub import from_pretrained",
-                  'intervention = from_pretrained("REPO_OR_DIRECTORY")   # the class named in config.json']
+        lines += [
+            "from lit_interventions.hub import from_pretrained",
+            'intervention = from_pretrained("REPO_OR_DIRECTORY")   # the class named in config.json',
+        ]
     lines += ["```", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
@@ -255,8 +281,10 @@ def write_hub_files(directory: str | Path, config: dict) -> Path:
     directory = Path(directory)
     if not _ours(directory) and any((directory / name).exists() for name in (CONFIG, README)):
         found = [name for name in (CONFIG, README) if (directory / name).exists()]
-        raise FileExistsError(f"{directory} already holds {' and '.join(found)} not written by lit-interventions; "
-                              "refusing to replace them (save into a directory of its own)")  # fmt: skip
+        raise FileExistsError(
+            f"{directory} already holds {' and '.join(found)} not written by lit-interventions; "
+            "refusing to replace them (save into a directory of its own)"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(config, indent=2) + "\n"  # fails before anything is written if not JSON-able
     card = str(model_card(config))
@@ -279,8 +307,14 @@ def read_config(directory: str | Path) -> dict:
     return config
 
 
-def local_directory(directory_or_hub_id: str | Path, *, revision: str | None = None, token: str | bool | None = None,
-                    cache_dir: str | Path | None = None, local_files_only: bool = False) -> Path:  # fmt: skip
+def local_directory(
+    directory_or_hub_id: str | Path,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+) -> Path:
     """An existing local directory as it is; otherwise a hub id, downloaded (or taken from the
     cache) with `huggingface_hub.snapshot_download`."""
     path = Path(directory_or_hub_id).expanduser()
@@ -292,12 +326,22 @@ def local_directory(directory_or_hub_id: str | Path, *, revision: str | None = N
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, revision=revision, token=token, cache_dir=cache_dir,
-                                      local_files_only=local_files_only, library_name=LIBRARY))  # fmt: skip
+        return Path(
+            snapshot_download(
+                name,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                library_name=LIBRARY,
+            )
+        )
     except Exception as err:  # RepositoryNotFoundError, offline, no cached copy, ...
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise FileNotFoundError(f"{name!r} is not a local directory, and as a hub id it could not be downloaded "
-                                f"({type(err).__name__}: {first})") from err  # fmt: skip
+        raise FileNotFoundError(
+            f"{name!r} is not a local directory, and as a hub id it could not be downloaded "
+            f"({type(err).__name__}: {first})"
+        ) from err
 
 
 def from_pretrained(directory_or_hub_id: str | Path, **download: Any):
@@ -321,8 +365,16 @@ def upload_files(config: dict | None) -> list[str]:
     return [*names, "intervention.json", "dictionary.json", "config.yaml"]
 
 
-def push_to_hub(directory: str | Path, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
-                commit_message: str | None = None, revision: str | None = None, create_pr: bool | None = None):  # fmt: skip
+def push_to_hub(
+    directory: str | Path,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    commit_message: str | None = None,
+    revision: str | None = None,
+    create_pr: bool | None = None,
+):
     """Upload a saved artifact directory (a `save_pretrained` directory or a run's log directory:
     only the weights, config.json, README.md, the old JSON card and config.yaml go) to the model
     repository `repo_id`, created if missing. Returns huggingface_hub's CommitInfo."""
@@ -332,10 +384,16 @@ def push_to_hub(directory: str | Path, repo_id: str, *, private: bool | None = N
     config = read_config(directory)
     api = HfApi(token=token, library_name=LIBRARY)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    return api.upload_folder(repo_id=repo_id, folder_path=directory, repo_type="model", revision=revision,
-                             commit_message=commit_message or f"Upload {config.get('method') or 'artifact'} "
-                             f"({config.get('kind', 'intervention')}) with lit-interventions",
-                             allow_patterns=upload_files(config), create_pr=create_pr)  # fmt: skip
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=directory,
+        repo_type="model",
+        revision=revision,
+        commit_message=commit_message
+        or f"Upload {config.get('method') or 'artifact'} ({config.get('kind', 'intervention')}) with lit-interventions",
+        allow_patterns=upload_files(config),
+        create_pr=create_pr,
+    )
 
 
 def push_object(obj, repo_id: str, **kwargs: Any):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
 import uuid
@@ -83,8 +82,12 @@ def validate_request(request, max_new_tokens: int) -> tuple[list[dict], int, str
             raise BadRequest(f"messages[{k}].role", f"must be one of {', '.join(ROLES)}, got {role!r}"[:200])
         if "content" not in message:
             raise BadRequest(f"messages[{k}].content", "is missing")
-        clean.append({"role": "system" if role == "developer" else role,
-                      "content": _content(message["content"], f"messages[{k}].content")})  # fmt: skip
+        clean.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(message["content"], f"messages[{k}].content"),
+            }
+        )
     limit = max_new_tokens
     for field in ("max_tokens", "max_completion_tokens"):
         value = request.get(field)
@@ -93,8 +96,12 @@ def validate_request(request, max_new_tokens: int) -> tuple[list[dict], int, str
         if not _is_int(value) or value < 1:
             raise BadRequest(field, f"must be an integer >= 1, got {value!r}"[:200])
         limit = min(limit, value)
-    for field, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("frequency_penalty", -2.0, 2.0),
-                             ("presence_penalty", -2.0, 2.0)):  # fmt: skip
+    for field, low, high in (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.0, 1.0),
+        ("frequency_penalty", -2.0, 2.0),
+        ("presence_penalty", -2.0, 2.0),
+    ):
         value = request.get(field)
         if value is not None and not (_is_number(value) and low <= value <= high):
             raise BadRequest(field, f"must be a number in [{low:g}, {high:g}], got {value!r}"[:200])
@@ -106,7 +113,9 @@ def validate_request(request, max_new_tokens: int) -> tuple[list[dict], int, str
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"must be a string, got {type(model).__name__}")
     stop = request.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
+    ):
         raise BadRequest("stop", "must be a string or a list of strings")
     return clean, limit, model
 
@@ -136,9 +145,13 @@ class ChatLM:
             keep = max(1, room - limit)
             enc = {k: v[:, -keep:] for k, v in enc.items()}
         with self.lock:
-            out = self.model.generate(**{k: v.to(self.model.device) for k, v in enc.items()}, do_sample=False,
-                                      max_new_tokens=limit, pad_token_id=self.tokenizer.pad_token_id)  # fmt: skip
-        new = out[0, enc["input_ids"].shape[1]:]
+            out = self.model.generate(
+                **{k: v.to(self.model.device) for k, v in enc.items()},
+                do_sample=False,
+                max_new_tokens=limit,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        new = out[0, enc["input_ids"].shape[1] :]
         finish = "stop" if len(new) < limit or new[-1].item() == self.tokenizer.eos_token_id else "length"
         return self.tokenizer.decode(new, skip_special_tokens=True), enc["input_ids"].shape[1], len(new), finish
 
@@ -183,8 +196,10 @@ def _handler(chat, max_body_bytes: int, timeout: float, slots: threading.Semapho
                 raise BadRequest("body", f"is {size} bytes; at most {max_body_bytes}", status=413)
             try:
                 body = self.rfile.read(size)
-            except (socket.timeout, TimeoutError) as err:
-                raise BadRequest("body", f"not received within {timeout:g} s (Content-Length {size})", status=408) from err
+            except TimeoutError as err:
+                raise BadRequest(
+                    "body", f"not received within {timeout:g} s (Content-Length {size})", status=408
+                ) from err
             if len(body) < size:
                 raise BadRequest("body", f"has {len(body)} bytes, not the {size} of its Content-Length")
             return body
@@ -213,12 +228,23 @@ def _handler(chat, max_body_bytes: int, timeout: float, slots: threading.Semapho
                     return self._error(500, f"generation failed: {type(err).__name__}: {str(err)[:300]}")
             finally:
                 slots.release()
-            self._send(200, {
-                "id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
-                "model": model or chat.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_reply, "total_tokens": n_prompt + n_reply},
-            })  # fmt: skip
+            self._send(
+                200,
+                {
+                    "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": model or chat.name,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}
+                    ],
+                    "usage": {
+                        "prompt_tokens": n_prompt,
+                        "completion_tokens": n_reply,
+                        "total_tokens": n_prompt + n_reply,
+                    },
+                },
+            )
 
         def log_message(self, format, *args):  # quiet: one line per request is noise in tests
             pass
@@ -226,14 +252,25 @@ def _handler(chat, max_body_bytes: int, timeout: float, slots: threading.Semapho
     return Handler
 
 
-def make_server(lm: str = "smollm2-135m-instruct", host: str = "127.0.0.1", port: int = 0,
-                max_new_tokens: int = 256, dtype: str = "float32", max_body_bytes: int = 1 << 20,
-                timeout: float = 30.0, max_concurrent: int = 4, chat=None) -> ThreadingHTTPServer:  # fmt: skip
+def make_server(
+    lm: str = "smollm2-135m-instruct",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_new_tokens: int = 256,
+    dtype: str = "float32",
+    max_body_bytes: int = 1 << 20,
+    timeout: float = 30.0,
+    max_concurrent: int = 4,
+    chat=None,
+) -> ThreadingHTTPServer:
     """A server bound to (host, port) (port 0: a free one; see `server.server_address`), not yet
     serving. `chat`: any object with `name`, `max_new_tokens` and `complete(messages, max_tokens)`
     (default: a `ChatLM` of `lm`)."""
-    for name, value in (("max_new_tokens", max_new_tokens), ("max_body_bytes", max_body_bytes),
-                        ("max_concurrent", max_concurrent)):  # fmt: skip
+    for name, value in (
+        ("max_new_tokens", max_new_tokens),
+        ("max_body_bytes", max_body_bytes),
+        ("max_concurrent", max_concurrent),
+    ):
         if not _is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if not _is_number(timeout) or timeout <= 0:
@@ -286,8 +323,9 @@ def main(args=None) -> None:
         check_dtype(ns.dtype)
     except ValueError as err:
         fail(str(err))
-    server = make_server(ns.lm, ns.host, ns.port, ns.max_new_tokens, ns.dtype, ns.max_body_bytes, ns.timeout,
-                         ns.max_concurrent)  # fmt: skip
+    server = make_server(
+        ns.lm, ns.host, ns.port, ns.max_new_tokens, ns.dtype, ns.max_body_bytes, ns.timeout, ns.max_concurrent
+    )
     host, port = server.server_address[:2]
     print(f"serving {ns.lm} at http://{host}:{port}/v1/chat/completions", flush=True)
     try:

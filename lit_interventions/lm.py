@@ -110,7 +110,9 @@ def _file_record(path: Path) -> dict:
 
 def write_manifest(directory: Path) -> Path:
     """Record size, mtime and sha256 of every file in `directory` (its manifest.json)."""
-    files = {p.name: _file_record(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in (MANIFEST, LOCK)}
+    files = {
+        p.name: _file_record(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in (MANIFEST, LOCK)
+    }
     path = directory / MANIFEST
     tmp = directory / f".{MANIFEST}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps({"format": "lit-interventions/model-cache/v1", "files": files}, indent=1) + "\n")
@@ -386,9 +388,14 @@ def _unreadable_weights(name: str, path: str, err: Exception) -> ValueError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     where = Path(path)
     cached = where.is_dir() and cache_dir().resolve() in where.resolve().parents
-    fix = (f"delete {where} and it will be converted again" if cached else
-           f"the files in {where} are damaged or belong to another model: save or download them again")  # fmt: skip
-    return ValueError(f"Cannot load the weights of lm={name!r} from {path} ({type(err).__name__}: {first[:300]}); {fix}")
+    fix = (
+        f"delete {where} and it will be converted again"
+        if cached
+        else f"the files in {where} are damaged or belong to another model: save or download them again"
+    )
+    return ValueError(
+        f"Cannot load the weights of lm={name!r} from {path} ({type(err).__name__}: {first[:300]}); {fix}"
+    )
 
 
 @lru_cache(maxsize=2)
@@ -399,25 +406,33 @@ def _load_lm(name: str, dtype: str, options_key: str = "") -> torch.nn.Module:
     if isinstance(options.device_map, dict):
         check_module_names(options.device_map, load_config(name))
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True,
-                                                           **options.from_pretrained_kwargs(dtype))  # fmt: skip
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], output_loading_info=True, **options.from_pretrained_kwargs(dtype)
+        )
     except OSError as err:
         if Path(path).is_dir() and any(Path(path).glob("*.safetensors")):
             raise _unreadable_weights(name, path, err) from err
         raise _unknown(name, err) from err
     except Exception as err:  # SafetensorError, size mismatches (RuntimeError), bad headers: name the files
         if options_key and isinstance(err, (ValueError, KeyError)):  # a device map naming no module, too little memory
-            raise ValueError(f"Cannot place lm={name!r} with {options} ({type(err).__name__}: "
-                             f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''})") from err
+            raise ValueError(
+                f"Cannot place lm={name!r} with {options} ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''})"
+            ) from err
         if type(err).__name__ in ("SafetensorError", "RuntimeError", "ValueError", "HeaderTooLarge", "EOFError"):
             raise _unreadable_weights(name, path, err) from err
         raise
     missing = list(info.get("missing_keys") or [])
     if missing:  # transformers fills them with random values and only prints a table
         unexpected = list(info.get("unexpected_keys") or [])
-        raise _unreadable_weights(name, path, RuntimeError(
-            f"{len(missing)} weights missing, e.g. {sorted(missing)[0]}"
-            + (f"; {len(unexpected)} unexpected, e.g. {sorted(unexpected)[0]}" if unexpected else "")))
+        raise _unreadable_weights(
+            name,
+            path,
+            RuntimeError(
+                f"{len(missing)} weights missing, e.g. {sorted(missing)[0]}"
+                + (f"; {len(unexpected)} unexpected, e.g. {sorted(unexpected)[0]}" if unexpected else "")
+            ),
+        )
     model.eval()
     model.requires_grad_(False)
     if options.quantization == "4bit":

@@ -25,8 +25,12 @@ class _RowCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(logits, labels)
-        return torch.cat([-torch.log_softmax(chunk, -1, dtype=torch.float32).gather(1, y[:, None])[:, 0]
-                          for chunk, y in zip(logits.split(ROWS_AT_ONCE), labels.split(ROWS_AT_ONCE))])  # fmt: skip
+        return torch.cat(
+            [
+                -torch.log_softmax(chunk, -1, dtype=torch.float32).gather(1, y[:, None])[:, 0]
+                for chunk, y in zip(logits.split(ROWS_AT_ONCE), labels.split(ROWS_AT_ONCE))
+            ]
+        )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -47,7 +51,9 @@ def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     DAS step) 0.15 s instead of 0.77 s on a 2-core CPU. On a GPU, where many small chunks would
     cost a kernel launch each, it is that `F.cross_entropy`."""
     if logits.ndim != 2 or labels.shape != logits.shape[:1]:
-        raise ValueError(f"logits (batch, vocab) and labels (batch,); got {tuple(logits.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"logits (batch, vocab) and labels (batch,); got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
     if logits.device.type != "cpu":
         return F.cross_entropy(logits.float(), labels, reduction="none")
     return _RowCrossEntropy.apply(logits, labels)
@@ -71,8 +77,10 @@ class Objective:
         loss = self.task_loss(logits, batch)  # in float32 (`cross_entropy_rows`)
         if self.sparsity:
             if not hasattr(intervention, "penalty"):
-                raise ValueError(f"sparsity={self.sparsity} needs an intervention with a penalty() (a mask); "
-                                 f"got {type(intervention).__name__}")  # fmt: skip
+                raise ValueError(
+                    f"sparsity={self.sparsity} needs an intervention with a penalty() (a mask); "
+                    f"got {type(intervention).__name__}"
+                )
             loss = loss + self.sparsity * intervention.penalty()
         return loss
 
@@ -104,8 +112,9 @@ class CauseIsoLoss(Objective):
         return multitask_loss(logits, batch["label"], batch["attribute"], batch["kind"], self.multitask)
 
 
-def multitask_loss(logits: torch.Tensor, label: torch.Tensor, attribute: torch.Tensor, kind: torch.Tensor,
-                   multitask: bool) -> torch.Tensor:  # fmt: skip
+def multitask_loss(
+    logits: torch.Tensor, label: torch.Tensor, attribute: torch.Tensor, kind: torch.Tensor, multitask: bool
+) -> torch.Tensor:
     """L_Cause (+ with `multitask`, the mean over the attributes present of each one's L_Iso)."""
     losses = cross_entropy_rows(logits, label)  # (batch,), float32
     parts = []

@@ -4,8 +4,8 @@ AxBench's with warmup 0). One typed piece, as litgpt's `TrainArgs`, instead of a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from transformers import get_linear_schedule_with_warmup

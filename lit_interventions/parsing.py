@@ -70,7 +70,9 @@ def _first_reason(message: str) -> str:
         if text.startswith("- ") and not text.startswith("- Expected a <class 'NoneType'>"):
             indent = len(line) - len(line.lstrip())
             detail = [d.strip() for d in lines[i + 1 :] if len(d) - len(d.lstrip()) > indent + 2]
-            stop = next((j for j, d in enumerate(lines[i + 1 :]) if len(d) - len(d.lstrip()) <= indent + 2), len(detail))
+            stop = next(
+                (j for j, d in enumerate(lines[i + 1 :]) if len(d) - len(d.lstrip()) <= indent + 2), len(detail)
+            )
             return " ".join([text[2:], *detail[:stop]])
     return " ".join(line.strip() for line in lines[:2])
 

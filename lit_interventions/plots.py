@@ -11,7 +11,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-
 DPI = 120
 
 
@@ -42,11 +41,23 @@ def heatmap_figure(odds: np.ndarray, layers: list[int], regions: list[str], titl
     vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     if vmin == vmax:
         vmin, vmax = vmin - 0.5, vmax + 0.5
-    image = ax.imshow(np.ma.masked_invalid(odds), origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax,
-                      interpolation="nearest")  # fmt: skip
-    ax.set_xticks(range(len(regions)), [str(r) for r in regions], rotation=rotation,
-                  ha="right" if rotation else "center", rotation_mode="anchor" if rotation else "default",
-                  fontsize=8)  # fmt: skip
+    image = ax.imshow(
+        np.ma.masked_invalid(odds),
+        origin="lower",
+        aspect="auto",
+        cmap=cmap,
+        vmin=vmin,
+        vmax=vmax,
+        interpolation="nearest",
+    )
+    ax.set_xticks(
+        range(len(regions)),
+        [str(r) for r in regions],
+        rotation=rotation,
+        ha="right" if rotation else "center",
+        rotation_mode="anchor" if rotation else "default",
+        fontsize=8,
+    )
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=8 if len(layers) <= 24 else 7)
     ax.set_xlabel("region (last token)")
     ax.set_ylabel("layer")
@@ -61,8 +72,15 @@ def heatmap_figure(odds: np.ndarray, layers: list[int], regions: list[str], titl
         for i, j in zip(*np.nonzero(np.isfinite(odds))):
             value = odds[i, j]
             dark = (value - vmin) / (vmax - vmin) < 0.55  # magma is dark at the bottom
-            ax.text(j, i, f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}", ha="center", va="center",
-                    fontsize=7 if cell_h < 0.3 else 8, color="white" if dark else "black")  # fmt: skip
+            ax.text(
+                j,
+                i,
+                f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}",
+                ha="center",
+                va="center",
+                fontsize=7 if cell_h < 0.3 else 8,
+                color="white" if dark else "black",
+            )
     bar = fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02, aspect=max(8, min(25, 10 * cell_h * len(layers))))
     bar.set_label("log odds-ratio")
     bar.ax.tick_params(labelsize=8)

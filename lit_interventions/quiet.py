@@ -19,7 +19,9 @@ def quiet_lightning() -> None:
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoAdverts) for f in logger.filters):
         logger.addFilter(_NoAdverts())
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
     # train_main passes the command line as `args` (with --config names resolved): not a mistake
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended to run from within Python")
 

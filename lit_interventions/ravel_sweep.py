@@ -36,8 +36,8 @@ from tqdm import tqdm
 from datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
 from lit_interventions import distributed
 from lit_interventions.cli import choose_layers, choose_names, read_rows, run_cli
-from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.configs import build_module, model_section
+from lit_interventions.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.plots import attribute_heatmap
 from lit_interventions.results import Table, write_atomically
 
@@ -58,14 +58,24 @@ def method_config(configs: Path, method: str) -> tuple[dict, int]:
     return model_section(path), int(config.get("trainer", {}).get("max_epochs", 1) or 1)
 
 
-def run_cell(method: str, attribute: str, options: tuple[dict, dict], epochs: int, data_options: dict, seed: int) -> dict:
+def run_cell(
+    method: str, attribute: str, options: tuple[dict, dict], epochs: int, data_options: dict, seed: int
+) -> dict:
     """Fit one method for one target attribute and score it on the test split."""
     L.seed_everything(seed, verbose=False)
     section, overrides = options
     model = build_module(section, **overrides)
     data = RavelDataModule(target_attribute=attribute, multitask=model.objective.uses_iso, **data_options)
-    trainer = L.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="auto", devices=1)  # fmt: skip
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accelerator="auto",
+        devices=1,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. Lightning's "no optimizer" for the full swap
         if model.trains or hasattr(model.intervention, "fit"):  # train, or fit the featurizer
@@ -126,8 +136,17 @@ def run_ravel_sweep(
             overrides["k"] = k
         method_options[method] = ((section, overrides), epochs or config_epochs)
     out = Path(out)
-    data_options = {"lm": lm, "ravel_dir": ravel_dir, "entity_type": entity_type, "split": split, "source": source,
-                    "train_size": train_size, "eval_size": eval_size, "max_candidates": max_candidates, "seed": seed}  # fmt: skip
+    data_options = {
+        "lm": lm,
+        "ravel_dir": ravel_dir,
+        "entity_type": entity_type,
+        "split": split,
+        "source": source,
+        "train_size": train_size,
+        "eval_size": eval_size,
+        "max_candidates": max_candidates,
+        "seed": seed,
+    }
     meta = {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs}
     cells = [(m, a) for m in methods for a in attributes]
 
@@ -137,14 +156,21 @@ def run_ravel_sweep(
 
     with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
         todo, _ = run.start(plan)
-        mine = run.take(todo, cost=lambda cell: method_options[cell[0]][1])  # the trained methods' cells first (3 epochs)
+        mine = run.take(
+            todo, cost=lambda cell: method_options[cell[0]][1]
+        )  # the trained methods' cells first (3 epochs)
         for method, attribute in tqdm(mine, desc="RAVEL cells", unit="cell"):
             options, n_epochs = method_options[method]
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
-            changes = [{"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
-                       for b in data.attributes if f"test/change/{b}" in metrics]  # fmt: skip
+            changes = [
+                {"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
+                for b in data.attributes
+                if f"test/change/{b}" in metrics
+            ]
             scores = {k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}
-            run.store.add({"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]})  # both or neither
+            run.store.add(
+                {"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]}
+            )  # both or neither
         return run.finish(_position(cells), lambda store: summarise(out, methods, attributes, data.attributes))
 
 
@@ -171,7 +197,9 @@ def summarise(out: Path, methods: list[str], attributes: list[str], all_attribut
             if c["method"] == method and c["intervened"] in attributes and c["queried"] in all_attributes:
                 matrix[attributes.index(c["intervened"]), all_attributes.index(c["queried"])] = float(c["change_rate"])
         if not np.isnan(matrix).all():
-            attribute_heatmap(matrix, attributes, all_attributes, f"{method}: P(answer changes)", out / f"{method}_changes.png")
+            attribute_heatmap(
+                matrix, attributes, all_attributes, f"{method}: P(answer changes)", out / f"{method}_changes.png"
+            )
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=SUMMARY_COLUMNS)
     writer.writeheader()

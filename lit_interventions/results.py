@@ -27,10 +27,10 @@ import os
 import shutil
 import sqlite3
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 DB_NAME = "results.sqlite"
 LOCK_NAME = ".lock"
@@ -65,7 +65,7 @@ class OutDirLock:
         self.path = Path(out) / LOCK_NAME
         self.fd: int | None = None
 
-    def acquire(self) -> "OutDirLock":
+    def acquire(self) -> OutDirLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -216,11 +216,15 @@ class ResultsStore:
     def _insert(self, table: Table, rows: list[dict]) -> None:
         unknown = {k for row in rows for k in row} - set(table.columns)
         if unknown:
-            raise ValueError(f"rows for {table.name} have unknown columns {sorted(unknown)}; expected {list(table.columns)}")
+            raise ValueError(
+                f"rows for {table.name} have unknown columns {sorted(unknown)}; expected {list(table.columns)}"
+            )
         marks = ", ".join("?" * len(table.columns))
         for row in rows:
-            self.db.execute(f"INSERT OR REPLACE INTO {_quote(table.name)} VALUES ({marks})",
-                            [_text(row.get(c)) for c in table.columns])  # fmt: skip
+            self.db.execute(
+                f"INSERT OR REPLACE INTO {_quote(table.name)} VALUES ({marks})",
+                [_text(row.get(c)) for c in table.columns],
+            )
 
     def _export(self, table: Table) -> None:
         if not table.export:
@@ -259,8 +263,11 @@ def complete_rows(path: Path, table: Table) -> list[dict]:
     required = [c for c in table.columns if c not in table.optional]
     if not set(required) <= set(header) or not set(header) <= set(table.columns):
         if any(line.strip() for line in lines):
-            warnings.warn(f"{path}: line 1 is not the header {','.join(table.columns)}; nothing in it is kept, "
-                          "every unit is recomputed", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{path}: line 1 is not the header {','.join(table.columns)}; nothing in it is kept, "
+                "every unit is recomputed",
+                stacklevel=2,
+            )
         else:
             warnings.warn(f"{path} is empty; every unit is recomputed", stacklevel=2)
         return []
@@ -268,8 +275,11 @@ def complete_rows(path: Path, table: Table) -> list[dict]:
     for number, line in enumerate(lines[1:], start=2):
         row = _complete(line, header, table)
         if row is None:
-            warnings.warn(f"{path}: line {number} is incomplete or damaged ({line.rstrip()!r}); "
-                          "it is dropped and its unit recomputed", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{path}: line {number} is incomplete or damaged ({line.rstrip()!r}); "
+                "it is dropped and its unit recomputed",
+                stacklevel=2,
+            )
         else:
             rows.append(row)
     return rows
@@ -312,7 +322,9 @@ def rank_store(out: Path, rank: int, tables: list[Table]) -> ResultsStore:
 
 
 @contextmanager
-def open_results(out: Path, meta: dict, tables: list[Table], what: str = "results", ignore: tuple = ()) -> Iterator[ResultsStore]:
+def open_results(
+    out: Path, meta: dict, tables: list[Table], what: str = "results", ignore: tuple = ()
+) -> Iterator[ResultsStore]:
     """Lock `out`, claim it for `meta` (see `claim_out_dir`) and open its store; the lock is held
     until the block ends, however it ends."""
     out = Path(out)

@@ -35,8 +35,9 @@ def _device(value, what: str):
     """A device of a device map or a max_memory key: a GPU index, "cpu", "disk" or a torch
     device string (canonical form)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{what}={value!r}: a device is a GPU index (0, 1, ...), 'cpu', 'disk' or a device "
-                         "string such as 'cuda:1'")  # fmt: skip
+        raise ValueError(
+            f"{what}={value!r}: a device is a GPU index (0, 1, ...), 'cpu', 'disk' or a device string such as 'cuda:1'"
+        )
     if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
         if int(value) < 0:
             raise ValueError(f"{what}={value!r}: a GPU index is >= 0")
@@ -46,8 +47,10 @@ def _device(value, what: str):
     try:
         torch.device(value)
     except (RuntimeError, TypeError):
-        raise ValueError(f"{what}={value!r} is not a device: use a GPU index (0, 1, ...), 'cpu', 'disk' or a "
-                         "device string such as 'cuda:1'") from None  # fmt: skip
+        raise ValueError(
+            f"{what}={value!r} is not a device: use a GPU index (0, 1, ...), 'cpu', 'disk' or a "
+            "device string such as 'cuda:1'"
+        ) from None
     return value
 
 
@@ -81,8 +84,10 @@ class LoadOptions:
             try:
                 device_map = _device(device_map, "device_map")
             except ValueError:
-                raise ValueError(f"device_map={device_map!r} is neither a placement strategy ({', '.join(STRATEGIES)}) "
-                                 "nor a device (0, 'cpu', 'cuda:1'); a dict {module name: device} is allowed too") from None
+                raise ValueError(
+                    f"device_map={device_map!r} is neither a placement strategy ({', '.join(STRATEGIES)}) "
+                    "nor a device (0, 'cpu', 'cuda:1'); a dict {module name: device} is allowed too"
+                ) from None
         elif isinstance(device_map, (int, bool)):
             device_map = _device(device_map, "device_map")
         elif isinstance(device_map, dict):
@@ -93,26 +98,34 @@ class LoadOptions:
                     raise ValueError(f"device_map key {name!r} is not a module name (a string; '' is the whole model)")
             device_map = {name: _device(place, f"device_map[{name!r}]") for name, place in device_map.items()}
         elif device_map is not None and not isinstance(device_map, str):
-            raise ValueError(f"device_map={device_map!r}: use None, one of {', '.join(STRATEGIES)}, a device "
-                             "(0, 'cpu', 'cuda:1') or a dict {module name: device}")  # fmt: skip
+            raise ValueError(
+                f"device_map={device_map!r}: use None, one of {', '.join(STRATEGIES)}, a device "
+                "(0, 'cpu', 'cuda:1') or a dict {module name: device}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
-                             f"{', '.join(QUANTIZATIONS)} or None")  # fmt: skip
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported; choose one of {', '.join(QUANTIZATIONS)} or None"
+            )
         if self.quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(f"quantization={self.quantization!r} needs bitsandbytes, which is not installed: "
-                             f"{QUANT_INSTALL}")  # fmt: skip
+            raise ValueError(
+                f"quantization={self.quantization!r} needs bitsandbytes, which is not installed: {QUANT_INSTALL}"
+            )
         if self.quantization is not None and device_map is None:
             device_map = "auto"  # bitsandbytes places the weights when it quantizes them
         max_memory = self.max_memory
         if max_memory is not None:
             if not isinstance(max_memory, dict) or not max_memory:
-                raise ValueError(f"max_memory={max_memory!r}: use a dict {{device: size}}, e.g. "
-                                 "{0: '20GiB', 'cpu': '60GiB'}")  # fmt: skip
+                raise ValueError(
+                    f"max_memory={max_memory!r}: use a dict {{device: size}}, e.g. {{0: '20GiB', 'cpu': '60GiB'}}"
+                )
             if not (isinstance(device_map, str) and device_map in STRATEGIES):
-                raise ValueError(f"max_memory is read by the placement strategies only: set device_map to one of "
-                                 f"{', '.join(STRATEGIES)} (not {device_map!r})")  # fmt: skip
-            max_memory = {_device(k, f"max_memory key {k!r}"): _size(v, f"max_memory[{k!r}]")
-                          for k, v in max_memory.items()}  # fmt: skip
+                raise ValueError(
+                    f"max_memory is read by the placement strategies only: set device_map to one of "
+                    f"{', '.join(STRATEGIES)} (not {device_map!r})"
+                )
+            max_memory = {
+                _device(k, f"max_memory key {k!r}"): _size(v, f"max_memory[{k!r}]") for k, v in max_memory.items()
+            }
         if self.offload_folder is not None:
             if not isinstance(self.offload_folder, str) or not self.offload_folder:
                 raise ValueError(f"offload_folder={self.offload_folder!r} must be a directory path")
@@ -128,11 +141,16 @@ class LoadOptions:
         if self == LoadOptions():
             return ""
         pairs = lambda d: None if d is None else sorted(([k, v] for k, v in d.items()), key=str)  # noqa: E731
-        return json.dumps({
-            "device_map": pairs(self.device_map) if isinstance(self.device_map, dict) else self.device_map,
-            "device_map_is_dict": isinstance(self.device_map, dict),
-            "quantization": self.quantization, "max_memory": pairs(self.max_memory),
-            "offload_folder": self.offload_folder}, sort_keys=True)  # fmt: skip
+        return json.dumps(
+            {
+                "device_map": pairs(self.device_map) if isinstance(self.device_map, dict) else self.device_map,
+                "device_map_is_dict": isinstance(self.device_map, dict),
+                "quantization": self.quantization,
+                "max_memory": pairs(self.max_memory),
+                "offload_folder": self.offload_folder,
+            },
+            sort_keys=True,
+        )
 
     @classmethod
     def from_key(cls, key: str) -> LoadOptions:
@@ -168,8 +186,13 @@ class LoadOptions:
         offloads = any(place in OFFLOADED for place in places)  # non-quantized fp32 modules on CPU / disk
         if self.quantization == "8bit":
             return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offloads)
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=DTYPES[dtype], llm_int8_enable_fp32_cpu_offload=offloads)  # fmt: skip
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=DTYPES[dtype],
+            llm_int8_enable_fp32_cpu_offload=offloads,
+        )
 
 
 def check_module_names(device_map: dict, config) -> None:
@@ -185,8 +208,10 @@ def check_module_names(device_map: dict, config) -> None:
     unknown = [name for name in device_map if name not in names]
     if unknown:
         top = [name for name in sorted(names) if name and name.count(".") <= 1 and not name.split(".")[-1].isdigit()]
-        raise ValueError(f"device_map names modules this model does not have: {', '.join(map(repr, unknown[:5]))}; "
-                         f"its modules include {', '.join(top[:12])} (blocks: add .0, .1, ...; '' is the whole model)")
+        raise ValueError(
+            f"device_map names modules this model does not have: {', '.join(map(repr, unknown[:5]))}; "
+            f"its modules include {', '.join(top[:12])} (blocks: add .0, .1, ...; '' is the whole model)"
+        )
 
 
 # --- a loaded model -------------------------------------------------------------------------
@@ -203,8 +228,8 @@ def execution_device(module: nn.Module) -> torch.device | None:
     hook = getattr(module, "_hf_hook", None)
     device = getattr(hook, "execution_device", None)
     if device is None:
-        for hook in getattr(hook, "hooks", ()):  # a SequentialHook
-            device = getattr(hook, "execution_device", None) or device
+        for inner in getattr(hook, "hooks", ()):  # a SequentialHook
+            device = getattr(inner, "execution_device", None) or device
     if device is not None:
         return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     for parameter in module.parameters():

@@ -18,9 +18,9 @@ device of the inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
 from weakref import WeakKeyDictionary
 
 import torch
@@ -50,9 +50,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     candidates = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        and len(module) == n
-        and len({type(child) for child in module}) == 1
+        if isinstance(module, nn.ModuleList) and len(module) == n and len({type(child) for child in module}) == 1
     ]
     if not candidates:
         raise ValueError(
@@ -280,8 +278,13 @@ def run_body(
     hidden state is on the device of `input_ids` (a dispatched model ends on its last device)."""
     if positions is None:
         positions = position_ids(attention_mask)
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                           past_key_values=past, use_cache=past is not None)  # fmt: skip
+    out = model.base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=past,
+        use_cache=past is not None,
+    )
     if out.last_hidden_state.device != input_ids.device:
         out.last_hidden_state = out.last_hidden_state.to(input_ids.device)
     return out
@@ -605,8 +608,12 @@ def stacked_hidden(
     order = sorted(range(len(layers)), key=layers.__getitem__)  # stable: ascending layer
     if order != list(range(len(layers))):
         index = torch.tensor(order, device=input_ids.device)
-        input_ids, attention_mask, logit_positions, h0 = (input_ids[index], attention_mask[index],
-                                                          logit_positions[index], h0[index])  # fmt: skip
+        input_ids, attention_mask, logit_positions, h0 = (
+            input_ids[index],
+            attention_mask[index],
+            logit_positions[index],
+            h0[index],
+        )
         if prefix is not None:
             prefix = RowPrefix([prefix.ends[i] for i in order], prefix.keys_values[:, :, index], prefix.mask[index])
         layers = [layers[i] for i in order]
@@ -619,16 +626,24 @@ def stacked_hidden(
     if prefix is not None:
         above, lowest = prefix.keys_values, layers[0]
         placeholder = (above[0, 0], above[0, 1])  # blocks no row runs: never read
-        past = DynamicCache([placeholder] * (lowest + 1) + [(above[j - lowest - 1, 0, : entered[j]],
-                                                             above[j - lowest - 1, 1, : entered[j]])
-                                                            for j in range(lowest + 1, n_blocks)])  # fmt: skip
+        past = DynamicCache(
+            [placeholder] * (lowest + 1)
+            + [
+                (above[j - lowest - 1, 0, : entered[j]], above[j - lowest - 1, 1, : entered[j]])
+                for j in range(lowest + 1, n_blocks)
+            ]
+        )
         ends = torch.tensor(prefix.ends, device=input_ids.device)
         columns = ends[:, None] + torch.arange(int((logit_positions - ends).max()) + 1, device=ends.device)
         inside = columns <= logit_positions[:, None]  # the columns a row needs: its own, up to its logits
         columns = columns.clamp(max=input_ids.shape[1] - 1)
         positions = position_ids(attention_mask).gather(1, columns)
         running = attention_mask.gather(1, columns) * inside
-        input_ids, h0, logit_positions = input_ids.gather(1, columns), h0[rows[:, None], columns], logit_positions - ends
+        input_ids, h0, logit_positions = (
+            input_ids.gather(1, columns),
+            h0[rows[:, None], columns],
+            logit_positions - ends,
+        )
         attention_mask = torch.cat([prefix.mask.to(running.dtype), running], dim=1)
     with _rows_enter_at_their_layer(model, h0, entered), _attention_kernel(input_ids.device):
         hidden = run_body(model, input_ids, attention_mask, past, positions).last_hidden_state

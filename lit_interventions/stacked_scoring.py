@@ -106,14 +106,27 @@ def score_stacked(
             bounds.append(bounds[-1] + len(index))
 
         def edit(h, chunk=chunk, bounds=bounds):  # each row's f*, or f(b) in a clean row
-            return torch.cat([h[s:e] if jobs[key][2] is None else edited[key][index].to(h.dtype)
-                              for (key, index), s, e in zip(chunk, bounds, bounds[1:])])  # fmt: skip
+            return torch.cat(
+                [
+                    h[s:e] if jobs[key][2] is None else edited[key][index].to(h.dtype)
+                    for (key, index), s, e in zip(chunk, bounds, bounds[1:])
+                ]
+            )
 
         vocab = torch.cat([jobs[key][1][index] for key, index in chunk])
         # a fixed prefix width: a row's key length does not depend on the rows beside it (exact resumes)
         prefix = cache.row_prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"], width)
-        hidden = stacked_hidden(model, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_last"],
-                                layers, stacked["base_pos"], edit, base, prefix)  # fmt: skip
+        hidden = stacked_hidden(
+            model,
+            stacked["base_input_ids"],
+            stacked["base_attention_mask"],
+            stacked["base_last"],
+            layers,
+            stacked["base_pos"],
+            edit,
+            base,
+            prefix,
+        )
         out = final_logits(model, hidden, vocab)
         for (key, index), s, e in zip(chunk, bounds, bounds[1:]):
             if key not in logits:
@@ -166,11 +179,16 @@ def _jobs(tasks: dict, device) -> tuple[dict, dict]:
     2 and 3. Every job has as many columns (the first two repeated where there is nothing to add)."""
     jobs, read_from, evals = {}, {}, {}
     for task, (task_found, task_evals) in tasks.items():
-        evals[task] = {region: [move_data_to_device(batch, device) for batch in task_evals[region]]
-                       for _, region in task_found}  # fmt: skip
-        shared = {(region, i): task == CONTROL and i < len(evals[TASK].get(region, ())) and
-                  _same_inputs(evals[TASK][region][i], batch)
-                  for region, batches in evals[task].items() for i, batch in enumerate(batches)}  # fmt: skip
+        evals[task] = {
+            region: [move_data_to_device(batch, device) for batch in task_evals[region]] for _, region in task_found
+        }
+        shared = {
+            (region, i): task == CONTROL
+            and i < len(evals[TASK].get(region, ()))
+            and _same_inputs(evals[TASK][region][i], batch)
+            for region, batches in evals[task].items()
+            for i, batch in enumerate(batches)
+        }
         for site, methods in task_found.items():
             for i, batch in enumerate(evals[task][site[1]]):
                 labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)
@@ -184,7 +202,9 @@ def _jobs(tasks: dict, device) -> tuple[dict, dict]:
                         jobs[(task, site, name, i)] = (batch, labels, f)
                         read_from[(task, site, name, i)] = ((task, site, name, i), 0)
     width = max((labels.shape[1] for _, labels, _ in jobs.values()), default=2)
-    return {key: (batch, labels.repeat(1, width // labels.shape[1]), f) for key, (batch, labels, f) in jobs.items()}, read_from
+    return {
+        key: (batch, labels.repeat(1, width // labels.shape[1]), f) for key, (batch, labels, f) in jobs.items()
+    }, read_from
 
 
 def _same_inputs(a: dict, b: dict) -> bool:

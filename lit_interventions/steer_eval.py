@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from lit_interventions.cli import claim_out_dir, run_cli
 from lit_interventions.lm import hidden_size, load_config, load_lm, load_tokenizer
-from lit_interventions.sharding import LoadOptions
 from lit_interventions.metrics.judge import Judge, chat_prompt, generate_replies, make_judge
+from lit_interventions.sharding import LoadOptions
 
 FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
@@ -96,17 +96,28 @@ class CheckpointSteerer:
             yield model
 
 
-def generate(model, tokenizer, instructions: list[str], max_new_tokens: int, temperature: float, batch_size: int,
-             seed: int) -> list[str]:  # fmt: skip
+def generate(
+    model, tokenizer, instructions: list[str], max_new_tokens: int, temperature: float, batch_size: int, seed: int
+) -> list[str]:
     """Sampled replies to each instruction (chat template, left padding), batched."""
     torch.manual_seed(seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     room = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     texts = [chat_prompt(tokenizer, i) if templated else i for i in instructions]
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
-        else {"do_sample": False}  # fmt: skip
-    return generate_replies(model, tokenizer, texts, max_new_tokens, batch_size,
-                            max_length=max(1, room - max_new_tokens) if room else None, **sampling)  # fmt: skip
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    return generate_replies(
+        model,
+        tokenizer,
+        texts,
+        max_new_tokens,
+        batch_size,
+        max_length=max(1, room - max_new_tokens) if room else None,
+        **sampling,
+    )
 
 
 def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -120,8 +131,9 @@ def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     factor_rows = []
     for (method, concept, factor, half), group in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])):
         means = {s: float(np.mean([float(r[s]) for r in group])) for s in SCORES}
-        factor_rows.append({"method": method, "concept": concept, "factor": factor, "half": half, **means,
-                            "n": len(group)})  # fmt: skip
+        factor_rows.append(
+            {"method": method, "concept": concept, "factor": factor, "half": half, **means, "n": len(group)}
+        )
     summary = []
     by_concept = defaultdict(dict)
     for row in factor_rows:
@@ -179,7 +191,9 @@ def _concepts(value, valid: list[str]) -> list[str]:
         if isinstance(item, int) or (isinstance(item, str) and item.isdigit() and item not in valid):
             index = int(item)
             if not 0 <= index < len(valid):
-                raise ValueError(f"concept id {index} is out of range: there are {len(valid)} concepts (0..{len(valid) - 1})")
+                raise ValueError(
+                    f"concept id {index} is out of range: there are {len(valid)} concepts (0..{len(valid) - 1})"
+                )
             chosen.append(valid[index])
         elif item in valid:
             chosen.append(item)
@@ -201,8 +215,11 @@ def _read_generations(path: Path) -> list[dict]:
                 raise ValueError("no newline")
             rows.append(json.loads(line))
         except ValueError:
-            warnings.warn(f"{path}: line {number} is incomplete or damaged; it and what follows are dropped and their "
-                          "cells redone", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{path}: line {number} is incomplete or damaged; it and what follows are dropped and their "
+                "cells redone",
+                stacklevel=2,
+            )
             with path.open("r+b") as f:
                 f.truncate(kept)
             break
@@ -254,8 +271,10 @@ def run_steer_eval(
     if not isinstance(instructions, int) or instructions < 2:
         raise ValueError(f"instructions={instructions!r} must be an integer >= 2 (half select, half report)")
     if max_new_tokens < 1 or temperature < 0 or batch_size < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}, temperature={temperature}, batch_size={batch_size}: "
-                         "need max_new_tokens >= 1, temperature >= 0, batch_size >= 1")  # fmt: skip
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}, temperature={temperature}, batch_size={batch_size}: "
+            "need max_new_tokens >= 1, temperature >= 0, batch_size >= 1"
+        )
     if dictionary is not None:
         steerers = [DictionarySteerer(load_dictionary(dictionary))]
     else:
@@ -278,7 +297,11 @@ def run_steer_eval(
     if dictionary is not None:
         cells_of = {steerers[0]: _concepts(concepts, steerers[0].concepts)}
     else:
-        wanted = None if concepts in (None, "all", ["all"]) else set(_concepts(concepts, [s.concepts[0] for s in steerers if s.concepts]))
+        wanted = (
+            None
+            if concepts in (None, "all", ["all"])
+            else set(_concepts(concepts, [s.concepts[0] for s in steerers if s.concepts]))
+        )
         cells_of = {s: s.concepts for s in steerers if wanted is None or set(s.concepts) & wanted}
         if any(not s.concepts for s in steerers):
             raise ValueError("a checkpoint card names no concept; retrain with model.concept set")
@@ -291,8 +314,17 @@ def run_steer_eval(
     judge.check()  # e.g. the endpoint is down: stop before generating
     out = Path(out)
     method = steerers[0].method if len(steerers) == 1 else "+".join(sorted({s.method for s in steerers}))
-    meta = {"lm": lm, "method": method, "dictionary": dictionary, "checkpoint": checkpoint, "instructions": instructions,
-            "instruction_file": instruction_file, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}  # fmt: skip
+    meta = {
+        "lm": lm,
+        "method": method,
+        "dictionary": dictionary,
+        "checkpoint": checkpoint,
+        "instructions": instructions,
+        "instruction_file": instruction_file,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+    }
     claim_out_dir(out, meta, what="a steering evaluation")
 
     # --- generate and judge, one (concept, factor) cell at a time ---
@@ -311,13 +343,30 @@ def run_steer_eval(
             ci = steerer.concepts.index(concept)
             chosen = random.Random(f"{seed}:{concept}").sample(pool, instructions)
             with steerer.steer(model, concept, factor) as steered:
-                responses = generate(steered, tokenizer, chosen, max_new_tokens, temperature, batch_size,
-                                     seed=zlib.crc32(f"{seed}:{concept}:{factor}".encode()))  # fmt: skip
+                responses = generate(
+                    steered,
+                    tokenizer,
+                    chosen,
+                    max_new_tokens,
+                    temperature,
+                    batch_size,
+                    seed=zlib.crc32(f"{seed}:{concept}:{factor}".encode()),
+                )
             scores = judge.score([concept] * len(chosen), chosen, responses)
-            cell = [{"method": steerer.method, "concept": concept, "concept_id": ci, "factor": float(factor),
-                     "half": "select" if k < select else "report", "instruction_index": k, "instruction": text,
-                     "response": response, **score.as_dict()}
-                    for k, (text, response, score) in enumerate(zip(chosen, responses, scores))]  # fmt: skip
+            cell = [
+                {
+                    "method": steerer.method,
+                    "concept": concept,
+                    "concept_id": ci,
+                    "factor": float(factor),
+                    "half": "select" if k < select else "report",
+                    "instruction_index": k,
+                    "instruction": text,
+                    "response": response,
+                    **score.as_dict(),
+                }
+                for k, (text, response, score) in enumerate(zip(chosen, responses, scores))
+            ]
             sink.write("".join(json.dumps(r) + "\n" for r in cell))
             sink.flush()
             rows += cell
@@ -335,8 +384,12 @@ def run_steer_eval(
 def main(args=None) -> None:
     def customize(parser):
         parser.add_function_arguments(run_steer_eval, as_positional=False, skip={"judge"})
-        parser.add_argument("--judge", type=dict, default={"backend": "openai"},
-                            help="judge backend and options, e.g. {backend: openai, base_url: ..., model: ..., api_key_env: ...}")
+        parser.add_argument(
+            "--judge",
+            type=dict,
+            default={"backend": "openai"},
+            help="judge backend and options, e.g. {backend: openai, base_url: ..., model: ..., api_key_env: ...}",
+        )
 
     summary = run_cli(run_steer_eval, __doc__, args, customize, errors=(ValueError, FileNotFoundError, ConnectionError))
     if summary:

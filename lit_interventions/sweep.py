@@ -34,22 +34,23 @@ rank finished (`lit_interventions.distributed`):
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
-import sys
 import math
+import sys
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import timedelta
-from functools import lru_cache, partial
+from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Callable
 
 import lightning as L
-from lightning.fabric.utilities.apply_func import move_data_to_device
 import numpy as np
 import torch
 import yaml
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -71,13 +72,25 @@ from lit_interventions.stacked_scoring import score_stacked
 
 METHODS = ["das", *DIRECTION_METHODS, "vanilla"]
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
-RESULTS = Table("results", tuple(RESULT_COLUMNS), key=("task", "method", "layer", "region"),
-                numeric=("layer", "odds", "iia", "control_odds", "control_iia"), optional=("control_odds", "control_iia"))  # fmt: skip
-ACCURACY = Table("accuracy", ("task", "accuracy"), key=("task",), numeric=("accuracy",), export=False)  # summary.csv shows it
+RESULTS = Table(
+    "results",
+    tuple(RESULT_COLUMNS),
+    key=("task", "method", "layer", "region"),
+    numeric=("layer", "odds", "iia", "control_odds", "control_iia"),
+    optional=("control_odds", "control_iia"),
+)
+ACCURACY = Table(
+    "accuracy", ("task", "accuracy"), key=("task",), numeric=("accuracy",), export=False
+)  # summary.csv shows it
 # a method is finished at a layer of a task once its unit ran (with the control task: control 1),
 # empty regions included: a rerun skips the unit
-FINISHED = Table("finished", ("task", "layer", "method", "control"), key=("task", "layer", "method"),
-                 numeric=("layer", "control"), export=False)  # fmt: skip
+FINISHED = Table(
+    "finished",
+    ("task", "layer", "method", "control"),
+    key=("task", "layer", "method"),
+    numeric=("layer", "control"),
+    export=False,
+)
 
 
 def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
@@ -91,8 +104,17 @@ def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataMo
     return data
 
 
-def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = True, progress: Path | None = None,
-              every: timedelta = timedelta(minutes=5), batch_size: int = 64) -> dict:  # fmt: skip
+def train_das(
+    datas: dict,
+    lm,
+    cache,
+    seed,
+    dtype="float32",
+    one_loop: bool = True,
+    progress: Path | None = None,
+    every: timedelta = timedelta(minutes=5),
+    batch_size: int = 64,
+) -> dict:
     """DAS at every site of `datas` ({(layer, region): data module, or None for an empty
     region}), the paper's setup: {(layer, region): trained subspace}. All sites train together in
     one Lightning loop (`MultiSiteInterchangeModule`: one stacked forward per step for every
@@ -105,20 +127,38 @@ def train_das(datas: dict, lm, cache, seed, dtype="float32", one_loop: bool = Tr
     there is nothing to train."""
     datas = {site: data for site, data in datas.items() if data is not None}
     unchanged = unchanged_sites(datas, cache, batch_size)  # nothing to learn there: their initial subspaces, untrained
-    trained = MultiSiteInterchangeModule(lm=lm, sites=sorted(unchanged), dtype=dtype, seed=seed).trained() if unchanged else {}
+    trained = (
+        MultiSiteInterchangeModule(lm=lm, sites=sorted(unchanged), dtype=dtype, seed=seed).trained()
+        if unchanged
+        else {}
+    )
     datas = {site: data for site, data in datas.items() if site not in unchanged}
-    groups = [datas] if one_loop else [{site: data for site, data in datas.items() if site[0] == layer}
-                                       for layer in sorted({layer for layer, _ in datas})]  # fmt: skip
+    groups = (
+        [datas]
+        if one_loop
+        else [
+            {site: data for site, data in datas.items() if site[0] == layer}
+            for layer in sorted({layer for layer, _ in datas})
+        ]
+    )
     for group in groups:
         if not group:
             continue
         module = MultiSiteInterchangeModule(lm=lm, sites=list(group), dtype=dtype, seed=seed)
         module.attach(group).share_cache(cache)
         saved = None if progress is None else progress_path(progress, module)
-        trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                            callbacks=[] if saved is None else [SaveProgress(saved, every)],
-                            accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)  # fmt: skip
+        trainer = L.Trainer(
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[] if saved is None else [SaveProgress(saved, every)],
+            accelerator="cpu" if not torch.cuda.is_available() else "auto",
+            devices=1,
+        )
         trainer.fit(module, ckpt_path=saved if saved is not None and saved.is_file() else None, weights_only=True)
         trained |= module.trained()
         if saved is not None:
@@ -136,7 +176,9 @@ def unchanged_sites(datas: dict, cache: ActivationCache, batch_size: int = 64) -
     found = set()
     for (layer, region), data in datas.items():
         batches = (move_data_to_device(batch, device) for batch in data.loader("train", batch_size))
-        if all(torch.equal(cache.at_site(layer, batch, "base"), cache.at_site(layer, batch, "source")) for batch in batches):
+        if all(
+            torch.equal(cache.at_site(layer, batch, "base"), cache.at_site(layer, batch, "source")) for batch in batches
+        ):
             found.add((layer, region))
     return found
 
@@ -155,25 +197,41 @@ def das_path(out: Path, task: str, layer: int, control: str | None = None) -> Pa
     return out / "das" / f"{task}_{layer}{'' if control is None else '_' + control}.safetensors"
 
 
-def saved_das(paths: Callable[[int], Path], datas: dict, lm, cache, seed, dtype="float32",
-              progress: Path | None = None, batch_size: int = 64) -> dict:  # fmt: skip
+def saved_das(
+    paths: Callable[[int], Path],
+    datas: dict,
+    lm,
+    cache,
+    seed,
+    dtype="float32",
+    progress: Path | None = None,
+    batch_size: int = 64,
+) -> dict:
     """`train_das`, kept in one file per layer (`paths(layer)`, `das_path`: {region: basis W,
     k × d}): a rerun scores the saved subspaces and trains, in one loop, only the sites the files
     lack, so an interruption after training loses no training; during it, with `progress`
     (`train_das`), at most its last few minutes."""
-    saved = {layer: load_file(paths(layer)) if paths(layer).is_file() else {} for layer in {layer for layer, _ in datas}}
+    saved = {
+        layer: load_file(paths(layer)) if paths(layer).is_file() else {} for layer in {layer for layer, _ in datas}
+    }
     missing = {(layer, region): data for (layer, region), data in datas.items() if region not in saved[layer]}
     if missing:
         trained = train_das(missing, lm, cache, seed, dtype, progress=progress, batch_size=batch_size)
         for layer in sorted({layer for layer, _ in trained}):
-            saved[layer] |= {region: intervention.basis.detach().float().cpu().contiguous()
-                             for (at, region), intervention in trained.items() if at == layer}  # fmt: skip
+            saved[layer] |= {
+                region: intervention.basis.detach().float().cpu().contiguous()
+                for (at, region), intervention in trained.items()
+                if at == layer
+            }
             path = paths(layer)
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file(saved[layer], path.with_suffix(".tmp"))
             path.with_suffix(".tmp").replace(path)  # never a half-written file
-    return {(layer, region): FixedSubspaceIntervention(saved[layer][region])
-            for layer, region in datas if region in saved[layer]}  # fmt: skip
+    return {
+        (layer, region): FixedSubspaceIntervention(saved[layer][region])
+        for layer, region in datas
+        if region in saved[layer]
+    }
 
 
 def _intervention(method: str, types: list[str], X: torch.Tensor, seed: int, hidden: int, das=None):
@@ -207,12 +265,28 @@ def site_rows(task, layer, region, methods, scores, control_scores=None) -> list
     rows = [{"task": task, "method": m, "layer": layer, "region": region, **scores[m]} for m in methods]
     if control_scores is not None:
         for row in rows:
-            row |= {"control_odds": control_scores[row["method"]]["odds"], "control_iia": control_scores[row["method"]]["iia"]}
+            row |= {
+                "control_odds": control_scores[row["method"]]["odds"],
+                "control_iia": control_scores[row["method"]]["iia"],
+            }
     return rows
 
 
-def sweep_site(task, layer, region, methods, lm, data, control_data, cache, seed, dtype="float32",
-               das=None, control_das=None, batch_size=64) -> list[dict]:  # fmt: skip
+def sweep_site(
+    task,
+    layer,
+    region,
+    methods,
+    lm,
+    data,
+    control_data,
+    cache,
+    seed,
+    dtype="float32",
+    das=None,
+    control_das=None,
+    batch_size=64,
+) -> list[dict]:
     """Every method at one site; one row per method. `data` and `control_data` (None: no control)
     are the region's data modules; `das` and `control_das` the subspaces trained at this site on
     the task and on the control task (`train_das`); `batch_size` the rows of each forward that
@@ -234,8 +308,9 @@ class StackedScoringFailed(RuntimeError):
     """The stacked forwards of `score_unit` failed (not the fitting before them)."""
 
 
-def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, control_das=None,
-               batch_size=64, control=False) -> list[dict]:  # fmt: skip
+def score_unit(
+    task, todo, lm, data_of, cache, seed, dtype="float32", das=None, control_das=None, batch_size=64, control=False
+) -> list[dict]:
     """Every method at every site of a unit, `todo` ({(layer, region): methods}): each site's
     directions are fitted first, then all sites × methods × eval rows are scored in stacked
     no-grad forwards of `batch_size` rows (`stacked_scoring.score_stacked`), the control task in
@@ -243,17 +318,25 @@ def score_unit(task, todo, lm, data_of, cache, seed, dtype="float32", das=None, 
     own). The rows `sweep_site` gives, site after site."""
     das, control_das = das or {}, control_das or {}
     sites = [site for site, names in todo.items() if names and data_of(site[1]) is not None]
-    found = {site: fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, das.get(site), batch_size)[1]
-             for site in sites}  # fmt: skip
+    found = {
+        site: fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, das.get(site), batch_size)[1]
+        for site in sites
+    }
     evals = {r: list(data_of(r).loader("eval", batch_size)) for r in {region for _, region in sites}}
     if control:
         kept = [site for site in sites if data_of(site[1], "dog_give") is not None]
-        controlled = {site: found[site] | ({"das": control_das.get(site)} if "das" in found[site] else {}) for site in kept}
-        control_evals = {r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}}
+        controlled = {
+            site: found[site] | ({"das": control_das.get(site)} if "das" in found[site] else {}) for site in kept
+        }
+        control_evals = {
+            r: list(data_of(r, "dog_give").loader("eval", batch_size)) for r in {region for _, region in kept}
+        }
     control_scores = {}
     try:  # only the stacked forwards: the fits and the data above fail as they are
         if control:  # one call: the control's rows that equal the task's but for the labels are shared
-            scores, control_scores = score_stacked(cache.model, cache, found, evals, batch_size, (controlled, control_evals))
+            scores, control_scores = score_stacked(
+                cache.model, cache, found, evals, batch_size, (controlled, control_evals)
+            )
         else:
             scores = score_stacked(cache.model, cache, found, evals, batch_size)
     except Exception as error:  # noqa: BLE001 -- e.g. blocks that cannot run on rows entering at different layers
@@ -292,8 +375,13 @@ def overall(cells: dict[tuple[int, str], float], regions=None) -> float:
     return float(np.mean(list(best.values()))) if best else math.nan
 
 
-def summarise(results: list[dict], accuracy: dict[str, float], regions: dict[str, list[str]], out: Path,
-              scored: dict[str, list[str]] | None = None) -> list[dict]:  # fmt: skip
+def summarise(
+    results: list[dict],
+    accuracy: dict[str, float],
+    regions: dict[str, list[str]],
+    out: Path,
+    scored: dict[str, list[str]] | None = None,
+) -> list[dict]:
     """summary.csv and one heatmap per task and method. `scored` ({task: regions}, default: all
     of them) limits the overall odds and the selectivity to the regions from the first
     label-variable region on, as the paper's code does; the heatmaps show every region."""
@@ -304,17 +392,29 @@ def summarise(results: list[dict], accuracy: dict[str, float], regions: dict[str
     for (task, method), cells in grouped.items():
         odds = {site: float(r["odds"]) for site, r in cells.items()}
         kept = None if scored is None else scored[task]
-        line = {"task": task, "method": method, "accuracy": accuracy.get(task, math.nan), "overall_odds": overall(odds, kept)}
+        line = {
+            "task": task,
+            "method": method,
+            "accuracy": accuracy.get(task, math.nan),
+            "overall_odds": overall(odds, kept),
+        }
         if all(r.get("control_odds") not in (None, "") for r in cells.values()):
-            line["selectivity"] = overall({s: float(r["odds"]) - float(r["control_odds"]) for s, r in cells.items()}, kept)
+            line["selectivity"] = overall(
+                {s: float(r["odds"]) - float(r["control_odds"]) for s, r in cells.items()}, kept
+            )
         summary.append(line)
         layers = sorted({layer for layer, _ in cells})
         names = [r for r in regions[task] if any((layer, r) in cells for layer in layers)]
         matrix = np.full((len(layers), len(names)), np.nan)
         for (layer, region), value in odds.items():
             matrix[layers.index(layer), names.index(region)] = value
-        odds_heatmap(matrix, layers, names, f"{task} · {method} · overall odds {line['overall_odds']:.2f}",
-                     out / "heatmaps" / f"{task}_{method}.png")  # fmt: skip
+        odds_heatmap(
+            matrix,
+            layers,
+            names,
+            f"{task} · {method} · overall odds {line['overall_odds']:.2f}",
+            out / "heatmaps" / f"{task}_{method}.png",
+        )
     with (out / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["task", "method", "accuracy", "overall_odds", "selectivity"])
         writer.writeheader()
@@ -333,24 +433,44 @@ def check_inputs(tasks: list[str], templates, dtype: str, sizes: dict) -> None:
         available = load_task(task, templates).distinct_pairs()
         for name in ("train_pairs", "eval_pairs"):
             if sizes[name] > available:
-                raise ValueError(f"{name}={sizes[name]} but task {task!r} has only {available} distinct pairs; "
-                                 f"ask for at most {available}")  # fmt: skip
+                raise ValueError(
+                    f"{name}={sizes[name]} but task {task!r} has only {available} distinct pairs; "
+                    f"ask for at most {available}"
+                )
 
 
-def sweep_units(tasks: list[str], layers: list[int], layers_per_unit: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+def sweep_units(
+    tasks: list[str], layers: list[int], layers_per_unit: int | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
     """The sweep's units of work, (task, layers): per task, its layers in groups of
     `layers_per_unit` (None: all of them; one activation cache and one DAS training loop per
     unit). Smaller groups spread a few tasks over many ranks."""
     if layers_per_unit is None:
         layers_per_unit = max(len(layers), 1)
     if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
-        raise ValueError(f"layers_per_unit={layers_per_unit!r} must be a positive integer (or None: all layers in one unit)")
+        raise ValueError(
+            f"layers_per_unit={layers_per_unit!r} must be a positive integer (or None: all layers in one unit)"
+        )
     groups = [tuple(layers[i : i + layers_per_unit]) for i in range(0, len(layers), layers_per_unit)]
     return [(task, group) for task in tasks for group in groups]
 
 
-def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, batch_size, regions, done,
-           accuracy, stacked_scoring=True) -> None:  # fmt: skip
+def _sweep(
+    store,
+    units,
+    methods,
+    templates,
+    lm,
+    control,
+    sizes,
+    seed,
+    dtype,
+    batch_size,
+    regions,
+    done,
+    accuracy,
+    stacked_scoring=True,
+) -> None:
     """The sites of `units` ([(task, layers)], `sweep_units`) not in `done`, each unit's stored
     together (`stacked_scoring`, `score_unit`) or each site as it is scored (`sweep_site`);
     fills `accuracy` ({task: Acc})."""
@@ -361,35 +481,80 @@ def _sweep(store, units, methods, templates, lm, control, sizes, seed, dtype, ba
         cache = ActivationCache(model, layers)  # one cache per unit: every layer, computed once for its sentences
         accuracy[task] = task_accuracy(task, templates, lm, sizes, cache, dtype, batch_size)
 
-        @lru_cache(maxsize=None)
+        @functools.cache
         def data_of(region, kind=None, task=task):
             """A region's data module (kind: None, or the control task), tokenised once per task."""
             return _region_data(task, templates, lm, region, kind, sizes)
 
-        todo = {(layer, region): [m for m in methods if (task, m, layer, region) not in done]
-                for layer in layers for region in regions[task]}  # fmt: skip
+        todo = {
+            (layer, region): [m for m in methods if (task, m, layer, region) not in done]
+            for layer in layers
+            for region in regions[task]
+        }
         das_sites = [site for site, names in todo.items() if "das" in names]  # every layer's, trained in one loop
         das_progress = out / "das" / "progress"  # the DAS loop's state while it runs (`train_das`)
-        das = saved_das(partial(das_path, out, task), {site: data_of(site[1]) for site in das_sites}, lm, cache,
-                        seed, dtype, das_progress / task, batch_size) if das_sites else {}  # fmt: skip
-        control_das = saved_das(partial(das_path, out, task, control="dog_give"),
-                                {site: data_of(site[1], "dog_give") for site in das_sites}, lm, cache, seed, dtype,
-                                das_progress / f"{task}_dog_give", batch_size) if das_sites and control else {}  # fmt: skip
+        das = (
+            saved_das(
+                partial(das_path, out, task),
+                {site: data_of(site[1]) for site in das_sites},
+                lm,
+                cache,
+                seed,
+                dtype,
+                das_progress / task,
+                batch_size,
+            )
+            if das_sites
+            else {}
+        )
+        control_das = (
+            saved_das(
+                partial(das_path, out, task, control="dog_give"),
+                {site: data_of(site[1], "dog_give") for site in das_sites},
+                lm,
+                cache,
+                seed,
+                dtype,
+                das_progress / f"{task}_dog_give",
+                batch_size,
+            )
+            if das_sites and control
+            else {}
+        )
         if stacked_scoring:  # every site at once: stored together (an interruption loses the unit's scoring)
             try:
                 rows = score_unit(task, todo, lm, data_of, cache, seed, dtype, das, control_das, batch_size, control)
             except StackedScoringFailed as error:  # only the stacked forwards: a failed fit is raised as it is
-                warnings.warn(f"the stacked scoring failed on {lm} ({error}); each site is scored in its own "
-                              "forwards instead (same results, slower; --stacked_scoring false skips the attempt)")  # fmt: skip
+                warnings.warn(
+                    f"the stacked scoring failed on {lm} ({error}); each site is scored in its own "
+                    "forwards instead (same results, slower; --stacked_scoring false skips the attempt)",
+                    stacklevel=2,
+                )
             else:
                 store.add({"results": rows})
                 progress.update(len(todo))
                 continue
         for (layer, region), names in todo.items():
             if names:
-                store.add({"results": sweep_site(
-                    task, layer, region, names, lm, data_of(region), data_of(region, "dog_give") if control else None,
-                    cache, seed, dtype, das.get((layer, region)), control_das.get((layer, region)), batch_size)})  # fmt: skip
+                store.add(
+                    {
+                        "results": sweep_site(
+                            task,
+                            layer,
+                            region,
+                            names,
+                            lm,
+                            data_of(region),
+                            data_of(region, "dog_give") if control else None,
+                            cache,
+                            seed,
+                            dtype,
+                            das.get((layer, region)),
+                            control_das.get((layer, region)),
+                            batch_size,
+                        )
+                    }
+                )
             progress.update()
     progress.close()
 
@@ -454,29 +619,64 @@ def run_sweep(
 
     def plan(store) -> tuple[list, tuple[set, set]]:
         """The units with work left; the finished sites, and the layers finished with the control."""
-        done = {(r["task"], r["method"], int(r["layer"]), r["region"]) for r in store.rows("results")
-                if r["control_odds"] or not control}  # a site run without the control is redone with it
-        with_control = {(r["task"], int(r["layer"]), r["method"]) for r in store.rows("finished") if r["control"] == "1"}
-        finished = with_control | {(r["task"], int(r["layer"]), r["method"]) for r in store.rows("finished") if not control}
+        done = {
+            (r["task"], r["method"], int(r["layer"]), r["region"])
+            for r in store.rows("results")
+            if r["control_odds"] or not control
+        }  # a site run without the control is redone with it
+        with_control = {
+            (r["task"], int(r["layer"]), r["method"]) for r in store.rows("finished") if r["control"] == "1"
+        }
+        finished = with_control | {
+            (r["task"], int(r["layer"]), r["method"]) for r in store.rows("finished") if not control
+        }
         measured = {r["task"] for r in store.rows("accuracy")}
-        todo = [(task, group) for task, group in units
-                if task not in measured or any((task, layer, m) not in finished for layer in group for m in methods)]
+        todo = [
+            (task, group)
+            for task, group in units
+            if task not in measured or any((task, layer, m) not in finished for layer in group for m in methods)
+        ]
         return todo, (done, with_control)
 
     def summary(store) -> list[dict]:
         accuracy = {r["task"]: float(r["accuracy"]) for r in store.rows("accuracy")}
-        results = [r for r in store.rows("results")
-                   if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers]  # fmt: skip
-        return summarise(results, accuracy, regions, out, {task: load_task(task, templates).scored_regions for task in tasks})
+        results = [
+            r
+            for r in store.rows("results")
+            if r["task"] in tasks and r["method"] in methods and int(r["layer"]) in layers
+        ]
+        return summarise(
+            results, accuracy, regions, out, {task: load_task(task, templates).scored_regions for task in tasks}
+        )
 
-    with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates",)) as run:  # the file is known by its sha256
+    with distributed.ShardedRun(
+        ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates",)
+    ) as run:  # the file is known by its sha256
         todo, (done, with_control) = run.start(plan, hint=" (--layers_per_unit splits a task's layers into more units)")
         for task, group in run.take(todo, cost=lambda unit: len(unit[1]) * len(regions[unit[0]])):  # its sites
             accuracy = {}
-            _sweep(run.store, [(task, group)], methods, templates, lm, control, sizes, seed, dtype, batch_size, regions,
-                   done, accuracy, stacked_scoring)  # fmt: skip
-            finished = [{"task": task, "layer": layer, "method": m, "control": int(control)} for layer in group for m in methods
-                        if control or (task, layer, m) not in with_control]  # fmt: skip
+            _sweep(
+                run.store,
+                [(task, group)],
+                methods,
+                templates,
+                lm,
+                control,
+                sizes,
+                seed,
+                dtype,
+                batch_size,
+                regions,
+                done,
+                accuracy,
+                stacked_scoring,
+            )
+            finished = [
+                {"task": task, "layer": layer, "method": m, "control": int(control)}
+                for layer in group
+                for m in methods
+                if control or (task, layer, m) not in with_control
+            ]
             run.store.add({"accuracy": [{"task": task, "accuracy": accuracy[task]}], "finished": finished})
         return run.finish(_position(units), summary)
 
@@ -500,7 +700,11 @@ def _benchmark(args) -> str:
     """The `benchmark:` key of the --config file (causalgym unless it says ravel)."""
     args = list(sys.argv[1:] if args is None else args)
     for i, arg in enumerate(args):
-        path = arg.split("=", 1)[1] if arg.startswith("--config=") else (args[i + 1] if arg == "--config" and i + 1 < len(args) else None)
+        path = (
+            arg.split("=", 1)[1]
+            if arg.startswith("--config=")
+            else (args[i + 1] if arg == "--config" and i + 1 < len(args) else None)
+        )
         if path and Path(path).is_file():
             config = yaml.safe_load(Path(path).read_text()) or {}
             if config.get("benchmark", "causalgym") != "causalgym":

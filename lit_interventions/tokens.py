@@ -16,7 +16,9 @@ def token_covering(offsets: list[tuple[int, int]], char_index: int, text: str = 
     return covering[-1]
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_batch(
+    seqs: list[list[int]], pad_id: int, side: str = "right"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention mask, shift): the sequences padded to the longest on `side`, (batch, width),
     and each row's offset of its first real token, (batch,) (0 unless padded on the left)."""
     if side not in ("left", "right"):

@@ -46,7 +46,9 @@ def tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=4000, special_tokens=["<pad>", "<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=4000,
+        special_tokens=["<pad>", "<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
@@ -55,20 +57,49 @@ def tokenizer():
 def tiny_config(arch: str, vocab_size: int):
     common = dict(vocab_size=vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
-        return LlamaConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=128, **common)  # fmt: skip
+        return LlamaConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            **common,
+        )
     if arch == "gpt_neox":
-        return GPTNeoXConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                             max_position_embeddings=128, **common)  # fmt: skip
+        return GPTNeoXConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            **common,
+        )
     if arch == "gpt2":
         return GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128, **common)
     if arch == "gemma2":
-        return Gemma2Config(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **common)  # fmt: skip
+        return Gemma2Config(
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            **common,
+        )
     if arch == "gemma3":
-        return Gemma3TextConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, max_position_embeddings=128, sliding_window=16,
-                                **common)  # fmt: skip
+        return Gemma3TextConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            sliding_window=16,
+            **common,
+        )
     raise ValueError(arch)
 
 

@@ -22,7 +22,10 @@ from datamodules.axbench import (
 from lit_interventions.lm import load_tokenizer
 
 CONCEPT10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "axbench" / "concept10_2b_l20"
-needs_concept10 = pytest.mark.skipif(not CONCEPT10.exists(), reason="Concept10 data not present; get it: python -m lit_interventions.data axbench-concept10 --out ../shared/data/axbench/concept10_2b_l20")
+needs_concept10 = pytest.mark.skipif(
+    not CONCEPT10.exists(),
+    reason="Concept10 data not present; get it: python -m lit_interventions.data axbench-concept10 --out ../shared/data/axbench/concept10_2b_l20",
+)
 
 
 def test_builtin_set_sizes():
@@ -227,7 +230,9 @@ def test_left_and_right_padding_keep_the_same_tokens(tokenizer, tiny_lm_dir):
     right, left = collate(examples, pad_id=0, padding_side="right"), collate(examples, pad_id=0, padding_side="left")
     for i in range(5):
         for key in ("input_ids", "response_mask", "output_mask", "token_labels"):
-            assert torch.equal(right[key][i][right["attention_mask"][i].bool()], left[key][i][left["attention_mask"][i].bool()])
+            assert torch.equal(
+                right[key][i][right["attention_mask"][i].bool()], left[key][i][left["attention_mask"][i].bool()]
+            )
         assert right["attention_mask"][i, 0] == 1 and left["attention_mask"][i, -1] == 1
     assert left["keys"][0] == right["keys"][0] and right["keys"][1] == [0] * 5
     assert left["keys"][1] == [left["input_ids"].shape[1] - len(e.ids) for e in examples]
@@ -262,8 +267,8 @@ def test_content_mask_starts_after_the_chat_prefix_with_smollm2():
         assert not (content & ~real).any() and (content | ~real).sum() > 0
         start = int(content.float().argmax())
         assert tokenizer.decode(batch["input_ids"][i][:start]).endswith("<|im_start|>user\n")
-        assert tokenizer.decode(batch["input_ids"][i][start:real.sum()]).startswith(rows.input[i][:10])
-        assert (content[start:real.sum()]).all()  # everything after the prefix: instruction + response
+        assert tokenizer.decode(batch["input_ids"][i][start : real.sum()]).startswith(rows.input[i][:10])
+        assert (content[start : real.sum()]).all()  # everything after the prefix: instruction + response
         assert (batch["response_mask"][i].bool() <= content).all()
 
 

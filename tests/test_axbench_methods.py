@@ -62,8 +62,9 @@ def collate(rows, pad_id=0, prefix=1):
     """The AxBench batch format, right padded; the first `prefix` tokens play the chat prefix."""
     T = max(len(r["prompt"]) + len(r["response"]) for r in rows)
     B = len(rows)
-    batch = {k: torch.zeros(B, T, dtype=torch.long) for k in ("input_ids", "attention_mask", "response_mask",
-                                                                "content_mask")}  # fmt: skip
+    batch = {
+        k: torch.zeros(B, T, dtype=torch.long) for k in ("input_ids", "attention_mask", "response_mask", "content_mask")
+    }
     batch["input_ids"].fill_(pad_id)
     batch["token_labels"] = torch.full((B, T), -1, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -89,8 +90,13 @@ class SyntheticConcepts(L.LightningDataModule):
         self.batch_size = batch_size
 
     def train_dataloader(self):
-        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, collate_fn=collate,
-                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return DataLoader(
+            self.train_rows,
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=collate,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     def val_dataloader(self):
         return DataLoader(self.val_rows, batch_size=self.batch_size, collate_fn=collate)
@@ -120,8 +126,11 @@ def detection_by_hand(module, loader, limit_batches=None):
                     concept_id.append(int(batch["concept_id"][row]))
                     label.append(int(batch["label"][row]))
     scores, concept_id, label = np.array(scores), np.array(concept_id), np.array(label)
-    per_concept = {c: roc_auc_score(label[concept_id == c], scores[concept_id == c])
-                   for c in sorted(set(concept_id.tolist())) if 0 < label[concept_id == c].sum() < (concept_id == c).sum()}  # fmt: skip
+    per_concept = {
+        c: roc_auc_score(label[concept_id == c], scores[concept_id == c])
+        for c in sorted(set(concept_id.tolist()))
+        if 0 < label[concept_id == c].sum() < (concept_id == c).sum()
+    }
     largest = {c: scores[concept_id == c].max() for c in sorted(set(concept_id.tolist()))}
     return per_concept, float(np.mean(list(per_concept.values()))), largest
 
@@ -144,9 +153,18 @@ def assert_detection_by_hand(trainer, module, loader, limit_batches=None):
 
 
 def _trainer(tmp_path, **kwargs):
-    options = dict(max_epochs=1, accelerator="cpu", devices=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, logger=True)
-    options.update(kwargs)  # fmt: skip
+    options = dict(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        logger=True,
+    )
+    options.update(kwargs)
     return L.Trainer(**options)
 
 
@@ -155,8 +173,9 @@ def _trainer(tmp_path, **kwargs):
 
 def test_topk_mean_and_reft_r1_intervention_by_hand():
     w = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # (batch, d): each row's concept
-    hidden = torch.tensor([[[1.0, 9.0], [5.0, 0.0], [3.0, 1.0], [-2.0, 0.0]],
-                           [[0.0, 2.0], [0.0, -1.0], [7.0, 100.0], [0.0, 0.0]]])  # fmt: skip
+    hidden = torch.tensor(
+        [[[1.0, 9.0], [5.0, 0.0], [3.0, 1.0], [-2.0, 0.0]], [[0.0, 2.0], [0.0, -1.0], [7.0, 100.0], [0.0, 0.0]]]
+    )
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])  # row 1: the 100 is padding
     steered, latents, chosen = reft_r1_intervention(hidden, w, mask, k=2)
     # latents ReLU(h·w): row 0 [1, 5, 3, 0] -> top 2 {5, 3}, mean 4; row 1 [2, 0] -> mean 1
@@ -262,8 +281,17 @@ def test_concept_auroc_by_hand():
     # Concept 0: positives score 0.9, 0.4; negatives 0.5, 0.1 -> 3 of 4 pairs ordered: 0.75.
     # Concept 1: positive 0.2; negatives 0.3, 0.3 -> 0.0. Mean 0.375.
     # Each row's sequence score is its max over the masked tokens; the 50.0 is outside the mask.
-    token_scores = torch.tensor([[0.9, 0.1, 50.0], [0.2, 0.4, 0.0], [0.5, -1.0, 0.0], [0.1, 0.0, 0.0],
-                                 [0.2, 0.0, 0.0], [0.3, 0.0, 0.0], [0.1, 0.3, 0.0]])  # fmt: skip
+    token_scores = torch.tensor(
+        [
+            [0.9, 0.1, 50.0],
+            [0.2, 0.4, 0.0],
+            [0.5, -1.0, 0.0],
+            [0.1, 0.0, 0.0],
+            [0.2, 0.0, 0.0],
+            [0.3, 0.0, 0.0],
+            [0.1, 0.3, 0.0],
+        ]
+    )
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]])
     concept_id = torch.tensor([0, 0, 0, 0, 1, 1, 1])
     label = torch.tensor([1, 1, 0, 0, 1, 0, 0])
@@ -314,8 +342,9 @@ def test_concept_auroc_states_merge_like_ddp():
 
 
 def test_reft_r1_step_updates_only_the_concepts_in_the_batch(tiny_lm_dir, tokenizer):
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=2,
-                            negative_l1=False)  # fmt: skip
+    module = SteeringModule(
+        lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=2, negative_l1=False
+    )
     rows = [r for r in make_rows(tokenizer) if r["concept_id"] == 0][:4]
     lm_loss, l1 = module._steered_loss(collate(rows))
     (lm_loss + 0.1 * l1).backward()
@@ -375,8 +404,9 @@ def test_trained_methods_fit_and_keep_their_norm(tmp_path, tiny_lm_dir, tokenize
 @pytest.mark.parametrize("l1_ramp", [True, False], ids=["ramp", "constant"])
 def test_reft_r1_l1_coefficient_ramps_from_zero_as_axbench(tmp_path, tiny_lm_dir, tokenizer, l1_ramp):
     # AxBench: loss = lm_loss + (curr_step / num_training_steps)·λ·l1, curr_step = 0 at the first step.
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", topk=2, l1=0.5, l1_ramp=l1_ramp,
-                            train_on_negative=False)  # fmt: skip
+    module = SteeringModule(
+        lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", topk=2, l1=0.5, l1_ramp=l1_ramp, train_on_negative=False
+    )
     parts, losses, steered = [], [], module._steered_loss
 
     def recorded(batch):
@@ -558,8 +588,10 @@ def test_detection_pools_over_the_content_by_default(tiny_lm_dir, tokenizer):
     pooled = sequence_scores(out, batch["response_mask"])  # what the AUROC callback computes
     torch.testing.assert_close(pooled, raw.masked_fill(~content, float("-inf")).amax(-1))
     module.hparams.detect_on = "response"
-    torch.testing.assert_close(sequence_scores(module._evaluate(batch)["token_scores"], batch["response_mask"]),
-                               sequence_scores(raw, batch["response_mask"]))  # fmt: skip
+    torch.testing.assert_close(
+        sequence_scores(module._evaluate(batch)["token_scores"], batch["response_mask"]),
+        sequence_scores(raw, batch["response_mask"]),
+    )
 
 
 def test_lat_pairs_are_drawn_from_the_positives_as_axbench():
@@ -569,8 +601,9 @@ def test_lat_pairs_are_drawn_from_the_positives_as_axbench():
 
     rng = np.random.default_rng(0)
     positives = torch.tensor(rng.normal(size=(60, 5)) * np.array([5.0, 1, 1, 1, 1]), dtype=torch.float32)
-    negatives = torch.tensor(rng.normal(size=(80, 5)) * np.array([1, 1, 1, 1, 9.0]) - np.array([0, 0, 0, 0, 0.5]),
-                             dtype=torch.float32)  # fmt: skip
+    negatives = torch.tensor(
+        rng.normal(size=(80, 5)) * np.array([1, 1, 1, 1, 9.0]) - np.array([0, 0, 0, 0, 0.5]), dtype=torch.float32
+    )
     w = fit_concept_direction("lat", positives, negatives, seed=3)
     by_hand = LATDirection(random_state=3).fit(positives).direction_
     torch.testing.assert_close(w.abs(), by_hand.abs())

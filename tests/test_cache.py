@@ -27,10 +27,15 @@ def test_starting_from_cached_states_matches_the_full_forward(tiny_lm, arch, pad
         source = cache.states(layer, src_ids, src_mask)[torch.arange(3), positions]
         edit = lambda h: direction(h, source)  # noqa: E731
         full = logits_at(model, ids, mask, last, layer, positions, edit)
-        torch.testing.assert_close(logits_at(model, ids, mask, last, layer, positions, edit, start_states=start), full,
-                                   rtol=1e-4, atol=1e-5)  # fmt: skip
-        torch.testing.assert_close(logits_at(model, ids, mask, last, layer, start_states=start),
-                                   logits_at(model, ids, mask, last), rtol=1e-4, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            logits_at(model, ids, mask, last, layer, positions, edit, start_states=start), full, rtol=1e-4, atol=1e-5
+        )
+        torch.testing.assert_close(
+            logits_at(model, ids, mask, last, layer, start_states=start),
+            logits_at(model, ids, mask, last),
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -45,8 +50,14 @@ def test_prefix_of_keys_and_values_matches_the_full_forward(tiny_lm, arch, paddi
     starts = (mask.shape[1] - mask.sum(1)).tolist() if padding_side == "left" else [0, 0, 0]
     sites = torch.tensor(starts) + torch.tensor([19, 4, 6])  # real positions 19, 4, 6
     direction = FixedSubspaceIntervention(torch.nn.functional.normalize(torch.randn(1, HIDDEN), dim=-1))
-    batch = {"base_input_ids": ids, "base_attention_mask": mask, "base_pos": sites,
-             "source_input_ids": src_ids, "source_attention_mask": src_mask, "source_pos": sites}  # fmt: skip
+    batch = {
+        "base_input_ids": ids,
+        "base_attention_mask": mask,
+        "base_pos": sites,
+        "source_input_ids": src_ids,
+        "source_attention_mask": src_mask,
+        "source_pos": sites,
+    }
     every_layer = ActivationCache(model, list(range(-1, LAYERS)))  # keys and values from the one forward
     every_layer.fill([batch], batch_size=2)
     keys = input_keys(ids, mask)
@@ -61,8 +72,12 @@ def test_prefix_of_keys_and_values_matches_the_full_forward(tiny_lm, arch, paddi
             edit = lambda h: direction(h, source)  # noqa: E731
             full = logits_at(model, ids, mask, last, layer, sites, edit)
             assert not torch.allclose(full, logits_at(model, ids, mask, last))  # the edit matters
-            torch.testing.assert_close(logits_at(model, ids, mask, last, layer, sites, edit, start_states=start,
-                                                 prefix=(c, above)), full, rtol=1e-4, atol=1e-5)  # fmt: skip
+            torch.testing.assert_close(
+                logits_at(model, ids, mask, last, layer, sites, edit, start_states=start, prefix=(c, above)),
+                full,
+                rtol=1e-4,
+                atol=1e-5,
+            )
     assert every_layer.prefix(LAYERS - 1, keys, sites.tolist()) is None  # nothing above the last block
 
 
@@ -137,15 +152,22 @@ def test_fill_computes_the_same_states_in_full_batches(tiny_lm, arch):
     model = tiny_lm(arch)
     ids, mask, _ = _batch(model.config.vocab_size, lengths=(6, 3, 5), padding_side="left")
     src_ids, src_mask, _ = _batch(model.config.vocab_size, lengths=(4, 6, 2), seed=1)
-    batches = [{"base_input_ids": ids, "base_attention_mask": mask, "source_input_ids": src_ids,
-                "source_attention_mask": src_mask}]  # fmt: skip
+    batches = [
+        {
+            "base_input_ids": ids,
+            "base_attention_mask": mask,
+            "source_input_ids": src_ids,
+            "source_attention_mask": src_mask,
+        }
+    ]
     lazy, filled = ActivationCache(model, [0, 2]), ActivationCache(model, [0, 2])
     assert filled.fill(batches * 2, batch_size=4) == 6  # duplicates computed once, in chunks of 4
     assert filled.fill(batches) == 0 and len(filled) == 6
     for layer in (0, 2):
         for side_ids, side_mask in ((ids, mask), (src_ids, src_mask)):
-            torch.testing.assert_close(filled.states(layer, side_ids, side_mask), lazy.states(layer, side_ids, side_mask),
-                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+            torch.testing.assert_close(
+                filled.states(layer, side_ids, side_mask), lazy.states(layer, side_ids, side_mask), rtol=1e-5, atol=1e-5
+            )
     assert len(filled) == 6  # states() found everything already there
 
 
@@ -162,8 +184,14 @@ def _train(lm_dir, cache: bool, layer: int):
     module = InterchangeModule(lm=lm_dir, layer=layer, cache=cache, lr=0.05)
     data = CausalGymDataModule(task="agr_sv_num_pp", lm=lm_dir, train_pairs=12, eval_pairs=4)
     record = _RecordLoss()
-    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[record])  # fmt: skip
+    trainer = L.Trainer(
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
     trainer.fit(module, data)
     return record.losses, trainer.callback_metrics, module
 
@@ -187,8 +215,9 @@ def test_cached_and_uncached_training_give_the_same_loss_curve(tiny_lm_dir, arch
 def test_collate_keys_match_the_tensors(tiny_lm_dir):
     from lit_interventions.cache import input_keys
 
-    data = CausalGymDataModule(task="agr_sv_num_pp", lm=tiny_lm_dir("llama"), train_pairs=6, eval_pairs=2,
-                               padding_side="left")  # fmt: skip
+    data = CausalGymDataModule(
+        task="agr_sv_num_pp", lm=tiny_lm_dir("llama"), train_pairs=6, eval_pairs=2, padding_side="left"
+    )
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     for side in ("base", "source"):

@@ -69,7 +69,10 @@ def test_pgd_flips_a_trained_mlp_probe_more_often_than_fgsm():
     probe, x, y = _mlp_probe_on_blobs()
     target = (y + 1) % 3
     eps = 1.5 * epsilon_scale(x)  # measured: FGSM 0.65, PGD 1.0 (seed 1: 0.72 / 1.0)
-    success = {m: (probe.predict(x + attack(m, probe, x, target, eps)) == target).float().mean().item() for m in ("fgsm", "pgd")}
+    success = {
+        m: (probe.predict(x + attack(m, probe, x, target, eps)) == target).float().mean().item()
+        for m in ("fgsm", "pgd")
+    }
     assert success["pgd"] > success["fgsm"] + 0.1
     assert success["pgd"] > 0.9
     random = (probe.predict(x + random_sign(x, eps, torch.Generator().manual_seed(0))) == target).float().mean().item()
@@ -133,7 +136,9 @@ def test_edited_state_changes_the_lm_output(tiny_lm, tokenizer):
     delta = random_sign(h, 1.0 * epsilon_scale(states[0]), torch.Generator().manual_seed(0))
     edited = logits_at(model, ids, mask, last, layer=1, site_positions=site, intervention=add(delta))
     assert (edited - clean).abs().max() > 1e-3
-    cached = logits_at(model, ids, mask, last, layer=1, site_positions=site, intervention=add(delta), start_states=states)
+    cached = logits_at(
+        model, ids, mask, last, layer=1, site_positions=site, intervention=add(delta), start_states=states
+    )
     assert torch.allclose(cached, edited, atol=1e-5)  # same edit when the forward starts at the layer
 
 
@@ -214,8 +219,16 @@ def test_competence_bad_inputs():
 
 
 # --- the study ----------------------------------------------------------------------------------------
-SMALL = dict(entities={"train": 30, "val": 12, "test": 6}, templates_per_property=1, probe_epochs=2,
-             steps=3, k_max=3, layer=1, probe="linear", max_tokens=60)  # fmt: skip
+SMALL = dict(
+    entities={"train": 30, "val": 12, "test": 6},
+    templates_per_property=1,
+    probe_epochs=2,
+    steps=3,
+    k_max=3,
+    layer=1,
+    probe="linear",
+    max_tokens=60,
+)
 
 
 def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):
@@ -232,11 +245,18 @@ def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):
     results = {(r["method"], r["property"]): r for r in saved["results"]}
     assert results[("pgd", "Country")]["causal"] and not results[("pgd", "Language")]["causal"]
     # reusing the probes at the same site works; at another layer it is refused
-    again = run_calm(lm=tiny_lm_dir("llama"), tasks=["Country"], out=str(tmp_path / "again"),
-                     probes=str(tmp_path / "probes"), **SMALL)  # fmt: skip
+    again = run_calm(
+        lm=tiny_lm_dir("llama"),
+        tasks=["Country"],
+        out=str(tmp_path / "again"),
+        probes=str(tmp_path / "probes"),
+        **SMALL,
+    )
     assert again[0]["competence"] == pytest.approx(summary[0]["competence"])
     with pytest.raises(ValueError, match="layer=2"):
-        run_calm(lm=tiny_lm_dir("llama"), out=str(tmp_path / "x"), probes=str(tmp_path / "probes"), **(SMALL | {"layer": 2}))
+        run_calm(
+            lm=tiny_lm_dir("llama"), out=str(tmp_path / "x"), probes=str(tmp_path / "probes"), **(SMALL | {"layer": 2})
+        )
     with pytest.raises(ValueError, match="gpt2"):
         run_calm(lm=tiny_lm_dir("gpt2"), out=str(tmp_path / "y"), probes=str(tmp_path / "probes"), **SMALL)
 
@@ -261,8 +281,13 @@ def test_study_ranks_within_each_task_answer_vocabulary(tiny_lm_dir, tmp_path, m
     templates = json.loads((tmp_path / "summary.json").read_text())["config"]["templates"]
     for task, candidates in zip(["Country", "Country", "Continent", "Continent"], seen):  # fgsm, random per task
         seps = {value_separator(t) for t in templates[task]}
-        expected = sorted({tokenizer(sep + v, add_special_tokens=False).input_ids[0]
-                           for v in {a[task] for a in data.entities.values() if a.get(task)} for sep in seps})  # fmt: skip
+        expected = sorted(
+            {
+                tokenizer(sep + v, add_special_tokens=False).input_ids[0]
+                for v in {a[task] for a in data.entities.values() if a.get(task)}
+                for sep in seps
+            }
+        )
         assert candidates is not None and candidates.tolist() == expected
     assert len(seen) == 4 and len(seen[0]) != len(seen[2])  # countries and continents differ
     assert [row["answer_vocabulary"] for row in summary] == [len(seen[0])] * 2 + [len(seen[2])] * 2
@@ -296,9 +321,18 @@ def test_study_on_gemma(tmp_path):
     """A few minutes at most: gemma-3-270m, the built-in cities, one task; PGD beats the random control."""
     from lit_interventions.calm import run_calm
 
-    summary = run_calm(lm="gemma-3-270m", layer=6, tasks=["Country"], entities={"train": 40, "val": 20, "test": 8},
-                       templates_per_property=1, probe_epochs=8, epsilon=0.5, epsilon_relative=True, steps=10,
-                       out=str(tmp_path))  # fmt: skip
+    summary = run_calm(
+        lm="gemma-3-270m",
+        layer=6,
+        tasks=["Country"],
+        entities={"train": 40, "val": 20, "test": 8},
+        templates_per_property=1,
+        probe_epochs=8,
+        epsilon=0.5,
+        epsilon_relative=True,
+        steps=10,
+        out=str(tmp_path),
+    )
     rows = {row["method"]: row for row in summary}
     assert set(rows) == {"fgsm", "pgd", "random"}
     assert rows["pgd"]["target_success"] > rows["random"]["target_success"]

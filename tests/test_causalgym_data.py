@@ -92,8 +92,10 @@ def test_positions_are_the_last_token_of_each_region(tiny_lm_dir, tokenizer):
     data = _datamodule(tiny_lm_dir, task="agr_sv_num_pp")
     task = data.template
     for pair, example in zip(data.pairs["train"], data.splits["train"]):
-        for sentence, ids, positions in ((pair.base, example.base_ids, example.base_positions),
-                                         (pair.source, example.source_ids, example.source_positions)):  # fmt: skip
+        for sentence, ids, positions in (
+            (pair.base, example.base_ids, example.base_positions),
+            (pair.source, example.source_ids, example.source_positions),
+        ):
             assert set(positions) == set(sentence.spans)
             for region, pos in positions.items():
                 start, end = sentence.spans[region]
@@ -131,7 +133,9 @@ def test_published_schema_features(tiny_lm_dir, tokenizer, toy_file):
 
 
 def test_multi_token_label_uses_first_token(tokenizer):
-    task = parse_task("t", {**PUBLISHED_STYLE["toy"], "labels": {"sg": ["zzqx"], "pl": [" were"]}, "result_prepend_space": False})
+    task = parse_task(
+        "t", {**PUBLISHED_STYLE["toy"], "labels": {"sg": ["zzqx"], "pl": [" were"]}, "result_prepend_space": False}
+    )
     assert len(tokenizer("zzqx", add_special_tokens=False).input_ids) > 1
     assert label_token_ids(task, tokenizer)["sg"]["zzqx"] == tokenizer("zzqx", add_special_tokens=False).input_ids[0]
 
@@ -172,7 +176,10 @@ def test_missing_template_file(tmp_path):
         ({k: v for k, v in PUBLISHED_STYLE["toy"].items() if k != "labels"}, "labels"),
         ({**PUBLISHED_STYLE["toy"], "templates": ["{det} {missing}"]}, "templates"),
         ({**PUBLISHED_STYLE["toy"], "labels": {"sg": ["was"]}}, "labels"),
-        ({**PUBLISHED_STYLE["toy"], "variables": {**PUBLISHED_STYLE["toy"]["variables"], "det": ["The"]}}, "variables.det"),
+        (
+            {**PUBLISHED_STYLE["toy"], "variables": {**PUBLISHED_STYLE["toy"]["variables"], "det": ["The"]}},
+            "variables.det",
+        ),
     ],
 )
 def test_malformed_template_names_file_and_key(tmp_path, broken, key):

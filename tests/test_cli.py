@@ -16,7 +16,13 @@ from lit_interventions.commands import find_config, main, quiet_lightning
 ROOT = Path(__file__).resolve().parents[1]
 
 HELP = {  # subcommand line -> options its help must name
-    ("fit", "--config", "das.yaml"): ["--model.layer", "--model.k", "--data.task", "--trainer.max_epochs", "--help-all"],
+    ("fit", "--config", "das.yaml"): [
+        "--model.layer",
+        "--model.k",
+        "--data.task",
+        "--trainer.max_epochs",
+        "--help-all",
+    ],
     ("validate", "--config", "configs/das.yaml"): ["--ckpt_path", "--model.layer", "--data.eval_pairs"],
     ("test", "--config", "ravel/mdas.yaml"): ["--ckpt_path", "--model.objective", "--data.target_attribute"],
     ("sweep",): ["--tasks", "--methods", "--layers", "--out", "--batch_size"],
@@ -111,8 +117,17 @@ def fitted(tmp_path_factory, tiny_lm_dir):
     """`lit-interventions fit --config das.yaml` with overrides; stdout as pytest captures it."""
     root = tmp_path_factory.mktemp("cli_fit")
     lm = tiny_lm_dir("gpt_neox")
-    args = ["fit", "--config", "das.yaml", f"--model.lm={lm}", f"--trainer.default_root_dir={root}", *SMALL,
-            f"--data.task={TASK}", f"--model.region={REGION}", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        "das.yaml",
+        f"--model.lm={lm}",
+        f"--trainer.default_root_dir={root}",
+        *SMALL,
+        f"--data.task={TASK}",
+        f"--model.region={REGION}",
+        "--trainer.enable_progress_bar=false",
+    ]
     cli = main(args)
     (checkpoint,) = Path(cli.trainer.log_dir).glob("checkpoints/*.ckpt")
     return cli, Path(cli.trainer.log_dir), checkpoint, lm
@@ -139,8 +154,16 @@ def test_checkpoint_settings_are_used_and_the_summary_printed(fitted, tmp_path, 
     checkpoint's task and region; the summary is sorted and aligned, with the run directory."""
     cli, _, checkpoint, lm = fitted
     capsys.readouterr()
-    tested = main([subcommand, "--config", "das.yaml", f"--ckpt_path={checkpoint}", f"--trainer.default_root_dir={tmp_path}",
-                   "--trainer.enable_progress_bar=false"])  # fmt: skip
+    tested = main(
+        [
+            subcommand,
+            "--config",
+            "das.yaml",
+            f"--ckpt_path={checkpoint}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
     assert tested.datamodule.hparams.task == TASK and tested.model.hparams.region == REGION
     assert tested.model.hparams.lm == lm and tested.datamodule.hparams.train_pairs == 12
     torch.testing.assert_close(tested.model.intervention.basis, cli.model.intervention.basis.detach())
@@ -154,16 +177,33 @@ def test_checkpoint_settings_are_used_and_the_summary_printed(fitted, tmp_path, 
 
 def test_ckpt_path_alone_reads_the_runs_config(fitted, tmp_path):
     _, _, checkpoint, _ = fitted
-    tested = main(["test", f"--ckpt_path={checkpoint}", f"--trainer.default_root_dir={tmp_path}",
-                   "--trainer.enable_progress_bar=false"])  # fmt: skip
+    tested = main(
+        [
+            "test",
+            f"--ckpt_path={checkpoint}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
     assert tested.datamodule.hparams.task == TASK and "test/odds" in tested.trainer.callback_metrics
 
 
 def test_an_option_that_contradicts_the_checkpoint_is_an_error(fitted, tmp_path, capsys):
     _, _, checkpoint, lm = fitted
     with pytest.raises(SystemExit) as exit_info:
-        main(["test", "--config", "das.yaml", f"--ckpt_path={checkpoint}", "--model.k", "4", "--data.task=agr_gender",
-              f"--model.lm={lm}", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+        main(
+            [
+                "test",
+                "--config",
+                "das.yaml",
+                f"--ckpt_path={checkpoint}",
+                "--model.k",
+                "4",
+                "--data.task=agr_gender",
+                f"--model.lm={lm}",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
     assert exit_info.value.code == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "--model.k is 4 but the checkpoint has 1" in err
@@ -175,8 +215,17 @@ def test_train_py_to_a_file_prints_progress_lines_and_no_adverts(tmp_path, tiny_
     """`python train.py fit ... > log.txt`: progress as lines, the summary at the end, no Lightning
     tips and no LeafSpec warning."""
     log = tmp_path / "log.txt"
-    args = [sys.executable, "train.py", "fit", "--config", "das.yaml", f"--model.lm={tiny_lm_dir('gpt2')}", *SMALL,
-            f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu"]  # fmt: skip
+    args = [
+        sys.executable,
+        "train.py",
+        "fit",
+        "--config",
+        "das.yaml",
+        f"--model.lm={tiny_lm_dir('gpt2')}",
+        *SMALL,
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.accelerator=cpu",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("w") as out:
         done = subprocess.run(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.PIPE, text=True, timeout=600)
@@ -191,6 +240,7 @@ def test_train_py_to_a_file_prints_progress_lines_and_no_adverts(tmp_path, tiny_
 
 def test_the_console_script_is_declared():
     import importlib
+
     import tomllib
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -199,13 +249,16 @@ def test_the_console_script_is_declared():
 
 
 def test_a_missing_or_damaged_checkpoint_is_one_line(tmp_path, capsys):
-    for path, words in ((tmp_path / "none.ckpt", "no such checkpoint file"),
-                        (tmp_path / "bad.ckpt", "is not a readable Lightning checkpoint")):  # fmt: skip
+    for path, words in (
+        (tmp_path / "none.ckpt", "no such checkpoint file"),
+        (tmp_path / "bad.ckpt", "is not a readable Lightning checkpoint"),
+    ):
         if path.name == "bad.ckpt":
             path.write_bytes(b"PK\x03\x04 truncated")
         with pytest.raises(SystemExit) as exit_info:
             main(["test", "--config", "das.yaml", "--ckpt_path", str(path)])
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert err == f"error: --ckpt_path {path}: {words}\n" or (err.startswith(f"error: --ckpt_path {path} {words}")
-                                                                  and len(err.splitlines()) == 1)  # fmt: skip
+        assert err == f"error: --ckpt_path {path}: {words}\n" or (
+            err.startswith(f"error: --ckpt_path {path} {words}") and len(err.splitlines()) == 1
+        )

@@ -205,7 +205,11 @@ def test_registry_is_well_formed():
     assert len(data.DATASETS["ravel"].files[0].members) == 25
 
 
-LOCAL_COPIES = {"syntaxgym": SHARED / "syntaxgym", "ravel": SHARED / "ravel", "axbench-concept10": SHARED / "axbench" / "concept10_2b_l20"}
+LOCAL_COPIES = {
+    "syntaxgym": SHARED / "syntaxgym",
+    "ravel": SHARED / "ravel",
+    "axbench-concept10": SHARED / "axbench" / "concept10_2b_l20",
+}
 
 
 @pytest.mark.parametrize("name", sorted(LOCAL_COPIES))

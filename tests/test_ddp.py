@@ -29,18 +29,45 @@ class DumpMetrics(L.Callback):
         self._dump(trainer)
 
 
-CAUSALGYM = ("configs/das.yaml", "--model.layer=1", "--data.train_pairs=16", "--data.eval_pairs=7", "--data.eval_batch_size=4",
-             "--trainer.val_check_interval=1.0")  # fmt: skip
+CAUSALGYM = (
+    "configs/das.yaml",
+    "--model.layer=1",
+    "--data.train_pairs=16",
+    "--data.eval_pairs=7",
+    "--data.eval_batch_size=4",
+    "--trainer.val_check_interval=1.0",
+)
 
 
-def _run(tmp_path, name, lm_dir, subcommand, devices, *extra, setup=CAUSALGYM, env=None, program=("train.py",),
-         lm_option="--model.lm"):  # fmt: skip
+def _run(
+    tmp_path,
+    name,
+    lm_dir,
+    subcommand,
+    devices,
+    *extra,
+    setup=CAUSALGYM,
+    env=None,
+    program=("train.py",),
+    lm_option="--model.lm",
+):
     out = tmp_path / f"{name}.json"
     config, *options = setup
-    args = [sys.executable, *program, *([subcommand] if subcommand else []), "--config", config, *options, f"{lm_option}={lm_dir}",
-            f"--trainer.default_root_dir={tmp_path / name}", "--trainer.accelerator=cpu",
-            f"--trainer.devices={devices}", "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=tests.test_ddp.DumpMetrics", *extra]  # fmt: skip
+    args = [
+        sys.executable,
+        *program,
+        *([subcommand] if subcommand else []),
+        "--config",
+        config,
+        *options,
+        f"{lm_option}={lm_dir}",
+        f"--trainer.default_root_dir={tmp_path / name}",
+        "--trainer.accelerator=cpu",
+        f"--trainer.devices={devices}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=tests.test_ddp.DumpMetrics",
+        *extra,
+    ]
     if devices > 1:
         args.append("--trainer.strategy=ddp")
     env = {**os.environ, **(env or {}), "DUMP_METRICS": str(out), "PYTHONPATH": str(ROOT)}
@@ -84,8 +111,13 @@ def test_ddp_ravel_cause_iso_equal_single_process(tmp_path, tiny_lm_dir, monkeyp
     sizes = {"train_size": 24, "eval_size": 11, "max_candidates": 40, "eval_batch_size": 4}
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=lm_dir).data.entities)))
     RavelDataModule(lm=lm_dir, **sizes).setup()
-    setup = ("configs/ravel/das.yaml", "--model.layer=1", "--model.k=4", "--trainer.max_epochs=1",
-             *(f"--data.{k}={v}" for k, v in sizes.items()))  # fmt: skip
+    setup = (
+        "configs/ravel/das.yaml",
+        "--model.layer=1",
+        "--model.k=4",
+        "--trainer.max_epochs=1",
+        *(f"--data.{k}={v}" for k, v in sizes.items()),
+    )
     single, double, _ = _fit_then_validate(tmp_path, lm_dir, setup, env)
     names = [k for k in single if k.startswith(("val/cause", "val/iso", "val/disentangle", "val/change"))]
     assert {"val/cause", "val/iso", "val/disentangle", "val/iso/Continent", "val/change/Country"} <= set(names)
@@ -150,8 +182,16 @@ def test_ddp_sae_validation_equals_single_process(tmp_path, tiny_lm_dir):
     lm_dir = tiny_lm_dir("gpt2")
     sizes = {"layer": 1, "max_prompts": 32, "batch_size": 8}
     setup = ("configs/sae.yaml", *(f"--data.{k}={v}" for k, v in sizes.items()), "--trainer.max_epochs=2")
-    double, fit_dir = _run(tmp_path, "fit", lm_dir, None, 2, setup=setup, program=("-m", "lit_interventions.modules.sae"),
-                           lm_option="--data.lm")  # fmt: skip
+    double, fit_dir = _run(
+        tmp_path,
+        "fit",
+        lm_dir,
+        None,
+        2,
+        setup=setup,
+        program=("-m", "lit_interventions.modules.sae"),
+        lm_option="--data.lm",
+    )
     (checkpoint,) = fit_dir.glob("**/version_0/checkpoints/*.ckpt")
     assert (checkpoint.parents[1] / "sae.safetensors").is_file()  # rank 0 exported
     data = RavelActivationsDataModule(lm=lm_dir, **sizes)

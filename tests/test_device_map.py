@@ -61,8 +61,11 @@ def test_calm_and_steer_eval_refuse_bad_placement_before_any_work(tmp_path):
 
 
 def test_a_device_map_naming_a_missing_module_is_refused_before_loading(tiny_lm_dir):
-    with pytest.raises(ValueError, match=r"device_map names modules this model does not have: 'model.layer.1'; "
-                                         r"its modules include lm_head, model, model.embed_tokens, model.layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"device_map names modules this model does not have: 'model.layer.1'; "
+        r"its modules include lm_head, model, model.embed_tokens, model.layers",
+    ):
         load_lm(tiny_lm_dir("llama"), "float32", {"": "cpu", "model.layer.1": "cpu"})
 
 
@@ -90,13 +93,15 @@ def split_map(model, first_on_disk: int) -> dict:
     blocks = decoder_layers(model)
     names = {module: name for name, module in model.named_modules()}
     prefix = model.base_model_prefix
-    device_map = {f"{prefix}.{child}": "cpu" for child, module in model.base_model.named_children()
-                  if module is not blocks}  # fmt: skip
+    device_map = {
+        f"{prefix}.{child}": "cpu" for child, module in model.base_model.named_children() if module is not blocks
+    }
     device_map.update({f"{names[blocks]}.{i}": "cpu" if i < first_on_disk else "disk" for i in range(len(blocks))})
     device_map["lm_head"] = "disk"
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:  # tied: kept together
-        device_map.update({name: "disk" for name, module in model.named_modules()
-                           if module is model.get_input_embeddings()})  # fmt: skip
+        device_map.update(
+            {name: "disk" for name, module in model.named_modules() if module is model.get_input_embeddings()}
+        )
     return device_map
 
 
@@ -128,8 +133,12 @@ def test_offloaded_blocks_give_the_same_states_and_logits(tiny_lm_dir, arch, off
     positions = last - 1
     vocab = torch.tensor([[3, 4], [5, 6], [7, 8]])
     torch.testing.assert_close(logits_at(sharded, ids, mask, last), logits_at(plain, ids, mask, last), rtol=0, atol=0)
-    torch.testing.assert_close(logits_at(sharded, ids, mask, last, vocab=vocab),  # the gather from the offloaded head
-                               logits_at(plain, ids, mask, last, vocab=vocab), rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        logits_at(sharded, ids, mask, last, vocab=vocab),  # the gather from the offloaded head
+        logits_at(plain, ids, mask, last, vocab=vocab),
+        rtol=0,
+        atol=0,
+    )
     layers = list(range(-1, LAYERS))
     states = read_layers(sharded, layers, ids, mask)
     expected = read_layers(plain, layers, ids, mask)
@@ -143,8 +152,12 @@ def test_offloaded_blocks_give_the_same_states_and_logits(tiny_lm_dir, arch, off
         full = logits_at(plain, ids, mask, last, layer, positions, edit)
         torch.testing.assert_close(logits_at(sharded, ids, mask, last, layer, positions, edit), full, rtol=0, atol=0)
         # the cached fast path: blocks below the layer skipped (their dispatch hooks put back after)
-        torch.testing.assert_close(logits_at(sharded, ids, mask, last, layer, positions, edit,
-                                             start_states=states[layer]), full, rtol=1e-5, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            logits_at(sharded, ids, mask, last, layer, positions, edit, start_states=states[layer]),
+            full,
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert all("forward" in block.__dict__ for block in blocks)  # accelerate's wrapped forwards survive the skip
     torch.testing.assert_close(logits_at(sharded, ids, mask, last), logits_at(plain, ids, mask, last), rtol=0, atol=0)
 
@@ -155,8 +168,14 @@ def test_prefix_cache_on_offloaded_blocks(tiny_lm_dir, offload_dir):
     plain, sharded, _ = _sharded(tiny_lm_dir, "llama", offload_dir)
     ids, mask, last = token_batch(plain.config.vocab_size, lengths=(12, 9, 10))
     sites = torch.tensor([8, 4, 6])
-    batch = {"base_input_ids": ids, "base_attention_mask": mask, "base_pos": sites,
-             "source_input_ids": ids.flip(0), "source_attention_mask": mask.flip(0), "source_pos": sites}  # fmt: skip
+    batch = {
+        "base_input_ids": ids,
+        "base_attention_mask": mask,
+        "base_pos": sites,
+        "source_input_ids": ids.flip(0),
+        "source_attention_mask": mask.flip(0),
+        "source_pos": sites,
+    }
     layer = 0
     cache = ActivationCache(sharded, [layer])
     cache.fill([batch], batch_size=2)
@@ -169,17 +188,21 @@ def test_prefix_cache_on_offloaded_blocks(tiny_lm_dir, offload_dir):
     torch.manual_seed(0)
     direction = FixedSubspaceIntervention(torch.nn.functional.normalize(torch.randn(1, HIDDEN), dim=-1))
     edit = lambda h: direction(h, source)  # noqa: E731
-    torch.testing.assert_close(logits_at(sharded, ids, mask, last, layer, sites, edit, start_states=start,
-                                         prefix=(c, above)),
-                               logits_at(plain, ids, mask, last, layer, sites, edit), rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        logits_at(sharded, ids, mask, last, layer, sites, edit, start_states=start, prefix=(c, above)),
+        logits_at(plain, ids, mask, last, layer, sites, edit),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def _train_das(lm_dir, cache: bool, **options):
     L.seed_everything(0)
     module = InterchangeModule(lm=lm_dir, layer=1, cache=cache, lr=0.05, **options)
     data = CausalGymDataModule(task="agr_sv_num_pp", lm=lm_dir, train_pairs=8, eval_pairs=4)
-    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
     trainer.fit(module, data)
     return module, trainer.callback_metrics
 
@@ -246,7 +269,9 @@ def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, token
             loss = lm_loss + 0.1 * l1
         loss.backward()
         assert is_dispatched(module.lm) == bool(placement)
-        results.append((loss.detach(), torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None])))
+        results.append(
+            (loss.detach(), torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None]))
+        )
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
     assert results[1][1].abs().max() > 0
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
@@ -325,7 +350,9 @@ def test_quantized_lm_runs_the_intervention_path(tiny_lm_dir, quantization, laye
     (logits, grad), (expected_logits, expected_grad) = results
     torch.testing.assert_close(logits, expected_logits, rtol=tol, atol=tol)
     assert expected_grad.abs().max() > 0.1  # the gradient through the LM is not zero...
-    torch.testing.assert_close(grad, expected_grad, rtol=tol, atol=tol * expected_grad.abs().max().item())  # ...and right
+    torch.testing.assert_close(
+        grad, expected_grad, rtol=tol, atol=tol * expected_grad.abs().max().item()
+    )  # ...and right
 
 
 @needs_bitsandbytes
@@ -357,8 +384,9 @@ def test_blocks_on_two_gpus_give_the_unsharded_numbers(tiny_lm_dir):
             start = read_layers(model, [layer], ids, mask)[layer]
             rows = torch.arange(3, device="cuda:0")
             source = read_layers(model, [layer], ids.flip(0), mask.flip(0))[layer][rows, last - 1]
-            logits = logits_at(model, ids, mask, last, layer, last - 1, lambda h: das(h, source), start_states=start,
-                               vocab=vocab)  # fmt: skip
+            logits = logits_at(
+                model, ids, mask, last, layer, last - 1, lambda h: das(h, source), start_states=start, vocab=vocab
+            )
             assert logits.device == torch.device("cuda:0") and start.device == torch.device("cuda:0")
             logits.sum().backward()
             outs.append((logits.detach(), torch.cat([p.grad.flatten() for p in das.parameters()])))
@@ -372,10 +400,20 @@ def test_cli_places_the_lm_with_a_device_map(tmp_path, tiny_lm_dir, offload_dir,
     import train
 
     lm_dir = tiny_lm_dir("llama")
-    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
-            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=4", "--data.eval_pairs=2",
-            "--trainer.enable_progress_bar=false", "--model.device_map=auto",
-            "--model.max_memory={cpu: 100KB}", f"--model.offload_folder={offload_dir}"]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        "configs/das.yaml",
+        f"--model.lm={lm_dir}",
+        "--model.layer=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.train_pairs=4",
+        "--data.eval_pairs=2",
+        "--trainer.enable_progress_bar=false",
+        "--model.device_map=auto",
+        "--model.max_memory={cpu: 100KB}",
+        f"--model.offload_folder={offload_dir}",
+    ]
     cli = train.main(args=args)
     assert cli.model.hparams.max_memory == {"cpu": "100KB"} and "disk" in cli.model.lm.hf_device_map.values()
     assert torch.isfinite(cli.trainer.callback_metrics["val/odds"])

@@ -12,10 +12,20 @@ from lit_interventions.sites import read_layers
 
 
 def _dictionary(lm_dir, method="diffmean", d=32, names=("dogs", "giving", "rent")):
-    vectors = torch.nn.functional.normalize(torch.randn(len(names), d, generator=torch.Generator().manual_seed(0)), dim=-1)
-    return Dictionary(vectors=vectors, max_activations=torch.tensor([2.0, 3.0, float("nan")])[: len(names)],
-                      concepts=list(names), model=lm_dir, layer=1, method=method, training_data="builtin",
-                      auroc={"mean": 0.8, "per_concept": {n: 0.8 for n in names}}, card={"model_type": "llama"})  # fmt: skip
+    vectors = torch.nn.functional.normalize(
+        torch.randn(len(names), d, generator=torch.Generator().manual_seed(0)), dim=-1
+    )
+    return Dictionary(
+        vectors=vectors,
+        max_activations=torch.tensor([2.0, 3.0, float("nan")])[: len(names)],
+        concepts=list(names),
+        model=lm_dir,
+        layer=1,
+        method=method,
+        training_data="builtin",
+        auroc={"mean": 0.8, "per_concept": {n: 0.8 for n in names}},
+        card={"model_type": "llama"},
+    )
 
 
 def test_save_load_round_trip(tmp_path, tiny_lm_dir):
@@ -37,13 +47,21 @@ def test_save_load_round_trip(tmp_path, tiny_lm_dir):
 def test_bad_dictionaries_and_concepts(tiny_lm_dir):
     d = _dictionary(tiny_lm_dir("llama"))
     assert d.index("giving") == 1 and d.index(2) == 2
-    with pytest.raises(ValueError, match="concept 'cats' is not in this dictionary; valid concepts include 'dogs', 'giving'"):
+    with pytest.raises(
+        ValueError, match="concept 'cats' is not in this dictionary; valid concepts include 'dogs', 'giving'"
+    ):
         d.index("cats")
     with pytest.raises(ValueError, match="index 3 is out of range: this dictionary has 3 concepts"):
         d.index(3)
     with pytest.raises(ValueError, match="2 concept names for 3 vectors"):
-        Dictionary(vectors=torch.zeros(3, 4), max_activations=torch.zeros(3), concepts=["a", "b"], model="m",
-                   layer=0, method="diffmean")  # fmt: skip
+        Dictionary(
+            vectors=torch.zeros(3, 4),
+            max_activations=torch.zeros(3),
+            concepts=["a", "b"],
+            model="m",
+            layer=0,
+            method="diffmean",
+        )
     with pytest.raises(ValueError, match="no max activation"):
         d.steering_alpha("rent", 1.0)
     assert d.steering_alpha("giving", 2.0) == pytest.approx(6.0)
@@ -86,8 +104,9 @@ def test_steering_changes_generation_and_is_undone(tiny_lm_dir, tiny_lm, tokeniz
     ids = torch.tensor([tokenizer("The dog is here.")["input_ids"]])
 
     def generate():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                             pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
         return out[0, ids.shape[1] :].tolist()
 
     plain = generate()

@@ -114,10 +114,12 @@ def test_lda_differs_from_diffmean_under_correlated_noise():
     X, y, _ = two_classes(n=400, d=6, sep=2.0, mix=correlated_mix())
     lda, diffmean = fit_direction("lda", X, y, shrinkage=None), fit_direction("diffmean", X, y)
     assert cos(lda, diffmean) < 0.9
+
     # LDA whitens the noise: the projection separates the classes better (Fisher criterion).
     def fisher(a):
         p = X @ a.double().numpy()
         return (p[y == 1].mean() - p[y == 0].mean()) ** 2 / (p[y == 1].var() + p[y == 0].var())
+
     assert fisher(lda) > 1.5 * fisher(diffmean)
 
 

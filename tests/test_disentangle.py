@@ -1,19 +1,18 @@
 """RAVEL's objective and metrics: DBM's mask against pyvene, Cause / Iso / Disentangle by hand,
 the multi-task loss by hand, and the interchange module with RAVEL's objective on a tiny model."""
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lit_interventions.callbacks.metrics import DisentangleCallback
+from lit_interventions.interventions.featurizers import FeatureInterchange, FullVectorSwap
+from lit_interventions.interventions.fitted import FeatureInterchangeFit
 from lit_interventions.interventions.mask import SigmoidMaskIntervention, linear_temperature
 from lit_interventions.metrics.disentangle import CAUSE, ISO, Disentanglement
-from lit_interventions.interventions.featurizers import FeatureInterchange, FullVectorSwap
-from functools import partial
-
-from lit_interventions.callbacks.metrics import DisentangleCallback
-from lit_interventions.interventions.fitted import FeatureInterchangeFit
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.objectives import CauseIsoLoss, multitask_loss
 
@@ -105,8 +104,11 @@ def test_bad_options(tiny_lm_dir):
 
 def test_sparsity_needs_a_mask():
     with pytest.raises(ValueError, match="needs an intervention with a penalty"):
-        CauseIsoLoss(sparsity=1e-3)(torch.zeros(1, 4), {"label": torch.tensor([0]), "attribute": torch.tensor([0]),
-                                                        "kind": torch.tensor([CAUSE])}, FullVectorSwap())  # fmt: skip
+        CauseIsoLoss(sparsity=1e-3)(
+            torch.zeros(1, 4),
+            {"label": torch.tensor([0]), "attribute": torch.tensor([0]), "kind": torch.tensor([CAUSE])},
+            FullVectorSwap(),
+        )
 
 
 def test_mask_temperature_anneals_linearly():
@@ -129,18 +131,27 @@ def _batch(tokenizer):
     last = torch.tensor([len(seq) - 1 for seq in ids])
     source = input_ids.flip(0)
     return {
-        "base_input_ids": input_ids, "base_attention_mask": mask, "base_pos": last, "base_last": last,
-        "source_input_ids": source, "source_attention_mask": mask.flip(0), "source_pos": last.flip(0),
+        "base_input_ids": input_ids,
+        "base_attention_mask": mask,
+        "base_pos": last,
+        "base_last": last,
+        "source_input_ids": source,
+        "source_attention_mask": mask.flip(0),
+        "source_pos": last.flip(0),
         "source_last": last.flip(0),
-        "label": torch.tensor([5, 6, 7, 8]), "base_label": torch.tensor([9, 10, 7, 8]),
-        "attribute": torch.tensor([0, 0, 1, 2]), "kind": torch.tensor([CAUSE, CAUSE, ISO, ISO]),
-    }  # fmt: skip
+        "label": torch.tensor([5, 6, 7, 8]),
+        "base_label": torch.tensor([9, 10, 7, 8]),
+        "attribute": torch.tensor([0, 0, 1, 2]),
+        "kind": torch.tensor([CAUSE, CAUSE, ISO, ISO]),
+    }
 
 
 def test_full_swap_equals_vanilla_interchange_and_das_changes_output(tiny_lm_dir, tokenizer):
     lm = tiny_lm_dir("gemma3")
     batch = _batch(tokenizer)
-    swap = InterchangeModule(lm=lm, layer=2, intervention=FullVectorSwap, objective=CauseIsoLoss(), cache=False)  # the last block
+    swap = InterchangeModule(
+        lm=lm, layer=2, intervention=FullVectorSwap, objective=CauseIsoLoss(), cache=False
+    )  # the last block
     assert isinstance(swap.intervention, FullVectorSwap)
     das = InterchangeModule(lm=lm, layer=0, k=4, objective=CauseIsoLoss(), cache=False)
     clean = swap.clean_logits(batch)
@@ -156,8 +167,14 @@ def test_full_swap_equals_vanilla_interchange_and_das_changes_output(tiny_lm_dir
 def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask):
     torch.manual_seed(0)
     intervention = partial(SigmoidMaskIntervention) if method == "dbm" else None
-    module = InterchangeModule(lm=tiny_lm_dir("llama"), layer=0, intervention=intervention, k=8,
-                               objective=CauseIsoLoss(multitask, sparsity=1e-3 if method == "dbm" else 0.0), cache=False)  # fmt: skip
+    module = InterchangeModule(
+        lm=tiny_lm_dir("llama"),
+        layer=0,
+        intervention=intervention,
+        k=8,
+        objective=CauseIsoLoss(multitask, sparsity=1e-3 if method == "dbm" else 0.0),
+        cache=False,
+    )
     batch = _batch(tokenizer)
     optimizer = torch.optim.Adam(module.intervention.parameters(), lr=0.5 if method == "dbm" else 0.05)
     losses = []
@@ -200,8 +217,9 @@ def _plant_answers(monkeypatch) -> list:
         if batch_idx == 0:
             seen.clear()
         if not self.trainer.sanity_checking:
-            seen.extend(zip(predicted.tolist(), batch["label"].tolist(), batch["attribute"].tolist(),
-                            batch["kind"].tolist()))  # fmt: skip
+            seen.extend(
+                zip(predicted.tolist(), batch["label"].tolist(), batch["attribute"].tolist(), batch["kind"].tolist())
+            )
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(InterchangeModule, "validation_step", validation_step)
@@ -217,8 +235,11 @@ def _cause_iso_by_hand(seen, attributes) -> dict:
         if kind == ISO:
             iso.setdefault(attributes[attribute], []).append(p == label)
     per_attribute = {a: sum(r) / len(r) for a, r in iso.items()}
-    return {"cause": sum(cause) / len(cause), "iso": sum(per_attribute.values()) / len(per_attribute),
-            "iso_per_attribute": per_attribute}  # fmt: skip
+    return {
+        "cause": sum(cause) / len(cause),
+        "iso": sum(per_attribute.values()) / len(per_attribute),
+        "iso_per_attribute": per_attribute,
+    }
 
 
 @pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "pca", "full_swap"])
@@ -229,15 +250,25 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
 
     import train
     from datamodules.ravel import RavelDataModule
-
     from tests.helpers import oracle
 
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=tiny_lm_dir("llama")).data.entities)))
+    monkeypatch.setattr(
+        RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=tiny_lm_dir("llama")).data.entities))
+    )
     subcommand = "validate" if config == "full_swap" else "fit"
-    args = [subcommand, "--config", f"configs/ravel/{config}.yaml", f"--model.lm={tiny_lm_dir('llama')}", "--model.layer=1",
-            f"--trainer.default_root_dir={tmp_path}", "--data.train_size=32", "--data.eval_size=16",
-            "--data.max_candidates=40", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    args = [
+        subcommand,
+        "--config",
+        f"configs/ravel/{config}.yaml",
+        f"--model.lm={tiny_lm_dir('llama')}",
+        "--model.layer=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.train_size=32",
+        "--data.eval_size=16",
+        "--data.max_candidates=40",
+        "--trainer.enable_progress_bar=false",
+    ]
     if subcommand == "fit":
         args += ["--trainer.max_epochs=1", "--model.k=4"] if "das" in config else ["--trainer.max_epochs=1"]
     seen = _plant_answers(monkeypatch)
@@ -259,7 +290,9 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
         assert isinstance(fitted, FeatureInterchange) and fitted.featurizer.n_features == 32
         dev = {row["C"]: row["dev"]["disentangle"] for row in intervention.sweep}
         assert len(dev) >= 2 and intervention.C == min(c for c in dev if dev[c] == max(dev.values()))  # ties: smaller C
-        assert fitted.selected.tolist() == next(r["selected"].tolist() for r in intervention.sweep if r["C"] == intervention.C)
+        assert fitted.selected.tolist() == next(
+            r["selected"].tolist() for r in intervention.sweep if r["C"] == intervention.C
+        )
     elif subcommand == "fit":
         card = json.loads((Path(cli.trainer.log_dir) / "intervention.json").read_text())
         expected = "RotatedSpaceIntervention" if "das" in config else "SigmoidMaskIntervention"

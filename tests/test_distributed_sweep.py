@@ -27,8 +27,16 @@ def _rows(path):
 def _launch(tmp_path, nproc, *args, env=None):
     """`python -m lit_interventions.sweep ARGS` under torchrun with `nproc` processes (as test_ddp
     runs its DDP fits: a subprocess from the repository root)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "lit_interventions.sweep", *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "lit_interventions.sweep",
+        *args,
+    ]
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -37,15 +45,23 @@ def _launch(tmp_path, nproc, *args, env=None):
     return done
 
 
-CAUSALGYM = dict(tasks=["agr_gender", "agr_sv_num_pp"], methods=["das", "diffmean", "vanilla"], layers=[1], train_pairs=8,
-                 eval_pairs=4)  # fmt: skip
+CAUSALGYM = dict(
+    tasks=["agr_gender", "agr_sv_num_pp"],
+    methods=["das", "diffmean", "vanilla"],
+    layers=[1],
+    train_pairs=8,
+    eval_pairs=4,
+)
 
 
 def _causalgym(lm_dir, out, **changes):
     """The command-line options of `run_sweep(**CAUSALGYM, **changes)`."""
     options = {**CAUSALGYM, "lm": lm_dir, "out": out, **changes}
-    return ["--config", "configs/sweep_causalgym.yaml",
-            *(f"--{k}=[{', '.join(map(str, v))}]" if isinstance(v, list) else f"--{k}={v}" for k, v in options.items())]  # fmt: skip
+    return [
+        "--config",
+        "configs/sweep_causalgym.yaml",
+        *(f"--{k}=[{', '.join(map(str, v))}]" if isinstance(v, list) else f"--{k}={v}" for k, v in options.items()),
+    ]
 
 
 @pytest.fixture
@@ -80,9 +96,14 @@ def test_a_free_rank_takes_the_next_unit_costliest_first():
 
     store = dist.HashStore()
     sites = {"a": 90, "b": 306, "c": 126, "d": 144, "e": 126}
-    zero, one = (distributed.Ranks(rank, 2, _store=store).take(list(sites), cost=sites.get, queue="q") for rank in (0, 1))
+    zero, one = (
+        distributed.Ranks(rank, 2, _store=store).take(list(sites), cost=sites.get, queue="q") for rank in (0, 1)
+    )
     assert (next(zero), next(one)) == ("b", "d")
-    assert (next(one), next(one)) == ("c", "e")  # rank 0 still busy with b: rank 1 goes on (c before e: ties keep order)
+    assert (next(one), next(one)) == (
+        "c",
+        "e",
+    )  # rank 0 still busy with b: rank 1 goes on (c before e: ties keep order)
     assert next(zero) == "a" and next(zero, None) is None and next(one, None) is None
     again = distributed.Ranks(0, 2, _store=store).take(list(sites), cost=sites.get, queue="another run")
     assert next(again) == "b"  # every run has its own queue
@@ -91,14 +112,30 @@ def test_a_free_rank_takes_the_next_unit_costliest_first():
 def test_ranks_from_torchrun_and_slurm(monkeypatch):
     for name in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
-    for name, value in {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-                        "SLURM_JOB_NAME": "sweep", "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234"}.items():  # fmt: skip
+    for name, value in {
+        "SLURM_NTASKS": "8",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NAME": "sweep",
+        "SLURM_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_ID": "1234",
+    }.items():
         monkeypatch.setenv(name, value)
     ranks = distributed.detect()
     assert (ranks.rank, ranks.world_size, ranks.local_rank) == (5, 8, 1)
     assert ranks.environment.main_address == "gpu07"
-    torchrun = {"RANK": "3", "GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4",
-                "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}  # fmt: skip
+    torchrun = {
+        "RANK": "3",
+        "GROUP_RANK": "1",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "4",
+        "TORCHELASTIC_RUN_ID": "x",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "29500",
+    }
     for name, value in torchrun.items():
         monkeypatch.setenv(name, value)
     ranks = distributed.detect()  # torchrun inside a SLURM allocation: torchrun's ranks
@@ -117,7 +154,10 @@ def test_causalgym_two_ranks_equal_one_process(tmp_path, tiny_lm_dir, one_thread
         assert _rows(two / name) == _rows(one / name), name  # same rows, same order, same numbers
     assert {r["task"] for r in _rows(two / "results.csv")} == {"agr_gender", "agr_sv_num_pp"}
     assert sorted(p.name for p in (two / "heatmaps").iterdir()) == sorted(p.name for p in (one / "heatmaps").iterdir())
-    assert sorted(p.name for p in (two / "das").iterdir()) == ["agr_gender_1.safetensors", "agr_sv_num_pp_1.safetensors"]
+    assert sorted(p.name for p in (two / "das").iterdir()) == [
+        "agr_gender_1.safetensors",
+        "agr_sv_num_pp_1.safetensors",
+    ]
     assert not (two / "ranks").exists()  # merged, then removed
 
 
@@ -149,10 +189,19 @@ def test_an_out_dir_of_another_config_stops_every_rank_before_any_work(tmp_path,
     lm_dir = tiny_lm_dir("llama")
     out = tmp_path / "out"
     sweep.run_sweep(**{**CAUSALGYM, "methods": ["vanilla"], "tasks": ["agr_gender"]}, lm=lm_dir, out=str(out))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "lit_interventions.sweep", *_causalgym(lm_dir, out, train_pairs=6)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "lit_interventions.sweep",
+        *_causalgym(lm_dir, out, train_pairs=6),
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode != 0
     assert done.stderr.count("differs in train_pairs (8 there, 6 here)") == 2, done.stderr[-3000:]  # every rank says it
     assert not (out / "ranks").exists() and len(_rows(out / "results.csv")) == 4
@@ -172,7 +221,9 @@ def test_ravel_two_ranks_resume_and_equal_one_process(tmp_path, tiny_lm_dir, mon
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", cache["LIT_INTERVENTIONS_CACHE"])
     lm_dir = tiny_lm_dir("llama")
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=lm_dir).data.entities)))
-    options = dict(lm=lm_dir, layer=1, k=4, train_size=16, eval_size=12, max_candidates=40, attributes=["Country", "Continent"])
+    options = dict(
+        lm=lm_dir, layer=1, k=4, train_size=16, eval_size=12, max_candidates=40, attributes=["Country", "Continent"]
+    )
     one, two = tmp_path / "one", tmp_path / "two"
     run_ravel_sweep(**options, methods=["full_swap", "das"], out=str(one))
     run_ravel_sweep(**options, methods=["full_swap"], out=str(two))
@@ -181,8 +232,19 @@ def test_ravel_two_ranks_resume_and_equal_one_process(tmp_path, tiny_lm_dir, mon
         db.execute("UPDATE changes SET change_rate = '0.25'")
     db.close()
     _as_if_rank_left_it(two, 1)
-    args = ["--config", "configs/sweep_ravel.yaml", f"--lm={lm_dir}", "--layer=1", "--k=4", "--train_size=16", "--eval_size=12",
-            "--max_candidates=40", "--attributes=[Country, Continent]", "--methods=[full_swap, das]", f"--out={two}"]  # fmt: skip
+    args = [
+        "--config",
+        "configs/sweep_ravel.yaml",
+        f"--lm={lm_dir}",
+        "--layer=1",
+        "--k=4",
+        "--train_size=16",
+        "--eval_size=12",
+        "--max_candidates=40",
+        "--attributes=[Country, Continent]",
+        "--methods=[full_swap, das]",
+        f"--out={two}",
+    ]
     _launch(tmp_path, 2, *args, env=cache)
 
     def marked(rows, **marks):
@@ -204,9 +266,17 @@ def test_a_rank_alone_gives_up_with_one_clear_error(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for name, value in {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                        "SLURM_NODEID": "0", "SLURM_JOB_NAME": "sweep", "SLURM_NODELIST": "localhost",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+    for name, value in {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "sweep",
+        "SLURM_NODELIST": "localhost",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(distributed, "MEET", timedelta(seconds=2))
     ranks = distributed.detect()

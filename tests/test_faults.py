@@ -17,8 +17,15 @@ from tests.helpers import csv_rows as _rows
 
 
 def _run(out, lm_dir, **kwargs):
-    options = dict(tasks="agr_sv_num_pp", methods=["diffmean", "vanilla"], layers=[0], lm=lm_dir, out=str(out),
-                   train_pairs=10, eval_pairs=4)  # fmt: skip
+    options = dict(
+        tasks="agr_sv_num_pp",
+        methods=["diffmean", "vanilla"],
+        layers=[0],
+        lm=lm_dir,
+        out=str(out),
+        train_pairs=10,
+        eval_pairs=4,
+    )
     return sweep.run_sweep(**{**options, **kwargs})
 
 
@@ -66,7 +73,9 @@ def test_damaged_tail_is_reported_and_recomputed(reference, tmp_path, tiny_lm_di
     assert (out / "results.csv").read_bytes() == reference[1]
 
 
-@pytest.mark.parametrize("data,message", [(b"", "is empty"), (None, "line 1 is not the header")], ids=["empty", "headerless"])
+@pytest.mark.parametrize(
+    "data,message", [(b"", "is empty"), (None, "line 1 is not the header")], ids=["empty", "headerless"]
+)
 def test_a_csv_with_nothing_usable_is_recomputed(reference, tmp_path, tiny_lm_dir, data, message):
     if data is None:  # rows appended after the file was truncated to 0 bytes: no header
         data = reference[1].split(b"\n", 1)[1]
@@ -89,13 +98,22 @@ def test_an_intact_old_csv_is_imported_and_nothing_recomputed(reference, tmp_pat
 def test_a_second_run_on_the_same_out_is_refused(reference, tmp_path, tiny_lm_dir):
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from lit_interventions.results import OutDirLock
         OutDirLock({str(out)!r}).acquire()
         print("locked", flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())  # fmt: skip
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(OutDirBusy, match=rf"^{out} is in use by another run \(pid {holder.pid}\); wait for it"):
@@ -114,8 +132,18 @@ def test_the_command_line_says_so_in_one_line(tmp_path, tiny_lm_dir, capsys):
     lock = OutDirLock(out).acquire()  # a second holder in this process: flock is per open file
     try:
         with pytest.raises(SystemExit) as exit_info:
-            sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('llama')}", "--methods=[diffmean]",
-                        "--layers=[0]", f"--out={out}", "--train_pairs=10", "--eval_pairs=4"])  # fmt: skip
+            sweep.main(
+                [
+                    "--config",
+                    "configs/sweep_causalgym.yaml",
+                    f"--lm={tiny_lm_dir('llama')}",
+                    "--methods=[diffmean]",
+                    "--layers=[0]",
+                    f"--out={out}",
+                    "--train_pairs=10",
+                    "--eval_pairs=4",
+                ]
+            )
     finally:
         lock.release()
     err = capsys.readouterr().err

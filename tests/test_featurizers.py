@@ -29,8 +29,15 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sae.yaml"
 
 
 def _trainer(epochs: int, **kwargs) -> Trainer:
-    return Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, **kwargs)  # fmt: skip
+    return Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 def _planted(n=600, m=20, seed=0):
@@ -95,8 +102,9 @@ def test_standardised_pca_round_trips_the_train_states():
     torch.testing.assert_close(pca.scale.double(), X.double().std(0, unbiased=False), atol=1e-4, rtol=1e-5)
     constant = torch.cat([X, torch.full((5, 1), 7.0)], dim=1)  # a constant dimension keeps σ = 1
     assert PCAFeaturizer.fit(constant).scale[-1] == 1.0
-    torch.testing.assert_close(PCAFeaturizer.fit(constant).decode(PCAFeaturizer.fit(constant).encode(constant)), constant,
-                               atol=1e-4, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        PCAFeaturizer.fit(constant).decode(PCAFeaturizer.fit(constant).encode(constant)), constant, atol=1e-4, rtol=1e-5
+    )
 
 
 def test_sae_featurizer_formula():
@@ -134,8 +142,11 @@ def test_sae_interchange_keeps_base_reconstruction_error():
 def test_empty_selection_is_exactly_the_identity(kind):
     torch.manual_seed(0)
     base, source = torch.randn(5, 6) * 10, torch.randn(5, 6) * 10
-    featurizer = (PCAFeaturizer.fit(torch.randn(40, 6)) if kind == "pca"
-                  else SAEFeaturizer(torch.randn(24, 6), torch.randn(24), torch.randn(6, 24), torch.randn(6)))  # fmt: skip
+    featurizer = (
+        PCAFeaturizer.fit(torch.randn(40, 6))
+        if kind == "pca"
+        else SAEFeaturizer(torch.randn(24, 6), torch.randn(24), torch.randn(6, 24), torch.randn(6))
+    )
     assert torch.equal(FeatureInterchange(featurizer, [])(base, source), base)
 
 
@@ -310,7 +321,9 @@ def test_exported_sae_acts_on_raw_activations(tmp_path):
     direct = SAEFeaturizer.from_sae(module)
     x = X[:10]
     torch.testing.assert_close(loaded.encode(x), module.sae.encode(x), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(loaded.decode(loaded.encode(x)), module.sae.decode(module.sae.encode(x)), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        loaded.decode(loaded.encode(x)), module.sae.decode(module.sae.encode(x)), atol=1e-4, rtol=1e-4
+    )
     torch.testing.assert_close(direct.W1, loaded.W1)
     card = json.loads((tmp_path / CARD).read_text())
     assert card["latent_size"] == 32 and card["method"] == "sae"
@@ -332,8 +345,9 @@ def test_sae_bad_input():
 
 def test_ravel_activations_at_the_entity_token(tiny_lm_dir, tokenizer):
     lm = tiny_lm_dir("gpt2")
-    data = RavelActivationsDataModule(lm=lm, layer=1, max_prompts=24, read_batch_size=8, val_fraction=0.25,
-                                      batch_size=8)  # fmt: skip
+    data = RavelActivationsDataModule(
+        lm=lm, layer=1, max_prompts=24, read_batch_size=8, val_fraction=0.25, batch_size=8
+    )
     assert data.hidden_size == 32
     data.setup()
     acts = torch.cat([data.train_set.tensors[0], data.val_set.tensors[0]])
@@ -342,7 +356,7 @@ def test_ravel_activations_at_the_entity_token(tiny_lm_dir, tokenizer):
     ids, pos = encode_prompt(tokenizer, "<bos>", template, entity)
     assert ids[0] == tokenizer.bos_token_id
     assert tokenizer.decode(ids[: pos + 1]).endswith(entity)
-    assert not tokenizer.decode(ids[: pos]).endswith(entity)
+    assert not tokenizer.decode(ids[:pos]).endswith(entity)
     every = RavelActivationsDataModule(lm=lm, layer=1, max_prompts=24, positions="all", val_fraction=0.25)
     every.setup()
     assert len(every.train_set) + len(every.val_set) > 3 * len(acts)  # every token of the prompts
@@ -352,9 +366,28 @@ def test_sae_cli_writes_weights(tiny_lm_dir, tmp_path):
     from lit_interventions.modules.sae import main
 
     lm = tiny_lm_dir("gpt2")
-    main(["--config", str(CONFIG), "--data.lm", lm, "--data.layer", "1", "--data.max_prompts", "32", "--data.batch_size", "8",
-          "--trainer.max_epochs", "1", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path),
-          "--trainer.enable_progress_bar", "false"])  # fmt: skip
+    main(
+        [
+            "--config",
+            str(CONFIG),
+            "--data.lm",
+            lm,
+            "--data.layer",
+            "1",
+            "--data.max_prompts",
+            "32",
+            "--data.batch_size",
+            "8",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     (weights,) = tmp_path.rglob(WEIGHTS)
     featurizer = SAEFeaturizer.load(weights)
     assert featurizer.W1.shape == (128, 32)
@@ -394,13 +427,22 @@ def test_pca_interchange_from_ravel_batches(monkeypatch, tiny_lm_dir):
     source = read_site(model, layer, batch["source_input_ids"], batch["source_attention_mask"], batch["source_pos"])
 
     def run(module):
-        return logits_at(model, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"], layer=layer,
-                         site_positions=batch["base_pos"], intervention=lambda base: module(base, source))  # fmt: skip
+        return logits_at(
+            model,
+            batch["base_input_ids"],
+            batch["base_attention_mask"],
+            batch["base_last"],
+            layer=layer,
+            site_positions=batch["base_pos"],
+            intervention=lambda base: module(base, source),
+        )
 
     clean = logits_at(model, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"])
     torch.testing.assert_close(run(FeatureInterchange(intervention.featurizer, [])), clean)
     swapped = run(FullVectorSwap())
-    torch.testing.assert_close(run(FeatureInterchange(intervention.featurizer, range(32))), swapped, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        run(FeatureInterchange(intervention.featurizer, range(32))), swapped, atol=1e-3, rtol=1e-3
+    )
     assert not torch.allclose(swapped, clean, atol=1e-3)  # the swap really changes the output
 
 
@@ -438,11 +480,18 @@ class _PlantedRavel:
             base, source, kind = base[keep], source[keep], kind[keep]
             label = np.where(kind == 0, (a[source] > 0), 2 + (b[base] > 0))
             base_label = np.where(kind == 0, (a[base] > 0), 2 + (b[base] > 0))
-            self.batches[split] = [{
-                "base_entity": torch.tensor(base), "source_entity": torch.tensor(source),
-                "base_x": x[base], "source_x": x[source], "kind": torch.tensor(kind), "attribute": torch.tensor(kind),
-                "label": torch.tensor(label, dtype=torch.long), "base_label": torch.tensor(base_label, dtype=torch.long),
-            }]  # fmt: skip
+            self.batches[split] = [
+                {
+                    "base_entity": torch.tensor(base),
+                    "source_entity": torch.tensor(source),
+                    "base_x": x[base],
+                    "source_x": x[source],
+                    "kind": torch.tensor(kind),
+                    "attribute": torch.tensor(kind),
+                    "label": torch.tensor(label, dtype=torch.long),
+                    "base_label": torch.tensor(base_label, dtype=torch.long),
+                }
+            ]
 
     def loader(self, split, batch_size, shard=True):
         return self.batches[split]
@@ -512,8 +561,12 @@ def test_C_is_chosen_by_dev_disentangle_where_accuracy_disagrees():
     val = np.arange(len(a) // 2, len(a))
     from sklearn.svm import LinearSVC
 
-    accuracy = {c: LinearSVC(C=c, penalty="l1", dual=False, max_iter=5000, tol=0.01).fit(Z[: len(a) // 2], a[: len(a) // 2])
-                .score(Z[val], a[val]) for c in grid}  # fmt: skip
+    accuracy = {
+        c: LinearSVC(C=c, penalty="l1", dual=False, max_iter=5000, tol=0.01)
+        .fit(Z[: len(a) // 2], a[: len(a) // 2])
+        .score(Z[val], a[val])
+        for c in grid
+    }
     assert accuracy[1.0] > accuracy[0.001], accuracy
     by_accuracy = _planted_module(FeatureInterchangeFit(3, select_by="accuracy", C=grid, standardize=False))
     by_accuracy.fit_intervention(data)

@@ -19,9 +19,15 @@ from lit_interventions.dictionary import Dictionary
 from lit_interventions.interventions.base import load_pretrained, save_intervention
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 
-CARD = {"model": "smollm2-135m-instruct", "layer": 3, "region": "subject", "task": "agr_sv_num_pp",
-        "data": {"task": "agr_sv_num_pp", "train_pairs": 12}, "metrics": {"val/odds": 2.5, "val/iia": 0.75},
-        "command": "lit-interventions fit --config configs/das.yaml --model.layer 3"}  # fmt: skip
+CARD = {
+    "model": "smollm2-135m-instruct",
+    "layer": 3,
+    "region": "subject",
+    "task": "agr_sv_num_pp",
+    "data": {"task": "agr_sv_num_pp", "train_pairs": 12},
+    "metrics": {"val/odds": 2.5, "val/iia": 0.75},
+    "command": "lit-interventions fit --config configs/das.yaml --model.layer 3",
+}
 
 
 def _das(d=16, k=2) -> RotatedSpaceIntervention:
@@ -32,10 +38,17 @@ def _das(d=16, k=2) -> RotatedSpaceIntervention:
 def _dictionary(model: str, d: int = 32) -> Dictionary:
     names = ["dogs", "giving", "rent"]
     vectors = torch.nn.functional.normalize(torch.randn(3, d, generator=torch.Generator().manual_seed(0)), dim=-1)
-    return Dictionary(vectors=vectors, max_activations=torch.tensor([2.0, 3.0, 1.5]), concepts=names, model=model,
-                      layer=1, method="diffmean", training_data="builtin",
-                      auroc={"mean": 0.8, "per_concept": {n: 0.8 for n in names}},
-                      card={"model_type": "llama", "command": "lit-interventions fit --config configs/diffmean.yaml"})  # fmt: skip
+    return Dictionary(
+        vectors=vectors,
+        max_activations=torch.tensor([2.0, 3.0, 1.5]),
+        concepts=names,
+        model=model,
+        layer=1,
+        method="diffmean",
+        training_data="builtin",
+        auroc={"mean": 0.8, "per_concept": {n: 0.8 for n in names}},
+        card={"model_type": "llama", "command": "lit-interventions fit --config configs/diffmean.yaml"},
+    )
 
 
 def _same_outputs(a, b, d=16):
@@ -101,6 +114,7 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
     assert calls[0][0] == "someone/das-agr" and calls[0][1]["revision"] == "v1"
     assert calls[0][1]["library_name"] == "lit-interventions"
     assert type(hub.from_pretrained("someone/das-agr")) is RotatedSpaceIntervention and len(calls) == 2
+
     def offline(repo_id, **kwargs):
         raise huggingface_hub.errors.LocalEntryNotFoundError("no cached copy and the hub is unreachable")
 
@@ -161,7 +175,9 @@ def test_dictionary_round_trip_equal_outputs(tmp_path, tiny_lm_dir, tokenizer):
     assert loaded.card == d.card  # what config.json adds is not carried into the card
     texts = ["My dog chased the ball.", "Rent a van."]
     lm = load_lm(lm_dir)
-    torch.testing.assert_close(loaded.detect(texts, lm=lm, tokenizer=tokenizer), d.detect(texts, lm=lm, tokenizer=tokenizer))
+    torch.testing.assert_close(
+        loaded.detect(texts, lm=lm, tokenizer=tokenizer), d.detect(texts, lm=lm, tokenizer=tokenizer)
+    )
     assert isinstance(hub.from_pretrained(out), Dictionary)
     # saving what was loaded gives the same files
     again = loaded.save_pretrained(tmp_path / "again")
@@ -177,7 +193,11 @@ def test_dictionary_card_and_old_layout(tmp_path, monkeypatch):
     assert "residual stream after block 1" in card.text and "| `val/auroc` | 0.8 |" in card.text
     assert "lit-interventions fit --config configs/diffmean.yaml" in card.text and "rent" in card.text
     config = json.loads((out / "config.json").read_text())
-    assert config["kind"] == "dictionary" and config["concepts"] == d.concepts and config["weights"] == "dictionary.safetensors"
+    assert (
+        config["kind"] == "dictionary"
+        and config["concepts"] == d.concepts
+        and config["weights"] == "dictionary.safetensors"
+    )
     # the old layout (NAME.safetensors + NAME.json) loads by directory too
     d.save(tmp_path / "old" / "dictionary.safetensors")
     torch.testing.assert_close(Dictionary.from_pretrained(tmp_path / "old").vectors, d.vectors)
@@ -211,12 +231,22 @@ def test_export_dictionary_callback_writes_the_hub_layout(tmp_path, monkeypatch)
     d = _dictionary("smollm2-135m-instruct")
     d.card.pop("command")
     module = SimpleNamespace(to_dictionary=lambda training_data: d)
-    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path), is_global_zero=True,
-                              datamodule=None, state=SimpleNamespace(fn="fit"), logger=None)  # fmt: skip
+    trainer = SimpleNamespace(
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+        is_global_zero=True,
+        datamodule=None,
+        state=SimpleNamespace(fn="fit"),
+        logger=None,
+    )
     monkeypatch.setattr("sys.argv", ["pytest"])
     ExportDictionary().on_fit_end(trainer, module)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "dictionary.json",
-                                                          "dictionary.safetensors"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "README.md",
+        "config.json",
+        "dictionary.json",
+        "dictionary.safetensors",
+    ]
     command = f"lit-interventions fit --config {tmp_path / 'config.yaml'}"
     assert json.loads((tmp_path / "config.json").read_text())["command"] == command
     assert json.loads((tmp_path / "dictionary.json").read_text())["command"] == command

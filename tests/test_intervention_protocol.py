@@ -48,8 +48,12 @@ def _pca():
 
 def _sae():
     g = _g(2)
-    return SAEFeaturizer(torch.randn(4 * D, D, generator=g), torch.randn(4 * D, generator=g),
-                         torch.randn(D, 4 * D, generator=g), torch.randn(D, generator=g))  # fmt: skip
+    return SAEFeaturizer(
+        torch.randn(4 * D, D, generator=g),
+        torch.randn(4 * D, generator=g),
+        torch.randn(D, 4 * D, generator=g),
+        torch.randn(D, generator=g),
+    )
 
 
 def _probe():
@@ -80,15 +84,21 @@ CASES = {
     "pca_empty": (lambda: FeatureInterchange(_pca(), []), {}, True),
     "sae": (lambda: FeatureInterchange(_sae(), [1, 7, 30], keep_error=False), {}, True),
     "full_swap": (FullVectorSwap, {}, True),
-    "dictionary": (lambda: ConceptDictionary(3, D, unit_norm=False, seed=1),
-                   {"concept_id": torch.tensor([0, 2, 1, 2]), "factor": torch.tensor([1.0, -2.0, 0.5, 3.0])}, False),
-    "dictionary_unit": (lambda: ConceptDictionary(3, D, seed=1),
-                        {"concept_id": torch.tensor([1, 1, 0, 2]), "factor": 4.0}, False),
+    "dictionary": (
+        lambda: ConceptDictionary(3, D, unit_norm=False, seed=1),
+        {"concept_id": torch.tensor([0, 2, 1, 2]), "factor": torch.tensor([1.0, -2.0, 0.5, 3.0])},
+        False,
+    ),
+    "dictionary_unit": (
+        lambda: ConceptDictionary(3, D, seed=1),
+        {"concept_id": torch.tensor([1, 1, 0, 2]), "factor": 4.0},
+        False,
+    ),
     "loreft": (lambda: LoReFTIntervention(D, rank=2), {}, False),
     "pgd": (lambda: GradientAttack(_probe(), epsilon=0.3, steps=5), {"target": TARGET}, False),
     "fgsm": (lambda: GradientAttack.fgsm(_probe(), epsilon=0.3, targeted=False), {"target": TARGET}, False),
     "random_sign": (lambda: RandomSignIntervention(0.2, seed=7), {}, False),
-}  # fmt: skip
+}
 SHOULD_TRAIN = {"das", "dbm", "dictionary", "dictionary_unit", "loreft"}
 
 
@@ -107,7 +117,9 @@ def test_satisfies_the_protocol_and_round_trips_through_files(name, tmp_path):
     module = build()
     assert isinstance(module, InterventionProtocol)
     path = save_intervention(tmp_path, module, {"method": name})
-    assert path == tmp_path / WEIGHTS and sorted(p.name for p in tmp_path.iterdir()) == sorted([WEIGHTS, CARD])  # no temp left
+    assert path == tmp_path / WEIGHTS and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [WEIGHTS, CARD]
+    )  # no temp left
     loaded, card = load_intervention(tmp_path)
     assert type(loaded) is type(module) and card["method"] == name and card["config"] == module.config()
     assert card["class_path"].endswith(type(module).__qualname__)
@@ -186,8 +198,13 @@ def test_a_card_without_class_path_is_refused_by_name(tmp_path):
 
 def _fake_fit(tmp_path, intervention, method):
     metrics = {"val/odds": torch.tensor(2.5), "val/nan": torch.tensor(float("nan"))}  # NaN metrics are left out
-    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path), is_global_zero=True,
-                              datamodule=None, callback_metrics=metrics)  # fmt: skip
+    trainer = SimpleNamespace(
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+        is_global_zero=True,
+        datamodule=None,
+        callback_metrics=metrics,
+    )
     module = SimpleNamespace(intervention=intervention, hparams=AttributeDict(method=method, lm="tiny", layer=1, k=3))
     ExportIntervention().on_fit_end(trainer, module)
 
@@ -211,10 +228,15 @@ def test_export_callback_skips_what_exports_nothing(intervention, tmp_path):
 
 
 def test_interventions_import_no_lightning():
-    code = ("import sys, importlib; [importlib.import_module(f'lit_interventions.interventions.{m}') for m in "
-            "('base', 'rotation', 'mask', 'featurizers', 'additive', 'loreft', 'attacks', 'directions')]; "
-            "print(any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules))")  # fmt: skip
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    code = (
+        "import sys, importlib; [importlib.import_module(f'lit_interventions.interventions.{m}') for m in "
+        "('base', 'rotation', 'mask', 'featurizers', 'additive', 'loreft', 'attacks', 'directions')]; "
+        "print(any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules))"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 def test_damaged_intervention_files_name_their_path(tmp_path):

@@ -9,7 +9,6 @@ import urllib.request
 import pytest
 
 from lit_interventions.judge_server import make_server, serve_in_background
-from tests.helpers import free_port as _free_port
 from lit_interventions.metrics.judge import (
     PROMPTS,
     OpenAIJudge,
@@ -18,6 +17,7 @@ from lit_interventions.metrics.judge import (
     make_judge,
     parse_rating,
 )
+from tests.helpers import free_port as _free_port
 
 
 def test_harmonic_mean_by_hand():
@@ -28,38 +28,44 @@ def test_harmonic_mean_by_hand():
     assert harmonic_mean(0, 2, 2) == 0.0 and harmonic_mean(2, 2, 0) == 0.0
 
 
-@pytest.mark.parametrize("reply, expected", [
-    ("The concept appears twice.\nRating: [[2]]", 2.0),
-    ("Rating: [[ 1 ]]", 1.0),
-    ("reason... Rating: [[0]] and later Rating: [[2]]", 0.0),  # the first rating wins
-    ("**Rating:** 1", 1.0),
-    ("Rating: 2\nmore text", 2.0),
-    ("rating of 1.5", 1.5),
-    ("2", 2.0),
-    (" 1. ", 1.0),
-    ("Rating: [[3]]", None),  # out of range
-    ("The concept is absent.", None),
-    ("", None),
-    (None, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("The concept appears twice.\nRating: [[2]]", 2.0),
+        ("Rating: [[ 1 ]]", 1.0),
+        ("reason... Rating: [[0]] and later Rating: [[2]]", 0.0),  # the first rating wins
+        ("**Rating:** 1", 1.0),
+        ("Rating: 2\nmore text", 2.0),
+        ("rating of 1.5", 1.5),
+        ("2", 2.0),
+        (" 1. ", 1.0),
+        ("Rating: [[3]]", None),  # out of range
+        ("The concept is absent.", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_parse_rating_lenient(reply, expected):
     assert parse_rating(reply, "lenient") == expected
 
 
-@pytest.mark.parametrize("reply, expected", [
-    ("The concept appears twice.\nRating: [[2]]", 2.0),
-    ("Rating: [[ 1 ]]", 1.0),
-    ("reason... Rating: [[0]] and later Rating: [[2]]", 2.0),  # AxBench: the LAST "Rating:" wins
-    ("Rating: [[1]]\nOn reflection:\nRating: [[0]]", 0.0),
-    ("Rating: 2.\nmore text", 2.0),
-    ('Rating: "1"', 1.0),
-    ("**Rating:** 1", 1.0),  # "** 1": asterisks stripped
-    ("rating of 1.5", None),  # no "Rating:"
-    ("2", None),
-    ("Rating: [[3]]", None),  # out of range
-    ("", None),
-    (None, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("The concept appears twice.\nRating: [[2]]", 2.0),
+        ("Rating: [[ 1 ]]", 1.0),
+        ("reason... Rating: [[0]] and later Rating: [[2]]", 2.0),  # AxBench: the LAST "Rating:" wins
+        ("Rating: [[1]]\nOn reflection:\nRating: [[0]]", 0.0),
+        ("Rating: 2.\nmore text", 2.0),
+        ('Rating: "1"', 1.0),
+        ("**Rating:** 1", 1.0),  # "** 1": asterisks stripped
+        ("rating of 1.5", None),  # no "Rating:"
+        ("2", None),
+        ("Rating: [[3]]", None),  # out of range
+        ("", None),
+        (None, None),
+    ],
+)
 def test_parse_rating_as_axbench_takes_the_last_rating(reply, expected):
     assert parse_rating(reply) == expected
 
@@ -73,9 +79,12 @@ def test_default_prompts_carry_axbench_criteria():
     assert "coherence" in OUR_PROMPTS["fluency"].lower() and "disregard" not in OUR_PROMPTS["fluency"].lower()
     assert "regardless of grammar, coherence or informativeness" in PROMPTS["instruct"]
     assert "not at grammar or logical coherence" in PROMPTS["concept"]
-    for aspect, fields in (("concept", ("{concept}", "{response}")), ("instruct", ("{instruction}", "{response}")),
-                           ("fluency", ("{response}",))):  # fmt: skip
-        assert all(f in PROMPTS[aspect] for f in fields) and 'Rating: [[score]]' in PROMPTS[aspect]
+    for aspect, fields in (
+        ("concept", ("{concept}", "{response}")),
+        ("instruct", ("{instruction}", "{response}")),
+        ("fluency", ("{response}",)),
+    ):
+        assert all(f in PROMPTS[aspect] for f in fields) and "Rating: [[score]]" in PROMPTS[aspect]
 
 
 def test_make_judge_sets_prompt_style_and_parsing():
@@ -173,8 +182,9 @@ def test_openai_judge_against_loopback_server_with_tiny_lm(loopback, tiny_lm_dir
     base_url = loopback(lm, max_new_tokens=6)
     # the raw HTTP exchange has the OpenAI shape
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "The dog is here."}], "max_tokens": 4})
-    request = urllib.request.Request(base_url + "/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        base_url + "/chat/completions", data=body.encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         payload = json.loads(response.read())
     assert payload["object"] == "chat.completion" and payload["model"] == "tiny"
@@ -202,15 +212,23 @@ def test_openai_judge_against_loopback_smollm2(loopback, caplog):
     base_url = loopback("smollm2-135m-instruct", max_new_tokens=40)
     # the server/client loop is under test, not the prompts: a 135M model follows our shorter
     # prompts' "[[N]]" format; AxBench's (the default) it often answers out of range ("Rating: 3.5")
-    judge = make_judge("openai", base_url=base_url, model="smollm2-135m-instruct", max_tokens=40,
-                       prompt_style="ours", parsing="lenient")  # fmt: skip
+    judge = make_judge(
+        "openai",
+        base_url=base_url,
+        model="smollm2-135m-instruct",
+        max_tokens=40,
+        prompt_style="ours",
+        parsing="lenient",
+    )
     judge.check()
     scores = judge.score(
         ["dogs", "the ocean"],
         ["Write a short poem about the sea."] * 2,
-        ["The waves roll in; a dog barks on the shore and a puppy runs along the sand.",
-         "The ocean is deep and blue, and its waves crash on the shore."],
-    )  # fmt: skip
+        [
+            "The waves roll in; a dog barks on the shore and a puppy runs along the sand.",
+            "The ocean is deep and blue, and its waves crash on the shore.",
+        ],
+    )
     ratings = [parse_rating(r, parsing="lenient") for s in scores for r in s.replies.values()]
     assert sum(r is not None for r in ratings) >= 1, [s.replies for s in scores]
     print("smollm2 ratings:", ratings)
@@ -227,9 +245,11 @@ def test_local_probability_judge_is_the_expected_rating(tiny_lm_dir, tokenizer):
     assert isinstance(judge, LocalJudge) and judge.rating == "probability"
     scores = judge.score(["dogs", "dogs"], ["Write a poem.", "Tell me a story."], ["The dog is here.", "give the dog"])
     digits = [tokenizer(d, add_special_tokens=False)["input_ids"][0] for d in "012"]
-    prompts = [PROMPTS[a].format(concept="dogs", instruction=i, response=r)
-               for i, r in (("Write a poem.", "The dog is here."), ("Tell me a story.", "give the dog"))
-               for a in ("concept", "instruct", "fluency")]  # fmt: skip
+    prompts = [
+        PROMPTS[a].format(concept="dogs", instruction=i, response=r)
+        for i, r in (("Write a poem.", "The dog is here."), ("Tell me a story.", "give the dog"))
+        for a in ("concept", "instruct", "fluency")
+    ]
     for k, prompt in enumerate(prompts):
         ids = torch.tensor([tokenizer(chat_prompt(tokenizer, prompt) + "Rating: [[")["input_ids"]])
         with torch.no_grad():
@@ -239,8 +259,9 @@ def test_local_probability_judge_is_the_expected_rating(tiny_lm_dir, tokenizer):
         got = (score.concept_score, score.instruct_score, score.fluency_score)[k % 3]
         assert got == pytest.approx(expected, abs=1e-3)
         assert 0.0 < got < 2.0
-    assert scores[0].overall == pytest.approx(harmonic_mean(scores[0].concept_score, scores[0].instruct_score,
-                                                            scores[0].fluency_score))  # fmt: skip
+    assert scores[0].overall == pytest.approx(
+        harmonic_mean(scores[0].concept_score, scores[0].instruct_score, scores[0].fluency_score)
+    )
     with pytest.raises(ValueError, match="rating='vote'"):
         make_judge("local", lm=tiny_lm_dir("llama"), rating="vote")
 
@@ -262,5 +283,5 @@ def test_long_prompts_lose_their_start_not_the_assistant_header(tiny_lm, tokeniz
     finally:
         del model.generate
     end = tokenizer(" Assistant:", add_special_tokens=False)["input_ids"]
-    assert seen[0].shape[1] == 6 and seen[0][0, -len(end):].tolist() == end
+    assert seen[0].shape[1] == 6 and seen[0][0, -len(end) :].tolist() == end
     assert len(replies) == 2 and tokenizer.truncation_side == "right"  # restored

@@ -63,8 +63,14 @@ def test_random_lm_of_a_published_shape_loads_and_runs(tmp_path, tiny_lm_dir):
     spec = importlib.util.spec_from_file_location("random_lm", path)
     random_lm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(random_lm)
-    out = random_lm.write_random_lm("pythia-1b", tmp_path / "lm", tokenizer=tiny_lm_dir("llama"),
-                                    num_hidden_layers=2, hidden_size=64, intermediate_size=256)  # fmt: skip
+    out = random_lm.write_random_lm(
+        "pythia-1b",
+        tmp_path / "lm",
+        tokenizer=tiny_lm_dir("llama"),
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=256,
+    )
     model = lm.load_lm(str(out))
     config = model.config
     assert (config.model_type, config.num_attention_heads) == ("gpt_neox", 8)

@@ -17,10 +17,21 @@ import train
 
 
 def _fit(tmp_path, lm_dir, *extra):
-    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
-            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
-            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false", "--trainer.max_epochs=2",
-            "--trainer.log_every_n_steps=1", *extra]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        "configs/das.yaml",
+        f"--model.lm={lm_dir}",
+        "--model.layer=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.train_pairs=12",
+        "--data.eval_pairs=4",
+        "--trainer.val_check_interval=1.0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.max_epochs=2",
+        "--trainer.log_every_n_steps=1",
+        *extra,
+    ]
     return train.main(args=args)
 
 
@@ -29,8 +40,13 @@ def test_csv_logger_writes_metrics_csv_and_the_artifact(tmp_path, tiny_lm_dir):
 
     from lit_interventions.hub import from_pretrained
 
-    cli = _fit(tmp_path, tiny_lm_dir("gpt_neox"), "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-               f"--trainer.logger.save_dir={tmp_path / 'csv'}", "--trainer.logger.name=das")  # fmt: skip
+    cli = _fit(
+        tmp_path,
+        tiny_lm_dir("gpt_neox"),
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={tmp_path / 'csv'}",
+        "--trainer.logger.name=das",
+    )
     logger = cli.trainer.logger
     assert isinstance(logger, CSVLogger)  # the CLI kept the logger given, no TensorBoard one added
     assert len(cli.trainer.loggers) == 1
@@ -57,17 +73,29 @@ def test_wandb_logger_offline(tmp_path, tiny_lm_dir, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="wandb is not installed: pip install 'lit-interventions[wandb]'")
     from lightning.pytorch.loggers import WandbLogger
 
-    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path),
-                        "WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
-                        "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off"}.items():  # fmt: skip
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_CONSOLE": "off",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     save_dir = tmp_path / "wandb-runs"
     save_dir.mkdir()
     try:
-        cli = _fit(tmp_path, tiny_lm_dir("gpt_neox"), "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
-                   "--trainer.logger.offline=true", "--trainer.logger.project=lit-interventions",
-                   f"--trainer.logger.save_dir={save_dir}", "--trainer.logger.name=das-tiny")  # fmt: skip
+        cli = _fit(
+            tmp_path,
+            tiny_lm_dir("gpt_neox"),
+            "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
+            "--trainer.logger.offline=true",
+            "--trainer.logger.project=lit-interventions",
+            f"--trainer.logger.save_dir={save_dir}",
+            "--trainer.logger.name=das-tiny",
+        )
         assert isinstance(cli.trainer.logger, WandbLogger) and len(cli.trainer.loggers) == 1
         run = cli.trainer.logger.experiment
         assert run.offline and run.name == "das-tiny"

@@ -64,9 +64,16 @@ def _batches(tokenizer, n=8, length=24):
     rows = []
     for i in range(n):
         response = torch.zeros(len(ids), dtype=torch.long)
-        response[len(ids) // 3:] = 1
-        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": response,
-                     "label": torch.tensor(int(i % 4 != 3)), "concept_id": torch.tensor(0)})  # fmt: skip
+        response[len(ids) // 3 :] = 1
+        rows.append(
+            {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "response_mask": response,
+                "label": torch.tensor(int(i % 4 != 3)),
+                "concept_id": torch.tensor(0),
+            }
+        )
     return DataLoader(rows, batch_size=4)
 
 
@@ -84,9 +91,17 @@ def test_lm_loss_ignores_negative_rows(tiny_lm, tokenizer):
 
 def _fit(module, loader, tmp_path, steps=30):
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1, default_root_dir=tmp_path,
-                        limit_val_batches=0)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        limit_val_batches=0,
+    )
     trainer.fit(module, train_dataloaders=loader)
     return trainer
 
@@ -106,8 +121,9 @@ def test_validation_loss_is_the_token_mean_over_the_split(tiny_lm_dir, tokenizer
     module = LoReFTModule(lm=tiny_lm_dir("llama"), layer=2, rank=4)
     torch.nn.init.normal_(module.intervention.source.weight)  # a steering that changes the loss
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-    losses = [trainer.validate(module, DataLoader(rows, batch_size=size), verbose=False)[0]["val/loss"]
-              for size in (6, 4, 1)]  # fmt: skip
+    losses = [
+        trainer.validate(module, DataLoader(rows, batch_size=size), verbose=False)[0]["val/loss"] for size in (6, 4, 1)
+    ]
     with torch.no_grad():
         whole = float(module.loss(next(iter(DataLoader(rows, batch_size=6)))))
     assert losses == pytest.approx([whole] * 3, rel=1e-5)
@@ -124,8 +140,10 @@ def test_loreft_training_lowers_lm_loss_and_saves_only_the_intervention(tiny_lm_
     assert after < before - 0.3 and after < clean - 0.3, (clean, before, after)
     assert all(k.startswith("intervention.") for k in module.state_dict())
     assert {k for k, _ in module.named_parameters() if _.requires_grad} == {
-        "intervention.rotate.parametrizations.weight.original", "intervention.source.weight",
-        "intervention.source.bias"}  # fmt: skip
+        "intervention.rotate.parametrizations.weight.original",
+        "intervention.source.weight",
+        "intervention.source.bias",
+    }
     tensors = load_file(tmp_path / "intervention.safetensors")
     assert {k: tuple(v.shape) for k, v in tensors.items()} == {"rotation": (4, 32), "weight": (4, 32), "bias": (4,)}
     loaded = load_steering_checkpoint(tmp_path)
@@ -156,7 +174,9 @@ def test_lora_adapter_on_o_proj_changes_output_and_saves_only_adapter(tiny_lm_di
     assert abs(float(lm_loss(load_lm(lm), next(iter(loader)))) - clean) < 1e-6  # shared LM untouched
 
 
-@pytest.mark.parametrize("arch, target", [("gpt2", "attn.c_proj"), ("gpt_neox", "attention.dense"), ("gemma3", "o_proj")])
+@pytest.mark.parametrize(
+    "arch, target", [("gpt2", "attn.c_proj"), ("gpt_neox", "attention.dense"), ("gemma3", "o_proj")]
+)
 def test_lora_target_is_the_attention_output_projection(tiny_lm, arch, target):
     assert attention_output_modules(tiny_lm(arch)) == [target]
 

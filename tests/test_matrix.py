@@ -16,8 +16,18 @@ COMMON = ["--trainer.enable_progress_bar=false", "--trainer.max_epochs=1"]
 def _fit(config, tmp_path, lm, *extra):
     import train
 
-    return train.main(args=["fit", "--config", config, f"--model.lm={lm}", "--model.layer=1",
-                            f"--trainer.default_root_dir={tmp_path}", *COMMON, *extra])  # fmt: skip
+    return train.main(
+        args=[
+            "fit",
+            "--config",
+            config,
+            f"--model.lm={lm}",
+            "--model.layer=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            *COMMON,
+            *extra,
+        ]
+    )
 
 
 def test_dbm_on_causalgym_trains_a_mask_scored_by_odds(tmp_path, tiny_lm_dir):
@@ -35,14 +45,19 @@ def test_dbm_on_causalgym_trains_a_mask_scored_by_odds(tmp_path, tiny_lm_dir):
 @pytest.mark.parametrize("method", ["diffmean", "probe"])
 def test_directions_on_ravel_from_yaml(method, tmp_path, tiny_lm_dir, monkeypatch):
     from datamodules.ravel import RavelDataModule
-
     from tests.test_ravel_data import oracle
 
     lm = tiny_lm_dir("llama")
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=lm).data.entities)))
-    cli = _fit(f"configs/ravel/{method}.yaml", tmp_path, lm, "--data.train_size=32", "--data.eval_size=16",
-               "--data.max_candidates=40")  # fmt: skip
+    cli = _fit(
+        f"configs/ravel/{method}.yaml",
+        tmp_path,
+        lm,
+        "--data.train_size=32",
+        "--data.eval_size=16",
+        "--data.max_candidates=40",
+    )
     basis = cli.model.intervention.basis
     assert basis.shape[1] == 32 and 1 <= basis.shape[0] <= 8
     torch.testing.assert_close(basis @ basis.T, torch.eye(basis.shape[0]), atol=1e-5, rtol=0)
@@ -98,13 +113,27 @@ def test_data_without_iso_pairs_is_refused_for_a_multitask_objective(tmp_path, t
     assert err.startswith("error: ") and "set --data.multitask true" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("overrides,kind", [
-    (["--model.intervention=lit_interventions.interventions.fitted.DirectionInterchange",
-      "--model.intervention.method=probe"], "direction"),
-    (["--model.intervention=lit_interventions.interventions.fitted.FeatureInterchangeFit"], "featurizer"),
-    (["--model.objective=lit_interventions.objectives.CauseIsoLoss", "--model.objective.multitask=true",
-      "--data.multitask=true"], "mdbm"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides,kind",
+    [
+        (
+            [
+                "--model.intervention=lit_interventions.interventions.fitted.DirectionInterchange",
+                "--model.intervention.method=probe",
+            ],
+            "direction",
+        ),
+        (["--model.intervention=lit_interventions.interventions.fitted.FeatureInterchangeFit"], "featurizer"),
+        (
+            [
+                "--model.objective=lit_interventions.objectives.CauseIsoLoss",
+                "--model.objective.multitask=true",
+                "--data.multitask=true",
+            ],
+            "mdbm",
+        ),
+    ],
+)
 def test_other_cells_from_the_command_line_alone(overrides, kind, tmp_path, tiny_lm_dir):
     """Any intervention and objective on CausalGym by naming classes: a probe direction, the PCA
     featurizer, and MDBM (the DBM config with the multi-task objective)."""
@@ -129,8 +158,10 @@ def test_fitted_interventions_export_and_reload(tmp_path):
     states = torch.randn(80, 8, generator=g)
     labels = ["a" if x > 0 else "b" for x in states[:, 0]]
     base, source = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
-    for fitted in (DirectionInterchange(8, method="probe").fit(states, labels),
-                   FeatureInterchangeFit(8).fit(states, labels)):  # fmt: skip
+    for fitted in (
+        DirectionInterchange(8, method="probe").fit(states, labels),
+        FeatureInterchangeFit(8).fit(states, labels),
+    ):
         save_intervention(tmp_path / type(fitted).__name__, fitted, {})
         loaded, card = load_intervention(tmp_path / type(fitted).__name__)
         torch.testing.assert_close(loaded(base, source), fitted(base, source))
@@ -142,23 +173,39 @@ def test_das_at_a_sub_block_component(tmp_path, tiny_lm_dir):
     interchange written by hand at the real MLP module with the trained basis."""
     from lit_interventions.sites import logits_at, read_site
 
-    cli = _fit("configs/das_mlp.yaml", tmp_path, tiny_lm_dir("gpt_neox"), "--data.train_pairs=24", "--data.eval_pairs=8")
+    cli = _fit(
+        "configs/das_mlp.yaml", tmp_path, tiny_lm_dir("gpt_neox"), "--data.train_pairs=24", "--data.eval_pairs=8"
+    )
     module = cli.model
     assert module.component == "mlp_output" and not module.hparams.cache
     assert Path(cli.trainer.log_dir).parent.name == "layer1_mlp_output"
     batch = next(iter(cli.datamodule.loader("dev", 16)))
     W = module.intervention.basis.detach()  # (1, d)
     mlp = module.lm.gpt_neox.layers[1].mlp
-    source = read_site(module.lm, 1, batch["source_input_ids"], batch["source_attention_mask"], batch["source_pos"],
-                       component="mlp_output")  # fmt: skip
+    source = read_site(
+        module.lm,
+        1,
+        batch["source_input_ids"],
+        batch["source_attention_mask"],
+        batch["source_pos"],
+        component="mlp_output",
+    )
     captured = {}
     handle = mlp.register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
     module.lm(input_ids=batch["source_input_ids"], attention_mask=batch["source_attention_mask"])
     handle.remove()
     rows = torch.arange(len(source))
     torch.testing.assert_close(source, captured["h"][rows, batch["source_pos"]])  # the real MLP's output
-    edited = logits_at(module.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"], 1,
-                       batch["base_pos"], lambda b: b + (source - b) @ W.T @ W, component="mlp_output")  # fmt: skip
+    edited = logits_at(
+        module.lm,
+        batch["base_input_ids"],
+        batch["base_attention_mask"],
+        batch["base_last"],
+        1,
+        batch["base_pos"],
+        lambda b: b + (source - b) @ W.T @ W,
+        component="mlp_output",
+    )
     torch.testing.assert_close(module.intervened_logits(batch), edited)
     assert (edited - module.clean_logits(batch)).abs().max() > 1e-4  # the edit changes the output
 
@@ -168,8 +215,14 @@ def test_two_sites_composed(tmp_path, tiny_lm_dir):
     one forward; each part trains; the composition equals both edits applied by hand."""
     from lit_interventions.interventions.base import load_intervention
 
-    cli = _fit("configs/das_two_sites.yaml", tmp_path, tiny_lm_dir("llama"), "--data.train_pairs=24",
-               "--data.eval_pairs=8", '--model.sites=[{"layer": 0, "region": "subject"}, {"layer": 1, "region": "object"}]')  # fmt: skip
+    cli = _fit(
+        "configs/das_two_sites.yaml",
+        tmp_path,
+        tiny_lm_dir("llama"),
+        "--data.train_pairs=24",
+        "--data.eval_pairs=8",
+        '--model.sites=[{"layer": 0, "region": "subject"}, {"layer": 1, "region": "object"}]',
+    )
     module = cli.model
     first, second = module.intervention.parts
     assert not torch.allclose(first.basis, second.basis)  # two subspaces, trained apart

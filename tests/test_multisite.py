@@ -14,29 +14,39 @@ REGIONS = ["subject", "the", "object"]
 
 
 def _trainer():
-    return L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+    return L.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
 
 
 def _datas(lm_dir, padding_side="right", pairs=10):
     datas = {}
     for region in REGIONS:
-        datas[region] = CausalGymDataModule(task="agr_sv_num_pp", lm=lm_dir, region=region, train_pairs=pairs,
-                                            eval_pairs=2, padding_side=padding_side)  # fmt: skip
+        datas[region] = CausalGymDataModule(
+            task="agr_sv_num_pp", lm=lm_dir, region=region, train_pairs=pairs, eval_pairs=2, padding_side=padding_side
+        )
         datas[region].setup("fit")
     return datas
 
 
 def _train_together(lm_dir, regions, datas, layer=1):
-    module = MultiSiteInterchangeModule(lm=lm_dir, layer=layer, regions=regions, lr=0.05, seed=3,
-                                        padding_side=datas[regions[0]].hparams.padding_side)  # fmt: skip
+    module = MultiSiteInterchangeModule(
+        lm=lm_dir, layer=layer, regions=regions, lr=0.05, seed=3, padding_side=datas[regions[0]].hparams.padding_side
+    )
     _trainer().fit(module.attach(datas))
     return {region: intervention.basis.detach().clone() for (_, region), intervention in module.trained().items()}
 
 
 def _train_sites(lm_dir, sites, datas, cache=True):
-    module = MultiSiteInterchangeModule(lm=lm_dir, sites=sites, lr=0.05, seed=3, cache=cache,
-                                        padding_side=datas[sites[0][1]].hparams.padding_side)  # fmt: skip
+    module = MultiSiteInterchangeModule(
+        lm=lm_dir, sites=sites, lr=0.05, seed=3, cache=cache, padding_side=datas[sites[0][1]].hparams.padding_side
+    )
     _trainer().fit(module.attach(datas))
     return {site: intervention.basis.detach().clone() for site, intervention in module.trained().items()}, module
 
@@ -63,17 +73,25 @@ def test_stacked_batch_keeps_each_row(tiny_lm_dir):
     datas = _datas(tiny_lm_dir("llama"), padding_side="left", pairs=4)
     parts = [next(iter(datas[region].loader("train", 3))) for region in ("subject", "object")]
     # the second batch's bases are one column narrower, the first batch's sources are
-    parts[1] = {k: (v[:, 1:] if k.startswith("base") and torch.is_tensor(v) and v.dim() == 2 else v) for k, v in parts[1].items()}
+    parts[1] = {
+        k: (v[:, 1:] if k.startswith("base") and torch.is_tensor(v) and v.dim() == 2 else v)
+        for k, v in parts[1].items()
+    }
     parts[1]["base_pos"], parts[1]["base_last"] = parts[1]["base_pos"] - 1, parts[1]["base_last"] - 1
-    parts[0] = {k: (v[:, 1:] if k.startswith("source") and torch.is_tensor(v) and v.dim() == 2 else v) for k, v in parts[0].items()}
+    parts[0] = {
+        k: (v[:, 1:] if k.startswith("source") and torch.is_tensor(v) and v.dim() == 2 else v)
+        for k, v in parts[0].items()
+    }
     parts[0]["source_pos"], parts[0]["source_last"] = parts[0]["source_pos"] - 1, parts[0]["source_last"] - 1
     stacked = stack_batches(parts, "left")
     for side, narrow, wide in (("base", 1, 0), ("source", 0, 1)):
         assert stacked[f"{side}_input_ids"].shape == (6, parts[wide][f"{side}_input_ids"].shape[1])
         # the narrower batch is padded on the left: its positions shift by one and still point at the same tokens
         rows = torch.arange(3) + 3 * narrow
-        torch.testing.assert_close(stacked[f"{side}_input_ids"][rows, stacked[f"{side}_pos"][rows]],
-                                   parts[narrow][f"{side}_input_ids"][torch.arange(3), parts[narrow][f"{side}_pos"]])  # fmt: skip
+        torch.testing.assert_close(
+            stacked[f"{side}_input_ids"][rows, stacked[f"{side}_pos"][rows]],
+            parts[narrow][f"{side}_input_ids"][torch.arange(3), parts[narrow][f"{side}_pos"]],
+        )
         assert stacked[f"{side}_keys"][0][3 * narrow : 3 * narrow + 3] == parts[narrow][f"{side}_keys"][0]
         assert stacked[f"{side}_keys"][1][3 * narrow] == parts[narrow][f"{side}_keys"][1][0] + 1
 

@@ -23,7 +23,9 @@ def test_equals_the_float_cross_entropy_and_its_gradient(dtype, rows):
     (ref * weights).sum().backward()
     assert ours.dtype == torch.float32 and ours_in.grad.dtype == dtype
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(ours_in.grad.float(), ref_in.grad.float(), rtol=0, atol=2e-6 if dtype == torch.float32 else 4e-3)
+    torch.testing.assert_close(
+        ours_in.grad.float(), ref_in.grad.float(), rtol=0, atol=2e-6 if dtype == torch.float32 else 4e-3
+    )
     # by hand, in float64: −log softmax(z)_y
     exact = torch.logsumexp(logits.double(), -1) - logits.double()[torch.arange(rows), labels]
     torch.testing.assert_close(ours.double(), exact, rtol=1e-6, atol=1e-5)

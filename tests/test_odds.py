@@ -27,9 +27,9 @@ def test_log_odds_ratio_from_probabilities():
     for i in range(3):
         b, s = Y_BASE[i], Y_SOURCE[i]
         by_definition = math.log((p[i, b] / p[i, s]) * (q[i, s] / q[i, b]))
-        assert log_odds_ratio(BASE[i : i + 1], INTERVENED[i : i + 1], Y_BASE[i : i + 1], Y_SOURCE[i : i + 1]).item() == (
-            pytest.approx(by_definition, abs=1e-5)
-        )
+        assert log_odds_ratio(
+            BASE[i : i + 1], INTERVENED[i : i + 1], Y_BASE[i : i + 1], Y_SOURCE[i : i + 1]
+        ).item() == (pytest.approx(by_definition, abs=1e-5))
 
 
 def test_no_effect_gives_zero():

@@ -9,8 +9,20 @@ import pytest
 
 from lit_interventions.plots import DPI, heatmap_figure, odds_heatmap
 
-REGIONS = ["subject", "verb_phrase", "object_noun", "attractor_np", "prefix", "s2", "s3", "s4", "s5", "main_verb",
-           "object", "end"]  # fmt: skip
+REGIONS = [
+    "subject",
+    "verb_phrase",
+    "object_noun",
+    "attractor_np",
+    "prefix",
+    "s2",
+    "s3",
+    "s4",
+    "s5",
+    "main_verb",
+    "object",
+    "end",
+]
 TITLE = "agr_sv_num_pp · das · overall odds 2.31"
 
 
@@ -21,15 +33,19 @@ def _odds(layers: int, regions: int) -> np.ndarray:
 
 
 def _boxes_apart(boxes) -> bool:
-    return all(a.x1 <= b.x0 + 1 or b.x1 <= a.x0 + 1 or a.y1 <= b.y0 + 1 or b.y1 <= a.y0 + 1
-               for i, a in enumerate(boxes) for b in boxes[i + 1 :])  # fmt: skip
+    return all(
+        a.x1 <= b.x0 + 1 or b.x1 <= a.x0 + 1 or a.y1 <= b.y0 + 1 or b.y1 <= a.y0 + 1
+        for i, a in enumerate(boxes)
+        for b in boxes[i + 1 :]
+    )
 
 
 def test_png_grows_with_the_grid(tmp_path):
     sizes = {}
     for layers, regions in [(1, 5), (2, 5), (18, 12)]:
-        path = odds_heatmap(_odds(layers, regions), list(range(layers)), REGIONS[:regions], TITLE,
-                            tmp_path / f"{layers}x{regions}.png")  # fmt: skip
+        path = odds_heatmap(
+            _odds(layers, regions), list(range(layers)), REGIONS[:regions], TITLE, tmp_path / f"{layers}x{regions}.png"
+        )
         height, width = matplotlib.image.imread(path).shape[:2]
         sizes[layers, regions] = width, height
     assert sizes[1, 5][1] < sizes[2, 5][1] < sizes[18, 12][1]  # taller with more layers

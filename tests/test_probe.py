@@ -45,7 +45,9 @@ def test_probe_standardises_raw_scale():
     """Representations with a large scale (like Gemma's residual stream) train as well as unit-scale ones."""
     train, val = _blobs(200, 8, 3, 0), _blobs(100, 8, 3, 1)
     scaled = lambda split: (split[0] * 500 + 1000, split[1])  # noqa: E731
-    probe = train_probe(ProbeModule(["a", "b", "c"], "toy", 0, 8, kind="linear", lr=1e-2), scaled(train), scaled(val), epochs=5)
+    probe = train_probe(
+        ProbeModule(["a", "b", "c"], "toy", 0, 8, kind="linear", lr=1e-2), scaled(train), scaled(val), epochs=5
+    )
     assert probe.best_val_acc > 0.9
 
 

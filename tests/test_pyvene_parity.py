@@ -37,11 +37,16 @@ def test_matches_pyvene_low_rank_rotation(tiny_lm, arch, component, layer, k):
     torch.testing.assert_close(pv_intervention.rotate_layer.weight, ours.basis.detach().T)
 
     locations = {"sources->base": ([[[p] for p in source_pos.tolist()]], [[[p] for p in base_pos.tolist()]])}
-    _, pv_out = intervenable({"input_ids": base, "attention_mask": mask}, [{"input_ids": source, "attention_mask": mask}],
-                             unit_locations=locations)  # fmt: skip
+    _, pv_out = intervenable(
+        {"input_ids": base, "attention_mask": mask},
+        [{"input_ids": source, "attention_mask": mask}],
+        unit_locations=locations,
+    )
     last = torch.full((3,), 5)
     source_state = read_site(model, layer, source, mask, source_pos, component=component)
-    our_logits = logits_at(model, base, mask, last, layer, base_pos, lambda h: ours(h, source_state), component=component)
+    our_logits = logits_at(
+        model, base, mask, last, layer, base_pos, lambda h: ours(h, source_state), component=component
+    )
     torch.testing.assert_close(our_logits, pv_out.logits[:, -1], rtol=1e-4, atol=1e-5)
     clean = logits_at(model, base, mask, last)
     assert (our_logits - clean).abs().max() > 1e-4  # the intervention did something

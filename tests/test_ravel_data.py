@@ -51,10 +51,13 @@ def module(monkeypatch, tiny_lm_dir, tmp_path):
 # -- files ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("entity_type", "attributes", "n"), [
-    ("city", ["Country", "Continent", "Language"], 120),
-    ("physical_object", ["Category", "Color", "Size", "Texture"], 60),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("entity_type", "attributes", "n"),
+    [
+        ("city", ["Country", "Continent", "Language"], 120),
+        ("physical_object", ["Category", "Color", "Size", "Texture"], 60),
+    ],
+)
 def test_builtin_files_load(entity_type, attributes, n):
     data = load_ravel(None, entity_type)
     assert data.attributes == attributes
@@ -108,14 +111,17 @@ def test_unknown_attribute_lists_the_attributes():
         load_ravel(None, "physical_object").values("Weight")
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"split": "random"}, "split='random'; choose one of entity, context"),
-    ({"source": "news"}, "source='news'; choose one of attribute, wikipedia, mixed"),
-    ({"padding_side": "middle"}, "padding_side='middle'"),
-    ({"train_size": 0}, "train_size=0 must be a positive integer"),
-    ({"max_candidates": -1}, "max_candidates=-1"),
-    ({"cause_label": "source"}, "cause_label='source'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"split": "random"}, "split='random'; choose one of entity, context"),
+        ({"source": "news"}, "source='news'; choose one of attribute, wikipedia, mixed"),
+        ({"padding_side": "middle"}, "padding_side='middle'"),
+        ({"train_size": 0}, "train_size=0 must be a positive integer"),
+        ({"max_candidates": -1}, "max_candidates=-1"),
+        ({"cause_label": "source"}, "cause_label='source'"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RavelDataModule(**kwargs)
@@ -231,8 +237,12 @@ def test_cause_labels_are_the_model_own_answer(tiny_lm_dir, tmp_path, monkeypatc
 
     def predict_next(self, model, queries):  # gold where it knows, the real tiny model's argmax elsewhere
         # (one prompt at a time: the random model's near-tied logits must not depend on the batch)
-        return [real(self, model, [q])[0] if wrong(q) else self.value_token(q.template, self.data.entities[q.entity][q.attribute])
-                for q in queries]  # fmt: skip
+        return [
+            real(self, model, [q])[0]
+            if wrong(q)
+            else self.value_token(q.template, self.data.entities[q.entity][q.attribute])
+            for q in queries
+        ]
 
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path))  # answers cached by this test only
     monkeypatch.setattr(RavelDataModule, "predict_next", predict_next)
@@ -296,7 +306,9 @@ def test_answers_are_cached_per_model(module, monkeypatch):
     second = RavelDataModule(**{k: v for k, v in first.hparams.items()})
     monkeypatch.setattr(RavelDataModule, "predict_next", must_not_run)
     second.setup()
-    assert second.kept == kept and [e.base_ids for e in second.splits["val"]] == [e.base_ids for e in first.splits["val"]]
+    assert second.kept == kept and [e.base_ids for e in second.splits["val"]] == [
+        e.base_ids for e in first.splits["val"]
+    ]
 
 
 def test_filter_keeps_only_correct_answers(module):
@@ -347,7 +359,10 @@ def test_gemma_knows_many_builtin_cities():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SHARED_RAVEL.is_dir(), reason="published RAVEL files absent; get them: python -m lit_interventions.data ravel --out ../shared/data/ravel")
+@pytest.mark.skipif(
+    not SHARED_RAVEL.is_dir(),
+    reason="published RAVEL files absent; get them: python -m lit_interventions.data ravel --out ../shared/data/ravel",
+)
 def test_gemma_on_published_city_files():
     dm = RavelDataModule(
         ravel_dir=str(SHARED_RAVEL), entity_type="city", max_candidates=24, train_size=20, eval_size=10

@@ -16,8 +16,18 @@ def tiny_sweep(tmp_path, tiny_lm_dir, monkeypatch):
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
     lm = tiny_lm_dir("llama")
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=lm).data.entities)))
-    args = ["--config", "configs/sweep_ravel.yaml", f"--lm={lm}", "--layer=1", "--k=4", "--train_size=16", "--eval_size=12",
-            "--max_candidates=40", "--attributes=[Country, Continent]", f"--out={tmp_path / 'out'}"]  # fmt: skip
+    args = [
+        "--config",
+        "configs/sweep_ravel.yaml",
+        f"--lm={lm}",
+        "--layer=1",
+        "--k=4",
+        "--train_size=16",
+        "--eval_size=12",
+        "--max_candidates=40",
+        "--attributes=[Country, Continent]",
+        f"--out={tmp_path / 'out'}",
+    ]
     return args, tmp_path / "out"
 
 
@@ -31,13 +41,19 @@ def test_sweep_writes_summary_changes_and_heatmaps_then_resumes(tiny_sweep, monk
     sweep.main([*args, "--methods=[full_swap, das]"])
     summary = _rows(out / "summary.csv")
     assert [(r["method"], r["attribute"]) for r in summary] == [
-        ("full_swap", "Country"), ("full_swap", "Continent"), ("das", "Country"), ("das", "Continent")]
+        ("full_swap", "Country"),
+        ("full_swap", "Continent"),
+        ("das", "Country"),
+        ("das", "Continent"),
+    ]
     for r in summary:
         cause, iso, dis = float(r["cause"]), float(r["iso"]), float(r["disentangle"])
         assert 0 <= cause <= 1 and 0 <= iso <= 1 and dis == pytest.approx((cause + iso) / 2, abs=1e-6)
     changes = _rows(out / "changes.csv")
     assert {(c["method"], c["intervened"], c["queried"]) for c in changes} >= {
-        ("das", "Country", "Language"), ("das", "Continent", "Country")}
+        ("das", "Country", "Language"),
+        ("das", "Continent", "Country"),
+    }
     assert all(0 <= float(c["change_rate"]) <= 1 for c in changes)
     assert (out / "das_changes.png").is_file() and (out / "full_swap_changes.png").is_file()
     table = _rows(out / "table.csv")
@@ -74,5 +90,14 @@ def test_out_dir_of_another_model_is_refused(tiny_sweep, tiny_lm_dir, monkeypatc
     args, out = tiny_sweep
     sweep.main([*args, "--methods=[full_swap]", "--attributes=[Country]"])
     with pytest.raises(ValueError, match="Choose another --out"):
-        run_ravel_sweep(methods=["full_swap"], attributes=["Country"], lm=tiny_lm_dir("gpt2"), layer=1, k=4, out=str(out),
-                        train_size=16, eval_size=12, max_candidates=40)  # fmt: skip
+        run_ravel_sweep(
+            methods=["full_swap"],
+            attributes=["Country"],
+            lm=tiny_lm_dir("gpt2"),
+            layer=1,
+            k=4,
+            out=str(out),
+            train_size=16,
+            eval_size=12,
+            max_candidates=40,
+        )

@@ -21,12 +21,16 @@ RUNS = [(data, method) for data in DATASETS for method in METHODS]
 
 # (concept, a text about it, an unrelated text), written for these tests
 PAIRS = {
-    "builtin": ("references to music and musical instruments",
-                "She played the violin while her brother kept the rhythm on the drums.",
-                "The cake needs two cups of flour, three eggs and a pinch of salt."),
-    "concept10": ("references to academic papers and their formatting",
-                  "Smith et al. (2019), Journal of Applied Physics, vol. 12, pp. 45-67, doi:10.1000/xyz123.",
-                  "The cake needs two cups of flour, three eggs and a pinch of salt."),
+    "builtin": (
+        "references to music and musical instruments",
+        "She played the violin while her brother kept the rhythm on the drums.",
+        "The cake needs two cups of flour, three eggs and a pinch of salt.",
+    ),
+    "concept10": (
+        "references to academic papers and their formatting",
+        "Smith et al. (2019), Journal of Applied Physics, vol. 12, pp. 45-67, doi:10.1000/xyz123.",
+        "The cake needs two cups of flour, three eggs and a pinch of salt.",
+    ),
 }
 
 

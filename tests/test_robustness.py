@@ -115,10 +115,19 @@ def test_stale_staging_of_a_killed_conversion_is_removed(fake_gguf, tmp_path):
     # one in progress in a live process: holds its lock
     live = parent / ".converting-live"
     live.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY); "
-        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"), str(live / lm.LOCK)],
-        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY); "
+                "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"
+            ),
+            str(live / lm.LOCK),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.warns(UserWarning, match="did not finish"):
@@ -176,14 +185,23 @@ def _steering_fit(tmp_path, lm_dir, guard=True, **module_options):
 
     from lit_interventions.callbacks.dictionary import ExportDictionary
     from lit_interventions.callbacks.guard import NonFiniteGuard
-    from lit_interventions.modules.steering import SteeringModule
     from lit_interventions.lm import load_tokenizer
+    from lit_interventions.modules.steering import SteeringModule
 
     module = SteeringModule(lm=str(lm_dir), layer=1, **module_options)
     callbacks = ([NonFiniteGuard()] if guard else []) + [ExportDictionary()]
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=True,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        num_sanity_val_steps=0, callbacks=callbacks)  # fmt: skip
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        logger=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
     return module, trainer, SyntheticConcepts(load_tokenizer(str(lm_dir)))
 
 
@@ -228,9 +246,18 @@ def test_guard_through_train_py_exits_before_export(tmp_path, tiny_lm_dir, capsy
     import train
 
     bad = _nan_copy(tmp_path, tiny_lm_dir("gpt_neox"))
-    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={bad}", "--model.layer=1",
-            f"--trainer.default_root_dir={tmp_path / 'run'}", "--data.train_pairs=12", "--data.eval_pairs=4",
-            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        "configs/das.yaml",
+        f"--model.lm={bad}",
+        "--model.layer=1",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        "--data.train_pairs=12",
+        "--data.eval_pairs=4",
+        "--trainer.val_check_interval=1.0",
+        "--trainer.enable_progress_bar=false",
+    ]
     with pytest.raises(SystemExit) as exit_info:
         train.main(args=args)
     assert exit_info.value.code == 1
@@ -290,8 +317,15 @@ def test_axbench_fit_with_an_empty_eval_split_fails_through_train_py(tmp_path, t
     import train
 
     directory = _concept_dir(tmp_path, empty="eval")
-    args = ["fit", "--config", "configs/diffmean.yaml", f"--model.lm={tiny_lm_dir('llama')}", "--model.layer=1",
-            f"--data.concept_dir={directory}", f"--trainer.default_root_dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        "configs/diffmean.yaml",
+        f"--model.lm={tiny_lm_dir('llama')}",
+        "--model.layer=1",
+        f"--data.concept_dir={directory}",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+    ]
     with pytest.raises(SystemExit) as exit_info:
         train.main(args=args)
     assert exit_info.value.code != 0
@@ -306,12 +340,20 @@ def test_axbench_fit_with_an_empty_eval_split_fails_through_train_py(tmp_path, t
 def _saved_dictionary(tmp_path) -> Path:
     from lit_interventions.dictionary import Dictionary
 
-    d = Dictionary(vectors=torch.randn(3, 8), max_activations=torch.tensor([1.0, 2.0, float("nan")]),
-                   concepts=["a", "b", "c"], model="m", layer=1, method="diffmean")  # fmt: skip
+    d = Dictionary(
+        vectors=torch.randn(3, 8),
+        max_activations=torch.tensor([1.0, 2.0, float("nan")]),
+        concepts=["a", "b", "c"],
+        model="m",
+        layer=1,
+        method="diffmean",
+    )
     return d.save(tmp_path / "dictionary")
 
 
-@pytest.mark.parametrize("damage", ["truncated", "zero_bytes", "text", "truncated_card", "card_not_object", "card_lacks"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "zero_bytes", "text", "truncated_card", "card_not_object", "card_lacks"]
+)
 def test_damaged_dictionary_names_its_path(tmp_path, damage):
     from lit_interventions.dictionary import Dictionary
 
@@ -343,10 +385,18 @@ def test_non_finite_dictionary_vectors_are_refused(tmp_path, bad):
     tensors = load_file(weights)
     tensors["vectors"][1, 3] = bad
     save_file(tensors, weights)
-    with pytest.raises(ValueError, match=rf"{weights}: refusing to load .*vectors hold NaN/inf \(1 of 3 concepts, e.g. 'b'\)"):
+    with pytest.raises(
+        ValueError, match=rf"{weights}: refusing to load .*vectors hold NaN/inf \(1 of 3 concepts, e.g. 'b'\)"
+    ):
         Dictionary.load(weights)
-    d = Dictionary(vectors=tensors["vectors"], max_activations=torch.ones(3), concepts=["a", "b", "c"], model="m",
-                   layer=1, method="diffmean")  # fmt: skip
+    d = Dictionary(
+        vectors=tensors["vectors"],
+        max_activations=torch.ones(3),
+        concepts=["a", "b", "c"],
+        model="m",
+        layer=1,
+        method="diffmean",
+    )
     with pytest.raises(ValueError, match="refusing to write"):
         d.save(tmp_path / "again")
     assert not (tmp_path / "again.safetensors").exists() and not (tmp_path / "again.json").exists()
@@ -367,7 +417,9 @@ def test_dictionary_writes_are_atomic(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         dictionary.Dictionary.load(weights).save(weights)
     assert weights.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
-        "dictionary.json", "dictionary.safetensors"]
+        "dictionary.json",
+        "dictionary.safetensors",
+    ]
 
 
 # --- the judge server and its client -----------------------------------------------------------------
@@ -401,7 +453,7 @@ def judge_server():
         server = make_server(chat=chat or StubChat(), host="127.0.0.1", port=0, **options)
         serve_in_background(server)
         servers.append(server)
-        return server, "http://%s:%d/v1" % server.server_address[:2]
+        return server, "http://{}:{}/v1".format(*server.server_address[:2])
 
     yield start
     for server in servers:
@@ -412,8 +464,9 @@ def judge_server():
 def _post(base_url: str, body, raw: bool = False):
     """(status, payload) of a POST to /chat/completions."""
     data = body if raw else json.dumps(body).encode()
-    request = urllib.request.Request(base_url + "/chat/completions", data=data,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        base_url + "/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -436,32 +489,35 @@ def _raw(server, data: bytes, wait: float = 10.0) -> bytes:
 USER = [{"role": "user", "content": "Rate this."}]
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"messages": [{"role": 7, "content": "x"}]}, "messages[0].role"),
-    ({"messages": ["hello"]}, "messages[0]"),
-    ({"messages": "hello"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": USER, "max_tokens": "abc"}, "max_tokens"),
-    ({"messages": USER, "max_tokens": -5}, "max_tokens"),
-    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
-    ({"messages": USER, "max_tokens": 2.5}, "max_tokens"),
-    ({"messages": USER, "max_tokens": True}, "max_tokens"),
-    ({"messages": USER, "max_completion_tokens": "9"}, "max_completion_tokens"),
-    ({"messages": USER, "temperature": "hot"}, "temperature"),
-    ({"messages": USER, "temperature": 7}, "temperature"),
-    ({"messages": USER, "top_p": -1}, "top_p"),
-    ({"messages": USER, "n": 3}, "n"),
-    ({"messages": USER, "stream": True}, "stream"),
-    ({"messages": USER, "model": 12}, "model"),
-    ({"messages": USER, "stop": [1]}, "stop"),
-    ([1, 2], "body"),
-    (b"{not json", "body"),
-    (b"\xff\xfe", "body"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": 7, "content": "x"}]}, "messages[0].role"),
+        ({"messages": ["hello"]}, "messages[0]"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": USER, "max_tokens": "abc"}, "max_tokens"),
+        ({"messages": USER, "max_tokens": -5}, "max_tokens"),
+        ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+        ({"messages": USER, "max_tokens": 2.5}, "max_tokens"),
+        ({"messages": USER, "max_tokens": True}, "max_tokens"),
+        ({"messages": USER, "max_completion_tokens": "9"}, "max_completion_tokens"),
+        ({"messages": USER, "temperature": "hot"}, "temperature"),
+        ({"messages": USER, "temperature": 7}, "temperature"),
+        ({"messages": USER, "top_p": -1}, "top_p"),
+        ({"messages": USER, "n": 3}, "n"),
+        ({"messages": USER, "stream": True}, "stream"),
+        ({"messages": USER, "model": 12}, "model"),
+        ({"messages": USER, "stop": [1]}, "stop"),
+        ([1, 2], "body"),
+        (b"{not json", "body"),
+        (b"\xff\xfe", "body"),
+    ],
+)
 def test_judge_server_rejects_each_bad_field_with_400_naming_it(judge_server, body, field):
     chat = StubChat()
     server, url = judge_server(chat)
@@ -475,10 +531,23 @@ def test_judge_server_rejects_each_bad_field_with_400_naming_it(judge_server, bo
 def test_judge_server_accepts_the_openai_shapes_and_caps_max_tokens(judge_server):
     chat = StubChat()
     server, url = judge_server(chat)
-    parts = [{"role": "system", "content": "Be strict."},
-             {"role": "user", "content": [{"type": "text", "text": "Rate "}, {"type": "text", "text": "this."}]}]
-    status, payload = _post(url, {"model": "judge", "messages": parts, "max_tokens": 1000, "temperature": 0,
-                                  "stream": False, "n": 1, "stop": ["\n"], "unknown_field": {"x": 1}})  # fmt: skip
+    parts = [
+        {"role": "system", "content": "Be strict."},
+        {"role": "user", "content": [{"type": "text", "text": "Rate "}, {"type": "text", "text": "this."}]},
+    ]
+    status, payload = _post(
+        url,
+        {
+            "model": "judge",
+            "messages": parts,
+            "max_tokens": 1000,
+            "temperature": 0,
+            "stream": False,
+            "n": 1,
+            "stop": ["\n"],
+            "unknown_field": {"x": 1},
+        },
+    )
     assert status == 200 and payload["model"] == "judge"
     assert payload["choices"][0]["message"]["content"] == "Reason. Rating: [[2]]"
     messages, max_tokens = chat.calls[0]
@@ -490,8 +559,10 @@ def test_judge_server_refuses_a_huge_body_without_reading_it(judge_server):
 
     server, url = judge_server(max_body_bytes=1000)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 52428800\r\n\r\n")  # 50 MB announced; the server must not wait for it
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 52428800\r\n\r\n"
+    )  # 50 MB announced; the server must not wait for it
     started = time.monotonic()
     reply = _raw(server, head + b"{" * 2000)
     assert reply.startswith(b"HTTP/1.0 413") and b"at most 1000" in reply and time.monotonic() - started < 5
@@ -508,7 +579,7 @@ def test_judge_server_cuts_off_slow_and_lying_clients(judge_server):
     chat = StubChat()
     server, url = judge_server(chat, timeout=0.5)
     started = time.monotonic()
-    lying = _raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+    lying = _raw(server, b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"mess')
     assert lying.startswith(b"HTTP/1.0 408") and b"not received within 0.5 s" in lying
     assert time.monotonic() - started < 5
     started = time.monotonic()
@@ -584,7 +655,9 @@ def test_judge_server_main_parses_with_jsonargparse(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:  # one `error:` line, exit 2, before any model loads
         judge_server.main(["--dtype", "float8"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == "error: dtype='float8' is not supported; choose one of float32, bfloat16, float16\n"
+    assert (
+        capsys.readouterr().err == "error: dtype='float8' is not supported; choose one of float32, bfloat16, float16\n"
+    )
     with pytest.raises(SystemExit):
         judge_server.main(["--port", "abc"])
 
@@ -592,10 +665,19 @@ def test_judge_server_main_parses_with_jsonargparse(monkeypatch, capsys):
 def _das(tmp_path, lm_dir, *extra):
     import train
 
-    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
-            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
-            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false",
-            *extra]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        "configs/das.yaml",
+        f"--model.lm={lm_dir}",
+        "--model.layer=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.train_pairs=12",
+        "--data.eval_pairs=4",
+        "--trainer.val_check_interval=1.0",
+        "--trainer.enable_progress_bar=false",
+        *extra,
+    ]
     return train.main(args=args)  # NonFiniteGuard is a default callback
 
 

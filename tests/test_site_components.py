@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.sites import Site, _child_name, logits_at, position_ids, read_site
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch
@@ -42,7 +41,9 @@ def test_site_names_the_bad_value_and_the_allowed_ones(kwargs, message):
 
 def test_site_check_allows_the_embeddings_only_for_the_residual_stream():
     Site(-1).check(LAYERS)
-    with pytest.raises(ValueError, match=r"layer=-1 \(the embeddings\) has only block_output, not component='mlp_output'"):
+    with pytest.raises(
+        ValueError, match=r"layer=-1 \(the embeddings\) has only block_output, not component='mlp_output'"
+    ):
         Site(-1, "mlp_output").check(LAYERS)
     with pytest.raises(ValueError, match=f"has {LAYERS} layers"):
         Site(LAYERS, "attention_output").check(LAYERS)
@@ -93,7 +94,9 @@ def test_writing_back_the_own_state_changes_nothing_and_a_source_state_does(tiny
     identity = logits_at(model, ids, mask, last, layer, positions, lambda h: h, component=component)
     torch.testing.assert_close(identity, clean)
     own = read_site(model, layer, ids, mask, positions, component=component)
-    torch.testing.assert_close(logits_at(model, ids, mask, last, layer, positions, lambda h: own, component=component), clean)
+    torch.testing.assert_close(
+        logits_at(model, ids, mask, last, layer, positions, lambda h: own, component=component), clean
+    )
     source = read_site(model, layer, src_ids, src_mask, positions, component=component)
     swapped = logits_at(model, ids, mask, last, layer, positions, lambda h: source, component=component)
     assert (swapped - clean).abs().max() > 1e-3

@@ -22,8 +22,14 @@ def setup(tiny_lm_dir, tmp_path):
     lm = tiny_lm_dir("llama")
     torch.manual_seed(0)
     vectors = torch.nn.functional.normalize(torch.randn(2, 32), dim=-1)
-    path = Dictionary(vectors=vectors, max_activations=torch.tensor([4.0, 8.0]), concepts=["dogs", "rivers"],
-                      model=lm, layer=1, method="diffmean").save(tmp_path / "dict")  # fmt: skip
+    path = Dictionary(
+        vectors=vectors,
+        max_activations=torch.tensor([4.0, 8.0]),
+        concepts=["dogs", "rivers"],
+        model=lm,
+        layer=1,
+        method="diffmean",
+    ).save(tmp_path / "dict")
     (tmp_path / "instructions.json").write_text(json.dumps(INSTRUCTIONS))
     return lm, str(path), str(tmp_path / "instructions.json")
 
@@ -47,8 +53,17 @@ class ScriptedJudge(Judge):
 
 def _run(setup, out, judge, factors=(0.5, 2.0), **kw):
     lm, path, instructions = setup
-    return run_steer_eval(dictionary=path, factors=list(factors), instructions=2, instruction_file=instructions,
-                          max_new_tokens=4, batch_size=2, judge=judge, out=str(out), **kw)  # fmt: skip
+    return run_steer_eval(
+        dictionary=path,
+        factors=list(factors),
+        instructions=2,
+        instruction_file=instructions,
+        max_new_tokens=4,
+        batch_size=2,
+        judge=judge,
+        out=str(out),
+        **kw,
+    )
 
 
 def test_end_to_end_writes_all_files_and_resumes(setup, tmp_path, monkeypatch, tiny_lm_dir):
@@ -65,11 +80,22 @@ def test_end_to_end_writes_all_files_and_resumes(setup, tmp_path, monkeypatch, t
     lines = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 2
     assert {(r["concept"], r["factor"], r["half"]) for r in lines} == {
-        (c, f, h) for c in ("dogs", "rivers") for f in (0.5, 2.0) for h in ("select", "report")}  # fmt: skip
-    assert all(set(r["replies"]) == {"concept", "instruct", "fluency"} and isinstance(r["response"], str) for r in lines)
+        (c, f, h) for c in ("dogs", "rivers") for f in (0.5, 2.0) for h in ("select", "report")
+    }
+    assert all(
+        set(r["replies"]) == {"concept", "instruct", "fluency"} and isinstance(r["response"], str) for r in lines
+    )
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["method", "concept", "factor", "concept_score", "instruct_score", "fluency_score", "overall"]
+    assert list(rows[0]) == [
+        "method",
+        "concept",
+        "factor",
+        "concept_score",
+        "instruct_score",
+        "fluency_score",
+        "overall",
+    ]
     assert [r["concept"] for r in rows] == ["dogs", "rivers"] and rows[0]["method"] == "diffmean"
     assert len(summary) == 2
     with (out / "factors.csv").open() as f:
@@ -128,15 +154,33 @@ def test_factor_chosen_on_select_half_and_reported_on_the_other(setup, tmp_path,
 
 def test_choose_and_report_by_hand():
     def row(concept, factor, half, overall):
-        return {"method": "m", "concept": concept, "factor": factor, "half": half, "concept_score": overall,
-                "instruct_score": overall, "fluency_score": overall, "overall": overall}  # fmt: skip
+        return {
+            "method": "m",
+            "concept": concept,
+            "factor": factor,
+            "half": half,
+            "concept_score": overall,
+            "instruct_score": overall,
+            "fluency_score": overall,
+            "overall": overall,
+        }
 
-    rows = [row("a", 1.0, "select", 1.0), row("a", 1.0, "select", 2.0), row("a", 1.0, "report", 0.0),
-            row("a", 2.0, "select", 1.0), row("a", 2.0, "report", 2.0),  # best on report, not on select
-            row("b", 1.0, "select", 1.0), row("b", 3.0, "select", 1.0), row("b", 1.0, "report", 0.5),
-            row("b", 3.0, "report", 2.0)]  # fmt: skip
+    rows = [
+        row("a", 1.0, "select", 1.0),
+        row("a", 1.0, "select", 2.0),
+        row("a", 1.0, "report", 0.0),
+        row("a", 2.0, "select", 1.0),
+        row("a", 2.0, "report", 2.0),  # best on report, not on select
+        row("b", 1.0, "select", 1.0),
+        row("b", 3.0, "select", 1.0),
+        row("b", 1.0, "report", 0.5),
+        row("b", 3.0, "report", 2.0),
+    ]
     summary, factors = choose_and_report(rows)
-    assert [(r["concept"], r["factor"], r["overall"]) for r in summary] == [("a", 1.0, 0.0), ("b", 1.0, 0.5)]  # tie: smaller
+    assert [(r["concept"], r["factor"], r["overall"]) for r in summary] == [
+        ("a", 1.0, 0.0),
+        ("b", 1.0, 0.5),
+    ]  # tie: smaller
     a_select = next(r for r in factors if r["concept"] == "a" and r["factor"] == 1.0 and r["half"] == "select")
     assert a_select["overall"] == 1.5 and a_select["n"] == 2
 
@@ -165,8 +209,20 @@ def test_validation_before_generation(setup, tmp_path, monkeypatch, tiny_lm_dir)
 def test_cli_reports_bad_input_in_one_line(setup, tmp_path, capsys):
     lm, path, instructions = setup
     with pytest.raises(SystemExit) as err:
-        main(["--dictionary", path, "--concepts", "[cats]", "--instruction_file", instructions,
-              "--judge", '{"backend": "local", "lm": "' + lm + '"}', "--out", str(tmp_path / "cli")])  # fmt: skip
+        main(
+            [
+                "--dictionary",
+                path,
+                "--concepts",
+                "[cats]",
+                "--instruction_file",
+                instructions,
+                "--judge",
+                '{"backend": "local", "lm": "' + lm + '"}',
+                "--out",
+                str(tmp_path / "cli"),
+            ]
+        )
     assert err.value.code == 2 and "Unknown concept 'cats'" in capsys.readouterr().err
 
 
@@ -178,7 +234,13 @@ def test_checkpoint_steering_end_to_end(tiny_lm_dir, tmp_path, setup):
     module.save(tmp_path / "loreft")
     judge = ScriptedJudge(lambda *a: (2, 1, 2))
     judge.factor = None
-    summary = run_steer_eval(checkpoint=str(tmp_path / "loreft"), instructions=2, instruction_file=setup[2],
-                             max_new_tokens=3, judge=judge, out=str(tmp_path / "ck"))  # fmt: skip
+    summary = run_steer_eval(
+        checkpoint=str(tmp_path / "loreft"),
+        instructions=2,
+        instruction_file=setup[2],
+        max_new_tokens=3,
+        judge=judge,
+        out=str(tmp_path / "ck"),
+    )
     assert [(r["method"], r["concept"], r["factor"]) for r in summary] == [("loreft", "dogs", 1.0)]
     assert summary[0]["overall"] == pytest.approx(1.5) and judge.calls == 2

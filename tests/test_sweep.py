@@ -17,8 +17,15 @@ def _rows(path):
 
 
 def _run(tmp_path, lm_dir, **kwargs):
-    options = dict(tasks="agr_sv_num_pp", methods=["diffmean", "vanilla"], layers=[0, 2], lm=lm_dir,
-                   out=str(tmp_path / "out"), train_pairs=10, eval_pairs=4)  # fmt: skip
+    options = dict(
+        tasks="agr_sv_num_pp",
+        methods=["diffmean", "vanilla"],
+        layers=[0, 2],
+        lm=lm_dir,
+        out=str(tmp_path / "out"),
+        train_pairs=10,
+        eval_pairs=4,
+    )
     return sweep.run_sweep(**{**options, **kwargs})
 
 
@@ -34,15 +41,40 @@ def test_overall_and_selectivity_skip_regions_before_the_label_variable(tmp_path
     assert load_task("garden_npz_obj", None).scored_regions[0] == "comma"  # after While the / subject / verb
     assert load_task("agr_gender", None).scored_regions[0] == "name"  # the label variable comes first
     odds = {  # layer 0: every scored region negative; layer 1: positive
-        (0, "The"): 0.0, (0, "subject"): -0.5, (0, "prep"): -1.5, (0, "the"): -2.0, (0, "object"): -0.25,
-        (1, "The"): 0.0, (1, "subject"): 3.0, (1, "prep"): 1.0, (1, "the"): 0.5, (1, "object"): 2.0,
+        (0, "The"): 0.0,
+        (0, "subject"): -0.5,
+        (0, "prep"): -1.5,
+        (0, "the"): -2.0,
+        (0, "object"): -0.25,
+        (1, "The"): 0.0,
+        (1, "subject"): 3.0,
+        (1, "prep"): 1.0,
+        (1, "the"): 0.5,
+        (1, "object"): 2.0,
     }
     control = {  # control odds above the task's everywhere after `The`: selectivity < 0 at both layers
-        (0, "The"): 0.0, (0, "subject"): 0.5, (0, "prep"): 0.5, (0, "the"): 0.0, (0, "object"): 0.75,
-        (1, "The"): 0.0, (1, "subject"): 4.0, (1, "prep"): 2.0, (1, "the"): 1.0, (1, "object"): 2.5,
+        (0, "The"): 0.0,
+        (0, "subject"): 0.5,
+        (0, "prep"): 0.5,
+        (0, "the"): 0.0,
+        (0, "object"): 0.75,
+        (1, "The"): 0.0,
+        (1, "subject"): 4.0,
+        (1, "prep"): 2.0,
+        (1, "the"): 1.0,
+        (1, "object"): 2.5,
     }
-    rows = [{"task": "agr_sv_num_pp", "method": "das", "layer": str(layer), "region": region, "odds": str(value),
-             "control_odds": str(control[(layer, region)])} for (layer, region), value in odds.items()]  # fmt: skip
+    rows = [
+        {
+            "task": "agr_sv_num_pp",
+            "method": "das",
+            "layer": str(layer),
+            "region": region,
+            "odds": str(value),
+            "control_odds": str(control[(layer, region)]),
+        }
+        for (layer, region), value in odds.items()
+    ]
     regions = {"agr_sv_num_pp": ["The", "subject", "prep", "the", "object"]}
     scored = {"agr_sv_num_pp": load_task("agr_sv_num_pp", None).scored_regions}
     (line,) = sweep.summarise(rows, {"agr_sv_num_pp": 0.9}, regions, tmp_path, scored)
@@ -114,10 +146,23 @@ def test_output_directory_of_another_model_is_refused(tmp_path, tiny_lm_dir):
 
 
 def test_command_line(tmp_path, tiny_lm_dir, capsys):
-    sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", "--methods=[diffmean]",
-                "--layers=[1]", f"--out={tmp_path / 'cli'}", "--train_pairs=10", "--eval_pairs=4"])  # fmt: skip
+    sweep.main(
+        [
+            "--config",
+            "configs/sweep_causalgym.yaml",
+            f"--lm={tiny_lm_dir('gpt2')}",
+            "--methods=[diffmean]",
+            "--layers=[1]",
+            f"--out={tmp_path / 'cli'}",
+            "--train_pairs=10",
+            "--eval_pairs=4",
+        ]
+    )
     header, row, files = capsys.readouterr().out.strip().splitlines()[-3:]  # the summary table, then where
-    assert header.split() == ["task", "method", "accuracy", "overall_odds"] and row.split()[:2] == ["agr_sv_num_pp", "diffmean"]
+    assert header.split() == ["task", "method", "accuracy", "overall_odds"] and row.split()[:2] == [
+        "agr_sv_num_pp",
+        "diffmean",
+    ]
     assert files == f"files in {tmp_path / 'cli'}"
     with pytest.raises(SystemExit):
         sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", "--methods=[nope]"])
@@ -134,8 +179,10 @@ def test_other_data_sizes_are_refused_and_control_is_added_on_rerun(tmp_path, ti
     summary = _run(tmp_path, lm_dir, methods=["diffmean"], layers=[1])
     assert {int(r["layer"]) for r in _rows(tmp_path / "out" / "results.csv")} == {0, 1}
     assert summary[0]["overall_odds"] == pytest.approx(
-        sweep.overall({(1, r["region"]): float(r["odds"]) for r in _rows(tmp_path / "out" / "results.csv")
-                       if r["layer"] == "1"}, regions=["subject", "prep", "the", "object"])  # fmt: skip
+        sweep.overall(
+            {(1, r["region"]): float(r["odds"]) for r in _rows(tmp_path / "out" / "results.csv") if r["layer"] == "1"},
+            regions=["subject", "prep", "the", "object"],
+        )
     )  # the summary covers the layers asked for
 
 
@@ -189,6 +236,7 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     from lit_interventions import stacked_scoring
 
     calls, score = [], stacked_scoring.score_stacked
+
     def counted(*args, **kwargs):  # counts the calls that returned (a failure falls back to site by site)
         scores = score(*args, **kwargs)
         calls.append(1)
@@ -201,6 +249,7 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     alone = _run(tmp_path / "alone", lm_dir, stacked_scoring=False, **options)
     assert calls == []
     forwarded = []  # rows of each stacked forward
+
     def counted_rows(model, input_ids, *args, **kwargs):
         forwarded.append(len(input_ids))
         return hidden(model, input_ids, *args, **kwargs)
@@ -214,7 +263,10 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     # rows a method leaves unchanged (region "The", before the pair's difference, at 3 layers) are
     # their clean rows, not run again
     assert sum(forwarded) == 15 * 8 * (1 + len(methods) + 1) - 3 * 8 * (len(methods) + 1)
-    before, after = _rows(tmp_path / "alone" / "out" / "results.csv"), _rows(tmp_path / "stacked" / "out" / "results.csv")
+    before, after = (
+        _rows(tmp_path / "alone" / "out" / "results.csv"),
+        _rows(tmp_path / "stacked" / "out" / "results.csv"),
+    )
     key = ("task", "method", "layer", "region")
     assert [tuple(r[k] for k in key) for r in before] == [tuple(r[k] for k in key) for r in after]
     assert len(before) == len(methods) * 3 * 5
@@ -223,7 +275,9 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     again = [float(r[c]) for r in after for c in columns]
     assert again == pytest.approx(numbers, rel=1e-4, abs=1e-5) and any(n != 0.0 for n in numbers)
     assert all(float(r["odds"]) == 0.0 for r in after if r["region"] == "The")  # no effect before the alternation
-    assert [line["overall_odds"] for line in stacked] == pytest.approx([line["overall_odds"] for line in alone], rel=1e-4)
+    assert [line["overall_odds"] for line in stacked] == pytest.approx(
+        [line["overall_odds"] for line in alone], rel=1e-4
+    )
 
 
 def test_a_failed_stacked_scoring_falls_back_to_site_by_site_with_a_warning(tmp_path, tiny_lm_dir, monkeypatch):
@@ -234,8 +288,11 @@ def test_a_failed_stacked_scoring_falls_back_to_site_by_site_with_a_warning(tmp_
         raise NotImplementedError("rows entering at different layers")
 
     monkeypatch.setattr(sweep, "score_stacked", unsupported)
-    with pytest.warns(UserWarning, match=r"stacked scoring failed on .*NotImplementedError: rows entering at different "
-                                         r"layers.*each site is scored in its own forwards"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"stacked scoring failed on .*NotImplementedError: rows entering at different "
+        r"layers.*each site is scored in its own forwards",
+    ):
         fallen = _run(tmp_path / "fallen", tiny_lm_dir("llama"), **options)
     assert fallen == alone
     assert _rows(tmp_path / "fallen" / "out" / "results.csv") == _rows(tmp_path / "alone" / "out" / "results.csv")
@@ -260,8 +317,11 @@ def test_stacked_scoring_packs_rows_across_jobs_shortest_runs_first():
     runs = {"a": [3, 1, 3, 1, 2], "b": [2, 2, 2], "c": [1, 9, 9, 1, 1, 9]}  # each row's run, in columns
     runs = {job: dict(enumerate(row_runs)) for job, row_runs in runs.items()}
     assert list(_pieces(runs, 4)) == [
-        [("a", [1, 3]), ("c", [0, 3])], [("c", [4]), ("a", [4]), ("b", [0, 1])], [("b", [2]), ("a", [0, 2]), ("c", [1])],
-        [("c", [2, 5])]]  # fmt: skip
+        [("a", [1, 3]), ("c", [0, 3])],
+        [("c", [4]), ("a", [4]), ("b", [0, 1])],
+        [("b", [2]), ("a", [0, 2]), ("c", [1])],
+        [("c", [2, 5])],
+    ]
     with pytest.raises(ValueError, match="rows=0 must be a positive integer"):
         from lit_interventions.stacked_scoring import score_stacked
 
@@ -279,9 +339,19 @@ def test_a_task_whose_label_words_share_a_token_is_one_clear_line(tmp_path, tiny
     path = tmp_path / "templates.json"
     path.write_text(json.dumps({"agr_sv_num_pp": task}))
     with pytest.raises(SystemExit) as exit_info:
-        sweep.main(["--config", "configs/sweep_causalgym.yaml", f"--lm={tiny_lm_dir('gpt2')}", f"--templates={path}",
-                    "--methods=[diffmean]", "--layers=[1]", f"--out={tmp_path / 'out'}", "--train_pairs=10",
-                    "--eval_pairs=4"])  # fmt: skip
+        sweep.main(
+            [
+                "--config",
+                "configs/sweep_causalgym.yaml",
+                f"--lm={tiny_lm_dir('gpt2')}",
+                f"--templates={path}",
+                "--methods=[diffmean]",
+                "--layers=[1]",
+                f"--out={tmp_path / 'out'}",
+                "--train_pairs=10",
+                "--eval_pairs=4",
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()  # (progress bars of the tiny model's load come first)
     assert "error: Task 'agr_sv_num_pp': label words" in err[-1] and "share their first token" in err[-1]
@@ -296,14 +366,19 @@ def test_das_of_every_layer_in_one_loop_equals_one_loop_per_layer(tmp_path, tiny
     options = dict(methods=["das", "diffmean"], layers=[-1, 0, 2], control=True)
     calls = []
     train_das = sweep.train_das
-    monkeypatch.setattr(sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k))
+    monkeypatch.setattr(
+        sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k)
+    )
     _run(tmp_path / "one", lm_dir, **options)
     regions = ["The", "subject", "prep", "the", "object"]
     every_site = sorted((layer, region) for layer in (-1, 0, 2) for region in regions)
     assert calls == [every_site, every_site]  # one loop for the task, one for its control task
     monkeypatch.setattr(sweep, "train_das", partial(train_das, one_loop=False))
     _run(tmp_path / "per_layer", lm_dir, **options)
-    one, per_layer = _rows(tmp_path / "one" / "out" / "results.csv"), _rows(tmp_path / "per_layer" / "out" / "results.csv")
+    one, per_layer = (
+        _rows(tmp_path / "one" / "out" / "results.csv"),
+        _rows(tmp_path / "per_layer" / "out" / "results.csv"),
+    )
     assert [r["method"] for r in one] == [r["method"] for r in per_layer] and len(one) == 2 * len(every_site)
     for a, b in zip(one, per_layer):
         numbers = [float(a[c]) for c in ("odds", "iia", "control_odds", "control_iia")]
@@ -327,8 +402,13 @@ def test_a_rerun_trains_only_the_missing_das_sites(tmp_path, tiny_lm_dir, monkey
     for name in ("results.csv", "results.sqlite"):
         (out / name).unlink()
     calls, progress, train_das = [], [], sweep.train_das
-    monkeypatch.setattr(sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or
-                        progress.append(k["progress"]) or train_das(datas, *a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        sweep,
+        "train_das",
+        lambda datas, *a, **k: (
+            calls.append(sorted(datas)) or progress.append(k["progress"]) or train_das(datas, *a, **k)
+        ),
+    )
     _run(tmp_path, lm_dir, methods=["das"], layers=[0, 1])
     regions = ["The", "subject", "prep", "the", "object"]
     assert calls == [sorted([(0, "prep")] + [(1, region) for region in regions])]  # in one loop
@@ -338,7 +418,9 @@ def test_a_rerun_trains_only_the_missing_das_sites(tmp_path, tiny_lm_dir, monkey
     assert set(again) == set(regions) and all(torch.equal(again[r], kept[r]) for r in regions if r != "prep")
     # a site trained in a smaller stack gets the same subspace, to float rounding
     torch.testing.assert_close(again["prep"], kept["prep"], rtol=1e-4, atol=1e-6)
-    assert [float(r["odds"]) for r in _rows(out / "results.csv")] == pytest.approx([float(r["odds"]) for r in first], abs=1e-6)
+    assert [float(r["odds"]) for r in _rows(out / "results.csv")] == pytest.approx(
+        [float(r["odds"]) for r in first], abs=1e-6
+    )
 
 
 def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir, monkeypatch):
@@ -353,9 +435,13 @@ def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir
     from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 
     lm_dir = tiny_lm_dir("llama")
-    datas = {(layer, region): sweep._region_data("agr_sv_num_pp", None, lm_dir, region, None,
-                                                 {"train_pairs": 24, "eval_pairs": 2})  # fmt: skip
-             for layer in (0, 2) for region in ("subject", "prep")}
+    datas = {
+        (layer, region): sweep._region_data(
+            "agr_sv_num_pp", None, lm_dir, region, None, {"train_pairs": 24, "eval_pairs": 2}
+        )
+        for layer in (0, 2)
+        for region in ("subject", "prep")
+    }
     cache = ActivationCache(load_lm(lm_dir), [0, 2])
     step, steps = MultiSiteInterchangeModule.training_step, []
     monkeypatch.setattr(MultiSiteInterchangeModule, "training_step", lambda self, *a: steps.append(1) or step(self, *a))
@@ -399,14 +485,21 @@ def test_das_does_not_train_sites_no_pair_differs_at(tiny_lm_dir, monkeypatch):
     from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 
     lm_dir = tiny_lm_dir("llama")
-    datas = {(layer, region): sweep._region_data("agr_sv_num_pp", None, lm_dir, region, None,
-                                                 {"train_pairs": 24, "eval_pairs": 2})  # fmt: skip
-             for layer in (0, 2) for region in ("The", "subject")}
+    datas = {
+        (layer, region): sweep._region_data(
+            "agr_sv_num_pp", None, lm_dir, region, None, {"train_pairs": 24, "eval_pairs": 2}
+        )
+        for layer in (0, 2)
+        for region in ("The", "subject")
+    }
     cache = ActivationCache(load_lm(lm_dir), [0, 2])
     assert sweep.unchanged_sites(datas, cache) == {(0, "The"), (2, "The")}
     looped, attach = [], MultiSiteInterchangeModule.attach
-    monkeypatch.setattr(MultiSiteInterchangeModule, "attach",
-                        lambda self, group, *a, **k: looped.append(sorted(group)) or attach(self, group, *a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        MultiSiteInterchangeModule,
+        "attach",
+        lambda self, group, *a, **k: looped.append(sorted(group)) or attach(self, group, *a, **k),
+    )
     trained = sweep.train_das(datas, lm_dir, cache, seed=1)
     assert looped == [[(0, "subject"), (2, "subject")]] and set(trained) == set(datas)
     fresh = MultiSiteInterchangeModule(lm=lm_dir, sites=list(datas), seed=1).trained()

@@ -39,19 +39,37 @@ TINY_SUITE = {
     "meta": {"name": "tiny_agreement", "metric": "sum"},
     "predictions": [{"type": "formula", "formula": FORMULA}],
     "items": [
-        {"item_number": 1, "conditions": [_condition("match", ["The author", "near the senators", "is", "."]),
-                                          _condition("mismatch", ["The author", "near the senators", "are", "."])]},
-        {"item_number": 2, "conditions": [_condition("match", ["The authors", "", "are", "."]),
-                                          _condition("mismatch", ["The authors", "", "is", "."])]},
-        {"item_number": 3, "conditions": [_condition("match", ["The pilot", " near  the farmers ", "is", "."]),
-                                          _condition("mismatch", ["The pilot", " near  the farmers ", "are", "."])]},
+        {
+            "item_number": 1,
+            "conditions": [
+                _condition("match", ["The author", "near the senators", "is", "."]),
+                _condition("mismatch", ["The author", "near the senators", "are", "."]),
+            ],
+        },
+        {
+            "item_number": 2,
+            "conditions": [
+                _condition("match", ["The authors", "", "are", "."]),
+                _condition("mismatch", ["The authors", "", "is", "."]),
+            ],
+        },
+        {
+            "item_number": 3,
+            "conditions": [
+                _condition("match", ["The pilot", " near  the farmers ", "is", "."]),
+                _condition("mismatch", ["The pilot", " near  the farmers ", "are", "."]),
+            ],
+        },
     ],
-}  # fmt: skip
+}
 TINY_SENTENCES = [
-    "The author near the senators is .", "The author near the senators are .",
-    "The authors are .", "The authors is .",
-    "The pilot near the farmers is .", "The pilot near the farmers are .",
-]  # fmt: skip
+    "The author near the senators is .",
+    "The author near the senators are .",
+    "The authors are .",
+    "The authors is .",
+    "The pilot near the farmers is .",
+    "The pilot near the farmers are .",
+]
 
 
 def _write(tmp_path: Path, data: dict, name: str = "suite.json") -> Path:
@@ -150,8 +168,11 @@ def test_metric_must_be_sum_or_mean(tmp_path):
 
 
 def test_regions_join_with_single_spaces_as_syntaxgym_core():
-    sentences = [join_regions([r["content"] for r in c["regions"]])[0]
-                 for item in TINY_SUITE["items"] for c in item["conditions"]]  # fmt: skip
+    sentences = [
+        join_regions([r["content"] for r in c["regions"]])[0]
+        for item in TINY_SUITE["items"]
+        for c in item["conditions"]
+    ]
     assert sentences == TINY_SENTENCES
     text, spans = join_regions(["The authors", "", "are", "."])
     assert text == "The authors are ."
@@ -337,7 +358,10 @@ def test_bad_formula_stops_the_command(tmp_path):
 # ---------------------------------------------------------------- the real suites
 
 
-@pytest.mark.skipif(not REAL_SUITES.is_dir(), reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}")
+@pytest.mark.skipif(
+    not REAL_SUITES.is_dir(),
+    reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}",
+)
 def test_all_34_real_suites_parse():
     paths = suite_paths([str(REAL_SUITES)])
     suites = [load_suite(path) for path in paths]  # parses every formula, checks every region it reads
@@ -347,7 +371,10 @@ def test_all_34_real_suites_parse():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not REAL_SUITES.is_dir(), reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}")
+@pytest.mark.skipif(
+    not REAL_SUITES.is_dir(),
+    reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}",
+)
 def test_gemma_beats_chance_on_number_agreement(tmp_path):
     """gemma-3-270m on 2 real suites (about 20 s on 2 CPU cores once the model is cached)."""
     out = tmp_path / "sg.csv"

@@ -11,9 +11,19 @@ import train
 
 
 def _fit(tmp_path, lm_dir, *extra):
-    args = ["fit", "--config", "configs/das.yaml", f"--model.lm={lm_dir}", "--model.layer=1",
-            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
-            "--trainer.val_check_interval=1.0", "--trainer.enable_progress_bar=false", *extra]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        "configs/das.yaml",
+        f"--model.lm={lm_dir}",
+        "--model.layer=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.train_pairs=12",
+        "--data.eval_pairs=4",
+        "--trainer.val_check_interval=1.0",
+        "--trainer.enable_progress_bar=false",
+        *extra,
+    ]
     return train.main(args=args)
 
 
@@ -29,7 +39,9 @@ def test_fit_logs_loss_and_odds_to_tensorboard(fitted):
     metrics = cli.trainer.callback_metrics
     for name in ("train/loss", "val/odds", "val/iia", "val/loss"):
         assert torch.isfinite(metrics[name]), name
-    assert log_dir.parts[-3:-1] == ("agr_sv_num_pp", "layer1") and log_dir.name.startswith("version_")  # named by the run
+    assert log_dir.parts[-3:-1] == ("agr_sv_num_pp", "layer1") and log_dir.name.startswith(
+        "version_"
+    )  # named by the run
     assert list(log_dir.glob("events.out.tfevents.*"))
 
 
@@ -58,9 +70,18 @@ def test_checkpoint_holds_only_the_intervention(fitted):
 def test_evaluation_subcommands_reload_the_checkpoint(fitted, tmp_path, tiny_lm_dir, subcommand, split):
     cli, log_dir = fitted
     (checkpoint,) = (log_dir / "checkpoints").glob("*.ckpt")
-    args = [subcommand, "--config", "configs/das.yaml", f"--model.lm={tiny_lm_dir('gpt_neox')}", "--model.layer=1",
-            f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4",
-            "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}"]  # fmt: skip
+    args = [
+        subcommand,
+        "--config",
+        "configs/das.yaml",
+        f"--model.lm={tiny_lm_dir('gpt_neox')}",
+        "--model.layer=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.train_pairs=12",
+        "--data.eval_pairs=4",
+        "--trainer.enable_progress_bar=false",
+        f"--ckpt_path={checkpoint}",
+    ]
     tested = train.main(args=args)
     torch.testing.assert_close(tested.model.intervention.basis, cli.model.intervention.basis.detach())
     assert torch.isfinite(tested.trainer.callback_metrics[f"{split}/odds"])
@@ -98,8 +119,17 @@ def test_label_words_sharing_a_token_are_one_line_before_training(tmp_path, tiny
     path = tmp_path / "templates.json"
     path.write_text(json.dumps({"agr_sv_num_pp": task}))
     with pytest.raises(SystemExit) as exit_info:
-        train.main(args=["fit", "--config", "configs/das.yaml", f"--model.lm={tiny_lm_dir('gpt2')}",
-                         "--model.layer=1", f"--data.templates={path}", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+        train.main(
+            args=[
+                "fit",
+                "--config",
+                "configs/das.yaml",
+                f"--model.lm={tiny_lm_dir('gpt2')}",
+                "--model.layer=1",
+                f"--data.templates={path}",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: Task 'agr_sv_num_pp': label words") and "share their first token" in err[-1]

@@ -38,5 +38,6 @@ class ExportDictionary(Callback):
         try:
             write_hub_files(directory, dictionary_config(dictionary, WEIGHTS))
         except FileExistsError as err:  # a README.md / config.json of someone else's: keep it
-            warnings.warn(f"ExportDictionary wrote {WEIGHTS} and dictionary.json but not the model card: {err}",
-                          stacklevel=1)  # fmt: skip
+            warnings.warn(
+                f"ExportDictionary wrote {WEIGHTS} and dictionary.json but not the model card: {err}", stacklevel=1
+            )

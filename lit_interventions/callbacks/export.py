@@ -56,8 +56,12 @@ class ExportIntervention(Callback):
         if hp.get("component") not in (None, "block_output"):
             card["component"] = hp.get("component")
         if "task" in data_hp:  # CausalGym
-            card.update(region=getattr(trainer.datamodule, "region", hp.get("region")), task=data_hp["task"],
-                        templates=data_hp.get("templates") or "builtin", control=data_hp.get("control"))  # fmt: skip
+            card.update(
+                region=getattr(trainer.datamodule, "region", hp.get("region")),
+                task=data_hp["task"],
+                templates=data_hp.get("templates") or "builtin",
+                control=data_hp.get("control"),
+            )
         directory = export_dir(trainer, log_dir)
         save_intervention(directory, intervention, card)
         try:

@@ -75,7 +75,7 @@ def likely_cause(trainer, pl_module) -> str:
             where = f"loaded from {source}"
             if source and _in_cache(Path(source)):
                 where += f" (the model cache: delete {source} and it will be converted again)"
-            return (f"NaN/inf weights in the frozen LM ({found[1]} tensors, first {found[0]}), {where}")
+            return f"NaN/inf weights in the frozen LM ({found[1]} tensors, first {found[0]}), {where}"
     dtype = hp.get("dtype")
     if dtype in ("float16", "bfloat16"):
         return f"overflow in the LM's low-precision dtype ({dtype}); use --model.dtype float32"
@@ -97,8 +97,10 @@ class NonFiniteGuard(Callback):
         self._step = 0
 
     def _fail(self, trainer, pl_module, what: str, value: float | str, when: str) -> None:
-        raise NonFiniteError(f"{what} is {value} {when}; likely cause: {likely_cause(trainer, pl_module)}. "
-                             "The run was stopped and nothing was exported.")  # fmt: skip
+        raise NonFiniteError(
+            f"{what} is {value} {when}; likely cause: {likely_cause(trainer, pl_module)}. "
+            "The run was stopped and nothing was exported."
+        )
 
     def _when(self, trainer, stage: str, step: int | None = None) -> str:
         step = trainer.global_step if step is None else step

@@ -124,8 +124,12 @@ class AUROCCallback(_MetricCallback):
 
     def update(self, metric, outputs, batch):
         mask = outputs.get("pool_mask")  # which tokens the module pools over; default the response
-        metric.update(outputs["token_scores"], batch["response_mask"] if mask is None else mask, batch["concept_id"],
-                      batch["label"])  # fmt: skip
+        metric.update(
+            outputs["token_scores"],
+            batch["response_mask"] if mask is None else mask,
+            batch["concept_id"],
+            batch["label"],
+        )
 
     def log_values(self, pl_module, result, prefix, metric):
         values = {f"{prefix}/auroc": result["auroc"]}

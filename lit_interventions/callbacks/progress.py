@@ -25,8 +25,10 @@ def metrics_table(metrics: dict[str, float]) -> str:
     if not metrics:
         return "(no metrics logged)"
     width = max(map(len, metrics))
-    return "\n".join(f"{name:<{width}}  {value:.4f}" if math.isfinite(value) else f"{name:<{width}}  {value}"
-                     for name, value in metrics.items())  # fmt: skip
+    return "\n".join(
+        f"{name:<{width}}  {value:.4f}" if math.isfinite(value) else f"{name:<{width}}  {value}"
+        for name, value in metrics.items()
+    )
 
 
 def _shown(path: str | Path) -> str:
@@ -45,8 +47,10 @@ class RunSummary(Callback):
         directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
-        print(f"\n{what} metrics\n{metrics_table(_scalars(trainer.callback_metrics))}\nfiles in {_shown(directory)}",
-              flush=True)  # fmt: skip
+        print(
+            f"\n{what} metrics\n{metrics_table(_scalars(trainer.callback_metrics))}\nfiles in {_shown(directory)}",
+            flush=True,
+        )
 
     def on_fit_end(self, trainer, pl_module):
         self._report(trainer, "fit: final")
@@ -84,8 +88,11 @@ class LineProgress(ProgressBar):
 
     def _values(self, trainer, pl_module, prefix: str) -> str:
         metrics = self.get_metrics(trainer, pl_module)
-        return "  ".join(f"{k} {float(v):.4f}" for k, v in sorted(metrics.items())
-                         if k.startswith(prefix) and isinstance(v, (int, float)))  # fmt: skip
+        return "  ".join(
+            f"{k} {float(v):.4f}"
+            for k, v in sorted(metrics.items())
+            if k.startswith(prefix) and isinstance(v, (int, float))
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         total = self.total_train_batches
@@ -93,7 +100,9 @@ class LineProgress(ProgressBar):
         done = batch_idx + 1
         if done % every == 0 or done == total:
             shown = int(total) if math.isfinite(total) else "?"
-            self._print(f"epoch {trainer.current_epoch} step {done}/{shown}  {self._values(trainer, pl_module, 'train')}")
+            self._print(
+                f"epoch {trainer.current_epoch} step {done}/{shown}  {self._values(trainer, pl_module, 'train')}"
+            )
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking and trainer.state.fn == "fit":

@@ -65,8 +65,14 @@ class ConceptDictionary(Intervention):
         """h_i·w_c at every token of each example, (batch, seq), in float32."""
         return torch.einsum("btd,bd->bt", hidden.float(), self.rows(concept_id).float())
 
-    def forward(self, base: torch.Tensor, source: torch.Tensor | None = None, *, concept_id: torch.Tensor,
-                factor: float | torch.Tensor = 1.0) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        base: torch.Tensor,
+        source: torch.Tensor | None = None,
+        *,
+        concept_id: torch.Tensor,
+        factor: float | torch.Tensor = 1.0,
+    ) -> torch.Tensor:
         """Φ(h_i) = h_i + α·w_c.  base (batch, d) or (batch, seq, d); concept_id (batch,) rows;
         factor α: a number or (batch,), one per example."""
         self._refuse_source(source)

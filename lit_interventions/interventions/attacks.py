@@ -22,7 +22,7 @@ size ε) and `RandomSignIntervention` return h + δ themselves; neither trains.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -164,8 +164,14 @@ class GradientAttack(Intervention):
     `from_tensors` rebuilds it. A probe object may also be passed to `from_tensors` directly.
     """
 
-    def __init__(self, probe: nn.Module, epsilon: float = 0.1, steps: int = 40, step_size: float | None = None,
-                 targeted: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        probe: nn.Module,
+        epsilon: float = 0.1,
+        steps: int = 40,
+        step_size: float | None = None,
+        targeted: bool = True,
+    ):
         super().__init__()
         if not (isinstance(epsilon, (int, float)) and epsilon > 0):
             raise ValueError(f"epsilon={epsilon!r} must be a number > 0 (the L∞ radius of the attack)")
@@ -191,12 +197,19 @@ class GradientAttack(Intervention):
 
     def config(self) -> dict:
         hparams = getattr(self.probe, "hparams", None)
-        return {"probe": class_path(self.probe), "probe_hparams": dict(hparams) if hparams is not None else {},
-                "epsilon": self.epsilon, "steps": self.steps, "step_size": self.step_size, "targeted": self.targeted}  # fmt: skip
+        return {
+            "probe": class_path(self.probe),
+            "probe_hparams": dict(hparams) if hparams is not None else {},
+            "epsilon": self.epsilon,
+            "steps": self.steps,
+            "step_size": self.step_size,
+            "targeted": self.targeted,
+        }
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], probe: str | nn.Module, probe_hparams: dict | None = None,
-                     **settings) -> GradientAttack:  # fmt: skip
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], probe: str | nn.Module, probe_hparams: dict | None = None, **settings
+    ) -> GradientAttack:
         """`probe`: a class path (built with `probe_hparams`, loaded from `probe.*`) or a probe module."""
         if isinstance(probe, str):
             probe = import_class(probe)(**(probe_hparams or {}))

@@ -79,8 +79,10 @@ class Intervention(nn.Module):
 
         intervention = load_pretrained(local_directory(directory_or_hub_id, **download))
         if not isinstance(intervention, cls):
-            raise TypeError(f"{directory_or_hub_id} holds a {class_path(intervention)}, not a {class_path(cls)}; "
-                            "load it with lit_interventions.hub.from_pretrained")  # fmt: skip
+            raise TypeError(
+                f"{directory_or_hub_id} holds a {class_path(intervention)}, not a {class_path(cls)}; "
+                "load it with lit_interventions.hub.from_pretrained"
+            )
         return intervention
 
     def push_to_hub(self, repo_id: str, card: dict | None = None, **kwargs: Any):
@@ -163,9 +165,13 @@ def read_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         tensors = load_file(directory / WEIGHTS)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{directory / WEIGHTS}: no such file (is {directory} an intervention's directory?)") from None
+        raise FileNotFoundError(
+            f"{directory / WEIGHTS}: no such file (is {directory} an intervention's directory?)"
+        ) from None
     except Exception as err:  # truncated, empty, not safetensors: SafetensorError and others
-        raise ValueError(f"{directory / WEIGHTS} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); {fix}") from None
+        raise ValueError(
+            f"{directory / WEIGHTS} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); {fix}"
+        ) from None
     _check_finite(tensors, directory / WEIGHTS, "load")
     try:
         card = json.loads((directory / CARD).read_text())
@@ -187,8 +193,10 @@ def load_intervention(directory: str | Path) -> tuple[InterventionProtocol, dict
         raise ValueError(f"{Path(directory) / CARD} has no class_path (an older export?); read it with read_tensors")
     cls = import_class(card["class_path"])
     if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
-        raise ValueError(f"{Path(directory) / CARD}: class_path={card['class_path']!r} is not an intervention class "
-                         "(no from_tensors)")  # fmt: skip
+        raise ValueError(
+            f"{Path(directory) / CARD}: class_path={card['class_path']!r} is not an intervention class "
+            "(no from_tensors)"
+        )
     return cls.from_tensors(tensors, **card.get("config", {})), card
 
 
@@ -232,6 +240,7 @@ def load_pretrained(directory: str | Path) -> InterventionProtocol:
     _check_finite(tensors, weights, "load")
     cls = import_class(config["class_path"])
     if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
-        raise ValueError(f"{directory / CONFIG}: class_path={config['class_path']!r} is not an intervention class "
-                         "(no from_tensors)")  # fmt: skip
+        raise ValueError(
+            f"{directory / CONFIG}: class_path={config['class_path']!r} is not an intervention class (no from_tensors)"
+        )
     return cls.from_tensors(tensors, **config.get("config", {}))

@@ -28,8 +28,10 @@ class Composition(Intervention):
         if source is None:
             source = [None] * len(self.parts)
         if len(base) != len(self.parts) or len(source) != len(self.parts):
-            raise ValueError(f"a composition of {len(self.parts)} parts needs that many base and source states; "
-                             f"got {len(base)} and {len(source)}")  # fmt: skip
+            raise ValueError(
+                f"a composition of {len(self.parts)} parts needs that many base and source states; "
+                f"got {len(base)} and {len(source)}"
+            )
         return [part(b, s) for part, b, s in zip(self.parts, base, source)]
 
     def penalty(self) -> torch.Tensor:

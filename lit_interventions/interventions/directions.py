@@ -94,7 +94,9 @@ class _Direction(BaseEstimator):
         a = np.asarray(self._raw_direction(X, codes), dtype=np.float64)
         norm = np.linalg.norm(a)
         if not np.isfinite(norm) or norm == 0:
-            raise ValueError(f"{type(self).__name__} found a zero direction (e.g. identical class means); cannot normalise")
+            raise ValueError(
+                f"{type(self).__name__} found a zero direction (e.g. identical class means); cannot normalise"
+            )
         a = a / norm
         if codes is not None and a @ (X[codes == 1].mean(0) - X[codes == 0].mean(0)) < 0:
             a = -a
@@ -149,8 +151,12 @@ class ProbeDirection(_Direction):
         # shift), and the solver no longer has to move a large intercept.
         mean = X.mean(0)
         self.estimator_ = LogisticRegression(
-            solver="lbfgs", fit_intercept=True, C=1.0 / strength,
-            max_iter=self.max_iter, tol=self.tol, random_state=self.random_state,
+            solver="lbfgs",
+            fit_intercept=True,
+            C=1.0 / strength,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            random_state=self.random_state,
         ).fit(X - mean, codes)
         self.estimator_.intercept_ -= self.estimator_.coef_ @ mean  # a classifier of the raw X again
         return self.estimator_.coef_[0]

@@ -111,7 +111,9 @@ class PCAFeaturizer(nn.Module):
         components = torch.as_tensor(components, dtype=torch.float32)
         mean = torch.as_tensor(mean, dtype=torch.float32)
         if components.ndim != 2 or mean.shape != (components.shape[1],):
-            raise ValueError(f"components must be (m, d) and mean (d,); got {tuple(components.shape)}, {tuple(mean.shape)}")
+            raise ValueError(
+                f"components must be (m, d) and mean (d,); got {tuple(components.shape)}, {tuple(mean.shape)}"
+            )
         scale = torch.ones_like(mean) if scale is None else torch.as_tensor(scale, dtype=torch.float32)
         if scale.shape != mean.shape or not bool((scale > 0).all()):
             raise ValueError(f"scale must be ({mean.shape[0]},) and positive; got shape {tuple(scale.shape)}")
@@ -244,8 +246,9 @@ class FeatureInterchange(Intervention):
         return {"featurizer": class_path(self.featurizer), "keep_error": self.keep_error}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], featurizer: str = class_path(PCAFeaturizer),
-                     keep_error: bool = True) -> FeatureInterchange:  # fmt: skip
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], featurizer: str = class_path(PCAFeaturizer), keep_error: bool = True
+    ) -> FeatureInterchange:
         """`featurizer`: the class path of a featurizer built from its buffers (PCA or SAE)."""
         buffers = {k.removeprefix("featurizer."): v for k, v in tensors.items() if k.startswith("featurizer.")}
         selected = tensors["selected"].round().long().tolist()
@@ -302,8 +305,9 @@ def _fit_classifier(classifier: str, C: float, X: np.ndarray, y: np.ndarray, max
     return model.fit(X, y)
 
 
-def feature_sweep(features, labels, C=RAVEL_C_GRID, classifier: str = "svc", standardize: bool = False,
-                  max_iter: int = 1000) -> list[dict]:  # fmt: skip
+def feature_sweep(
+    features, labels, C=RAVEL_C_GRID, classifier: str = "svc", standardize: bool = False, max_iter: int = 1000
+) -> list[dict]:
     """For each C (ascending) the features an L1 classifier of `labels` on `features` uses, fitted
     on all rows: [{"C", "n_features", "selected"}]. RAVEL chooses among them by dev Disentangle.
 
@@ -457,7 +461,9 @@ def fit_feature_interchange(
     X = _check_representations(representations)
     if isinstance(featurizer, str):
         if featurizer != "pca":
-            raise ValueError(f"featurizer={featurizer!r}: give 'pca' or a fitted featurizer module (e.g. SAEFeaturizer)")
+            raise ValueError(
+                f"featurizer={featurizer!r}: give 'pca' or a fitted featurizer module (e.g. SAEFeaturizer)"
+            )
         featurizer = PCAFeaturizer.fit(X, n_components, standardize=standardize_pca)
     Z = featurize(featurizer, X).double().numpy()
     if selection_kwargs.get("dev_features") is not None:
@@ -468,7 +474,9 @@ def fit_feature_interchange(
         scaler = StandardScaler(with_std=selection_kwargs.get("standardize", True)).fit(Z)
         for attribute, values in other_labels.items():
             values = _check_labels(values, Z.shape[0], f"other_labels[{attribute!r}]")
-            used = _used_features(_l1_logistic(selection.C, selection_kwargs.get("max_iter", 1000)).fit(scaler.transform(Z), values))
+            used = _used_features(
+                _l1_logistic(selection.C, selection_kwargs.get("max_iter", 1000)).fit(scaler.transform(Z), values)
+            )
             selected = np.setdiff1d(selected, used)
     intervention = FeatureInterchange(featurizer, selected.tolist())
     intervention.selection = selection

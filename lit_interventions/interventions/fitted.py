@@ -73,8 +73,16 @@ class FeatureInterchangeFit(_Fitted):
 
     SELECT_BY = ("disentangle", "accuracy")
 
-    def __init__(self, hidden_size: int, featurizer: str = "pca", sae: str | None = None, max_features: int | None = None,
-                 select_by: str = "disentangle", C: list[float] | None = None, standardize: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        featurizer: str = "pca",
+        sae: str | None = None,
+        max_features: int | None = None,
+        select_by: str = "disentangle",
+        C: list[float] | None = None,
+        standardize: bool = True,
+    ):
         super().__init__()
         if featurizer not in ("pca", "sae"):
             raise ValueError(f"featurizer={featurizer!r} is not one of pca, sae")
@@ -99,22 +107,27 @@ class FeatureInterchangeFit(_Fitted):
             return PCAFeaturizer.fit(states, standardize=self.standardize)
         return SAEFeaturizer.load(self.sae)
 
-    def fit(self, states: torch.Tensor, labels: list) -> "FeatureInterchangeFit":
+    def fit(self, states: torch.Tensor, labels: list) -> FeatureInterchangeFit:
         featurizer = self._featurizer(states)
         if self.select_by == "accuracy":
             # C is chosen on a random 20% of the states. Holding out whole entities instead (groups=)
             # asks the classifier for the country of cities it never saw: near chance for every C on
             # gemma-3-270m's built-in cities, so the smallest C (no feature at all) was chosen.
-            self.fitted = fit_feature_interchange(states, labels, featurizer=featurizer, C=self.grid,
-                                                  max_features=self.max_features)  # fmt: skip
+            self.fitted = fit_feature_interchange(
+                states, labels, featurizer=featurizer, C=self.grid, max_features=self.max_features
+            )
             self.C = self.fitted.selection.C
             self.needs_fit = False
             return self
         sweep = feature_sweep(featurize(featurizer, states).double().numpy(), labels, C=self.grid, classifier="svc")
-        self.sweep = [r for r in sweep if r["n_features"] and (self.max_features is None or r["n_features"] <= self.max_features)]
+        self.sweep = [
+            r for r in sweep if r["n_features"] and (self.max_features is None or r["n_features"] <= self.max_features)
+        ]
         if not self.sweep:
-            raise ValueError(f"no C in {list(self.grid)} selects between 1 and {self.max_features or 'all'} features "
-                             f"(counts: {[r['n_features'] for r in sweep]}); change the C grid")  # fmt: skip
+            raise ValueError(
+                f"no C in {list(self.grid)} selects between 1 and {self.max_features or 'all'} features "
+                f"(counts: {[r['n_features'] for r in sweep]}); change the C grid"
+            )
         self.featurizer = featurizer
         self._use(self.sweep[-1])
         self.needs_fit = False
@@ -138,8 +151,11 @@ class FeatureInterchangeFit(_Fitted):
         if self.select_by != "disentangle" or self.needs_fit:
             return {}
         names = self._candidate_names()
-        return {names[row["C"]]: FeatureInterchange(self.featurizer, row["selected"].tolist()).to(self._device())
-                for row in self.sweep if names[row["C"]] == f"C={row['C']:g}"}  # fmt: skip
+        return {
+            names[row["C"]]: FeatureInterchange(self.featurizer, row["selected"].tolist()).to(self._device())
+            for row in self.sweep
+            if names[row["C"]] == f"C={row['C']:g}"
+        }
 
     def choose(self, scores: dict[str, dict]) -> None:
         """Keep the candidate with the best dev Disentangle (`scores`: name -> {cause, iso,
@@ -154,14 +170,21 @@ class FeatureInterchangeFit(_Fitted):
 
     def summary(self) -> str:
         scored = [r for r in self.sweep if "dev" in r]
-        how = "the largest of the grid, not chosen on dev" if self.select_by == "disentangle" and not scored else f"by {self.select_by}"
-        text = (f"{self.featurizer_name}: {len(self.fitted.selected)} of {self.fitted.featurizer.n_features} features "
-                f"selected (C={self.C:g}, {how})")  # fmt: skip
+        how = (
+            "the largest of the grid, not chosen on dev"
+            if self.select_by == "disentangle" and not scored
+            else f"by {self.select_by}"
+        )
+        text = (
+            f"{self.featurizer_name}: {len(self.fitted.selected)} of {self.fitted.featurizer.n_features} features "
+            f"selected (C={self.C:g}, {how})"
+        )
         if scored:
             text += "; dev " + ", ".join(
                 f"C={r['C']:g}: {r['n_features']} features, Cause {r['dev']['cause']:.3f} Iso {r['dev']['iso']:.3f} "
-                f"Disentangle {r['dev']['disentangle']:.3f}" for r in scored
-            )  # fmt: skip
+                f"Disentangle {r['dev']['disentangle']:.3f}"
+                for r in scored
+            )
         return text
 
     def _forward(self, base, source):
@@ -195,7 +218,7 @@ class DirectionInterchange(_Fitted):
     def _options(self) -> dict:
         return {"random_state": self.seed} if self.method in ("probe", "pca", "kmeans", "random", "lat") else {}
 
-    def fit(self, states: torch.Tensor, labels: list) -> "DirectionInterchange":
+    def fit(self, states: torch.Tensor, labels: list) -> DirectionInterchange:
         X = states.double().numpy()
         classes = [c for c, _ in Counter(labels).most_common()]
         if len(classes) < 2:
@@ -221,7 +244,9 @@ class DirectionInterchange(_Fitted):
         return {"method": self.method, "seed": self.seed}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], method: str = "diffmean", seed: int = 0) -> "DirectionInterchange":
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], method: str = "diffmean", seed: int = 0
+    ) -> DirectionInterchange:
         basis = tensors["basis"]
         fitted = cls(basis.shape[1], method=method, k=basis.shape[0], seed=seed)
         fitted.basis, fitted.needs_fit = basis.float().clone(), False

@@ -50,10 +50,14 @@ class LoReFTIntervention(Intervention):
 
     def export(self) -> dict[str, torch.Tensor]:
         """The weights a released checkpoint holds: R, W, b."""
-        return {"rotation": self.rotation.detach(), "weight": self.source.weight.detach(), "bias": self.source.bias.detach()}
+        return {
+            "rotation": self.rotation.detach(),
+            "weight": self.source.weight.detach(),
+            "bias": self.source.bias.detach(),
+        }
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "LoReFTIntervention":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> LoReFTIntervention:
         """Rebuild from `export()` output."""
         rank, hidden = tensors["rotation"].shape
         module = cls(hidden, rank)

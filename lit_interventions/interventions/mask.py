@@ -47,7 +47,11 @@ class SigmoidMaskIntervention(Intervention):
         return (1 - weights) * base + weights * self._require_source(source)
 
     def export(self) -> dict[str, torch.Tensor]:
-        return {"logits": self.mask.detach(), "temperature": self.temperature.reshape(1), "mask": self.weights().detach()}
+        return {
+            "logits": self.mask.detach(),
+            "temperature": self.temperature.reshape(1),
+            "mask": self.weights().detach(),
+        }
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> SigmoidMaskIntervention:

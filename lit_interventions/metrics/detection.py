@@ -57,14 +57,20 @@ class ConceptAUROC(Metric):
         self.add_state("label", default=[], dist_reduce_fx="cat")
         self.add_state("skipped", default=torch.tensor(0), dist_reduce_fx="sum")
 
-    def update(self, token_scores: torch.Tensor, mask: torch.Tensor, concept_id: torch.Tensor, label: torch.Tensor) -> None:
+    def update(
+        self, token_scores: torch.Tensor, mask: torch.Tensor, concept_id: torch.Tensor, label: torch.Tensor
+    ) -> None:
         if token_scores.shape != mask.shape or token_scores.dim() != 2:
-            raise ValueError(f"token_scores and mask must both be (batch, seq); got {tuple(token_scores.shape)} "
-                             f"and {tuple(mask.shape)}")  # fmt: skip
+            raise ValueError(
+                f"token_scores and mask must both be (batch, seq); got {tuple(token_scores.shape)} "
+                f"and {tuple(mask.shape)}"
+            )
         concept_id, label = concept_id.long(), label.long()
         if concept_id.numel() and (concept_id.min() < 0 or concept_id.max() >= self.num_concepts):
-            raise ValueError(f"concept_id must be in 0..{self.num_concepts - 1} (the concept each row is evaluated "
-                             f"for); got values {sorted(set(concept_id.tolist()))[:10]}")  # fmt: skip
+            raise ValueError(
+                f"concept_id must be in 0..{self.num_concepts - 1} (the concept each row is evaluated "
+                f"for); got values {sorted(set(concept_id.tolist()))[:10]}"
+            )
         if not set(label.unique().tolist()) <= {0, 1}:
             raise ValueError(f"label must be 0 (negative) or 1 (positive); got {sorted(set(label.tolist()))}")
         scores = sequence_scores(token_scores, mask)

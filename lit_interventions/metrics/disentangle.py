@@ -28,8 +28,14 @@ class Disentanglement(Metric):
         for name in ("correct", "changed", "count"):
             self.add_state(name, default=torch.zeros(2, num_attributes, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, logits: torch.Tensor, label: torch.Tensor, base_label: torch.Tensor, attribute: torch.Tensor,
-               kind: torch.Tensor) -> None:  # fmt: skip
+    def update(
+        self,
+        logits: torch.Tensor,
+        label: torch.Tensor,
+        base_label: torch.Tensor,
+        attribute: torch.Tensor,
+        kind: torch.Tensor,
+    ) -> None:
         """logits: intervened next-token logits (batch, vocab); label: the answer the intervened
         model should give; base_label: the base's own answer; attribute: the queried attribute;
         kind: CAUSE or ISO."""

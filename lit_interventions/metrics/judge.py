@@ -46,8 +46,7 @@ log = logging.getLogger(__name__)
 ASPECTS = ("concept", "instruct", "fluency")
 
 _FORMAT = (
-    "After your explanation, give your rating in exactly this format: \"Rating: [[score]]\", "
-    "for example \"Rating: [[1]]\"."
+    'After your explanation, give your rating in exactly this format: "Rating: [[score]]", for example "Rating: [[1]]".'
 )
 _AXBENCH_FORMAT = 'Give your rating in exactly this format: "Rating: [[score]]".'
 AXBENCH_PROMPTS = {
@@ -68,7 +67,8 @@ AXBENCH_PROMPTS = {
         "instruction, pointing to references related to it. Then rate the instruction relevance from 0 to 2: "
         "0 means the sentence is unrelated to the instruction, 1 means it is somewhat related but only minimally "
         "or indirectly relevant in topic, 2 means it is more clearly and directly related to the instruction. "
-        + _AXBENCH_FORMAT + "\n\n[Instruction Start]\n{instruction}\n[Instruction End]\n\n"
+        + _AXBENCH_FORMAT
+        + "\n\n[Instruction Start]\n{instruction}\n[Instruction End]\n\n"
         "[Sentence Fragment Start]\n{response}\n[Sentence Fragment End]\n"
     ),
     "fluency": (
@@ -112,7 +112,9 @@ PARSINGS = ("axbench", "lenient")
 
 _PATTERNS = [
     re.compile(r"\[\[\s*\**\s*(\d+(?:\.\d+)?)\s*\**\s*\]\]"),  # Rating: [[2]]
-    re.compile(r"rating\W{0,6}(?:(?:of|is)\W{1,3})?(\d+(?:\.\d+)?)", re.IGNORECASE),  # Rating: 2, **Rating**: 2, rating of 2
+    re.compile(
+        r"rating\W{0,6}(?:(?:of|is)\W{1,3})?(\d+(?:\.\d+)?)", re.IGNORECASE
+    ),  # Rating: 2, **Rating**: 2, rating of 2
     re.compile(r"^\W*(\d+(?:\.\d+)?)\W*$"),  # the reply is just the number
 ]
 
@@ -183,17 +185,22 @@ class Judge:
         if not len(concepts) == len(instructions) == len(responses):
             raise ValueError("concepts, instructions and responses must have the same length")
         templates = PROMPT_STYLES[self.prompt_style]
-        prompts = [templates[aspect].format(concept=c, instruction=i, response=r)
-                   for c, i, r in zip(concepts, instructions, responses) for aspect in ASPECTS]  # fmt: skip
+        prompts = [
+            templates[aspect].format(concept=c, instruction=i, response=r)
+            for c, i, r in zip(concepts, instructions, responses)
+            for aspect in ASPECTS
+        ]
         replies = self.ask(prompts)
         results = []
         for k in range(len(responses)):
-            raw = dict(zip(ASPECTS, replies[3 * k: 3 * k + 3]))
+            raw = dict(zip(ASPECTS, replies[3 * k : 3 * k + 3]))
             ratings = {}
             for aspect, reply in raw.items():
                 value = parse_rating(reply, self.parsing)
                 if value is None:
-                    log.warning("judge %s: unparseable %s rating, counted as 0: %r", self.name, aspect, (reply or "")[:200])
+                    log.warning(
+                        "judge %s: unparseable %s rating, counted as 0: %r", self.name, aspect, (reply or "")[:200]
+                    )
                 ratings[aspect] = value or 0.0
             c, i, f = ratings["concept"], ratings["instruct"], ratings["fluency"]
             results.append(JudgeScore(c, i, f, harmonic_mean(c, i, f), raw))
@@ -237,10 +244,19 @@ class OpenAIJudge(Judge):
 
     name = "openai"
 
-    def __init__(self, base_url: str = "https://api.openai.com/v1", model: str = "gpt-4o-mini",
-                 api_key_env: str | None = None, temperature: float = 0.0, max_tokens: int = 256,
-                 timeout: float = 120.0, workers: int = 4, retries: int = 3, backoff: float = 0.5,
-                 cache: str | None = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        base_url: str = "https://api.openai.com/v1",
+        model: str = "gpt-4o-mini",
+        api_key_env: str | None = None,
+        temperature: float = 0.0,
+        max_tokens: int = 256,
+        timeout: float = 120.0,
+        workers: int = 4,
+        retries: int = 3,
+        backoff: float = 0.5,
+        cache: str | None = "auto",
+    ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r} must start with http:// or https://")
         if workers < 1:
@@ -257,8 +273,10 @@ class OpenAIJudge(Judge):
         if api_key_env:
             key = os.environ.get(api_key_env)
             if not key:
-                raise ValueError(f"api_key_env={api_key_env!r}: that environment variable is not set "
-                                 "(set it, or use api_key_env: null for a server without keys)")  # fmt: skip
+                raise ValueError(
+                    f"api_key_env={api_key_env!r}: that environment variable is not set "
+                    "(set it, or use api_key_env: null for a server without keys)"
+                )
             self.headers["Authorization"] = f"Bearer {key}"
 
     def _post(self, body: dict) -> str:
@@ -271,18 +289,24 @@ class OpenAIJudge(Judge):
             detail = err.read().decode(errors="replace")[:300]
             wait = err.headers.get("Retry-After") if err.headers else None
             wait = float(wait) if wait and wait.strip().replace(".", "", 1).isdigit() else None
-            raise JudgeRequestError(f"judge endpoint {self.url} answered HTTP {err.code}: {detail}",
-                                    retry=err.code in RETRY_STATUS, wait=wait) from err  # fmt: skip
+            raise JudgeRequestError(
+                f"judge endpoint {self.url} answered HTTP {err.code}: {detail}",
+                retry=err.code in RETRY_STATUS,
+                wait=wait,
+            ) from err
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
             raise JudgeRequestError(f"judge endpoint {self.url} is unreachable: {reason}", retry=True) from err
         except ValueError as err:  # not JSON
-            raise JudgeRequestError(f"judge endpoint {self.url} sent a reply that is not JSON: {err}", retry=True) from err
+            raise JudgeRequestError(
+                f"judge endpoint {self.url} sent a reply that is not JSON: {err}", retry=True
+            ) from err
         try:
             return payload["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError) as err:
-            raise JudgeRequestError(f"judge endpoint {self.url} sent no chat completion: {str(payload)[:300]}",
-                                    retry=False) from err  # fmt: skip
+            raise JudgeRequestError(
+                f"judge endpoint {self.url} sent no chat completion: {str(payload)[:300]}", retry=False
+            ) from err
 
     def _cache_path(self, body: dict) -> Path | None:
         if self.cache is None:
@@ -291,8 +315,12 @@ class OpenAIJudge(Judge):
         return self.cache / key[:2] / f"{key}.json"
 
     def _chat(self, prompt: str, max_tokens: int | None = None, use_cache: bool = True) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "temperature": self.temperature, "max_tokens": max_tokens or self.max_tokens}  # fmt: skip
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": self.temperature,
+            "max_tokens": max_tokens or self.max_tokens,
+        }
         cached = self._cache_path(body) if use_cache else None
         if cached is not None and cached.is_file():
             try:
@@ -334,14 +362,22 @@ class OpenAIJudge(Judge):
 def chat_prompt(tokenizer, prompt: str) -> str:
     """The user turn in the tokenizer's chat template (plain text when it has none)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
     return f"User: {prompt}\nAssistant:"
 
 
 @torch.no_grad()
-def generate_replies(model, tokenizer, texts: list[str], max_new_tokens: int, batch_size: int = 8,
-                     max_length: int | None = None, **sampling) -> list[str]:  # fmt: skip
+def generate_replies(
+    model,
+    tokenizer,
+    texts: list[str],
+    max_new_tokens: int,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    **sampling,
+) -> list[str]:
     """Replies to prompts already in chat format, batched with left padding. A prompt longer than
     `max_length` tokens loses its start, never the assistant header at its end that the reply
     follows. Only the new tokens are decoded. `sampling`: passed to `generate` (default greedy)."""
@@ -351,19 +387,29 @@ def generate_replies(model, tokenizer, texts: list[str], max_new_tokens: int, ba
     try:
         replies = []
         for start in range(0, len(texts), batch_size):
-            enc = tokenizer(texts[start: start + batch_size], return_tensors="pt", padding=True,
-                            add_special_tokens=not templated, truncation=max_length is not None,
-                            max_length=max_length).to(input_device(model))  # fmt: skip
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                 **(sampling or {"do_sample": False}))  # fmt: skip
-            replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            enc = tokenizer(
+                texts[start : start + batch_size],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=not templated,
+                truncation=max_length is not None,
+                max_length=max_length,
+            ).to(input_device(model))
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                **(sampling or {"do_sample": False}),
+            )
+            replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         return replies
     finally:
         tokenizer.padding_side, tokenizer.truncation_side = side, cut
 
 
-def greedy_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
-                   max_length: int | None = None) -> list[str]:  # fmt: skip
+def greedy_replies(
+    model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8, max_length: int | None = None
+) -> list[str]:
     """Greedy chat replies of a local LM to user prompts."""
     texts = [chat_prompt(tokenizer, p) for p in prompts]
     return generate_replies(model, tokenizer, texts, max_new_tokens, batch_size, max_length)
@@ -390,8 +436,15 @@ class LocalJudge(Judge):
     name = "local"
     RATINGS = ("generate", "probability")
 
-    def __init__(self, lm: str = "smollm2-135m-instruct", rating: str = "probability", max_new_tokens: int = 64,
-                 batch_size: int = 8, max_length: int | None = 1024, dtype: str = "float32"):  # fmt: skip
+    def __init__(
+        self,
+        lm: str = "smollm2-135m-instruct",
+        rating: str = "probability",
+        max_new_tokens: int = 64,
+        batch_size: int = 8,
+        max_length: int | None = 1024,
+        dtype: str = "float32",
+    ):
         from lit_interventions.lm import load_lm, load_tokenizer
 
         if rating not in self.RATINGS:
@@ -402,14 +455,17 @@ class LocalJudge(Judge):
 
     def ask(self, prompts: list[str]) -> list[str]:
         if self.rating == "generate":
-            return greedy_replies(self.model, self.tokenizer, prompts, self.max_new_tokens, self.batch_size,
-                                  self.max_length)  # fmt: skip
+            return greedy_replies(
+                self.model, self.tokenizer, prompts, self.max_new_tokens, self.batch_size, self.max_length
+            )
         ratings = expected_ratings(self.model, self.tokenizer, prompts, self.batch_size, self.max_length)
         return [f"Rating: [[{r:.4f}]]" for r in ratings]
 
 
 @torch.no_grad()
-def expected_ratings(model, tokenizer, prompts: list[str], batch_size: int = 8, max_length: int | None = None) -> list[float]:
+def expected_ratings(
+    model, tokenizer, prompts: list[str], batch_size: int = 8, max_length: int | None = None
+) -> list[float]:
     """E[r] = Σ p(r)·r / Σ p(r) over r ∈ {0, 1, 2}: the LM's next-token probabilities of the three
     digits right after the assistant turn "Rating: [[" (left padding, logits at the last token)."""
     from lit_interventions.sites import logits_at
@@ -426,9 +482,15 @@ def expected_ratings(model, tokenizer, prompts: list[str], batch_size: int = 8, 
     try:
         ratings = []
         for start in range(0, len(prompts), batch_size):
-            texts = [chat_prompt(tokenizer, p) + "Rating: [[" for p in prompts[start: start + batch_size]]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated,
-                            truncation=max_length is not None, max_length=max_length).to(input_device(model))  # fmt: skip
+            texts = [chat_prompt(tokenizer, p) + "Rating: [[" for p in prompts[start : start + batch_size]]
+            enc = tokenizer(
+                texts,
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=not templated,
+                truncation=max_length is not None,
+                max_length=max_length,
+            ).to(input_device(model))
             last = torch.full((len(texts),), enc["input_ids"].shape[1] - 1, device=enc["input_ids"].device)
             logits = logits_at(model, enc["input_ids"], enc["attention_mask"], last)  # (batch, vocab)
             probs = logits.float()[:, digits].softmax(-1)  # (batch, 3), renormalised over the digits

@@ -18,7 +18,9 @@ def log_odds_ratio(
 
     0 means the intervention had no effect; positive means it moved the prediction toward y_s.
     """
-    return _gap(base_logits.float(), base_label, source_label) + _gap(intervened_logits.float(), source_label, base_label)
+    return _gap(base_logits.float(), base_label, source_label) + _gap(
+        intervened_logits.float(), source_label, base_label
+    )
 
 
 class InterchangeOdds(Metric):

@@ -17,9 +17,9 @@ data without one (CausalGym) it keeps its default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
-from typing import Callable
 
 import torch
 from torch import nn
@@ -125,8 +125,9 @@ class InterchangeModule(SiteModule):
         regions = getattr(getattr(data, "template", None), "regions", None)
         for site in self.sites or []:
             if site.position == "region" and site.region is not None and regions and site.region not in regions:
-                raise ValueError(f"site region {site.region!r} is not a region of task {data.task!r}; "
-                                 f"regions: {', '.join(regions)}")  # fmt: skip
+                raise ValueError(
+                    f"site region {site.region!r} is not a region of task {data.task!r}; regions: {', '.join(regions)}"
+                )
 
     # --- several sites, composed ----------------------------------------------------------------
 
@@ -140,21 +141,38 @@ class InterchangeModule(SiteModule):
             return batch[f"{side}_pos"]
         regions = batch.get(f"{side}_region_pos", {})
         if site.region not in regions:
-            raise ValueError(f"region {site.region!r} is not in every {side} sentence of this batch "
-                             f"(found: {', '.join(regions) or 'none'})")  # fmt: skip
+            raise ValueError(
+                f"region {site.region!r} is not in every {side} sentence of this batch "
+                f"(found: {', '.join(regions) or 'none'})"
+            )
         return regions[site.region]
 
     def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
         if self.sites is None:
             return super().intervened_logits(batch, vocab)
         sites = self.sites
-        sources = [read_site(self.lm, site.layer, batch["source_input_ids"], batch["source_attention_mask"],
-                             self._positions(batch, "source", site), component=site.component) for site in sites]  # fmt: skip
+        sources = [
+            read_site(
+                self.lm,
+                site.layer,
+                batch["source_input_ids"],
+                batch["source_attention_mask"],
+                self._positions(batch, "source", site),
+                component=site.component,
+            )
+            for site in sites
+        ]
         with ExitStack() as stack:
             for site, part, source in zip(sites, self.intervention.parts, sources):
-                stack.enter_context(site_hook(self.lm, site.layer, site.component,
-                                              _writer(part, source, self._positions(batch, "base", site)),
-                                              batch["base_input_ids"].device))  # fmt: skip
+                stack.enter_context(
+                    site_hook(
+                        self.lm,
+                        site.layer,
+                        site.component,
+                        _writer(part, source, self._positions(batch, "base", site)),
+                        batch["base_input_ids"].device,
+                    )
+                )
             hidden = run_body(self.lm, batch["base_input_ids"], batch["base_attention_mask"]).last_hidden_state
         rows = torch.arange(len(hidden), device=hidden.device)
         return final_logits(self.lm, hidden[rows, batch["base_last"]], vocab)
@@ -191,8 +209,10 @@ class InterchangeModule(SiteModule):
         if candidates and hasattr(data, "dev_metric"):
             self.intervention.choose(self.dev_scores(data, candidates))
         elif candidates:  # e.g. CausalGym: no Disentangle to choose by; the intervention's default stays
-            self.print(f"{type(data).__name__} has no dev_metric: {type(self.intervention).__name__} keeps its "
-                       "default among its candidates")  # fmt: skip
+            self.print(
+                f"{type(data).__name__} has no dev_metric: {type(self.intervention).__name__} keeps its "
+                "default among its candidates"
+            )
         summary = getattr(self.intervention, "summary", None)
         if summary:
             self.print(summary())
@@ -241,8 +261,10 @@ class InterchangeModule(SiteModule):
     def _evaluate(self, batch, stage: str) -> dict:
         """The standard output the metric callbacks read: intervened (and if asked, clean) logits."""
         if getattr(self.intervention, "needs_fit", False):
-            raise ValueError(f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
-                             "`validate` or `test` alone")  # fmt: skip
+            raise ValueError(
+                f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
+                "`validate` or `test` alone"
+            )
         intervened = self.intervened_logits(batch)
         clean = self.clean_logits(batch) if "clean" in self.eval_outputs else None
         loss = self.objective.task_loss(intervened, batch)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 from itertools import accumulate
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +52,15 @@ def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
             keys += batch[f"{side}_keys"][0]
             starts += [start + shift for start in batch[f"{side}_keys"][1]]
             sites += [site + shift for site in batch.get(f"{side}_pos_list") or batch[f"{side}_pos"].tolist()]
-        stacked |= {f"{side}_input_ids": torch.cat(ids), f"{side}_attention_mask": torch.cat(masks),
-                    f"{side}_pos": torch.cat(positions), f"{side}_last": torch.cat(lasts),
-                    f"{side}_label": torch.cat(labels), f"{side}_keys": (keys, starts), f"{side}_pos_list": sites}  # fmt: skip
+        stacked |= {
+            f"{side}_input_ids": torch.cat(ids),
+            f"{side}_attention_mask": torch.cat(masks),
+            f"{side}_pos": torch.cat(positions),
+            f"{side}_last": torch.cat(lasts),
+            f"{side}_label": torch.cat(labels),
+            f"{side}_keys": (keys, starts),
+            f"{side}_pos_list": sites,
+        }
     return stacked
 
 
@@ -92,10 +98,21 @@ class MultiSiteInterchangeModule(SiteModule):
     of rows, with a warning), each layer's sites run in their own forward instead: same results.
     """
 
-    def __init__(self, lm: str = DEFAULT_LM, sites: list[SiteKey] = (), layer: int | None = None,
-                 regions: list[str] = (), k: int = 1, lr: float = 5e-3, warmup_ratio: float = 0.1,
-                 dtype: str = "float32", cache: bool = True, seed: int = 0, padding_side: str = "right",
-                 intervention: Callable[[int], nn.Module] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        lm: str = DEFAULT_LM,
+        sites: list[SiteKey] = (),
+        layer: int | None = None,
+        regions: list[str] = (),
+        k: int = 1,
+        lr: float = 5e-3,
+        warmup_ratio: float = 0.1,
+        dtype: str = "float32",
+        cache: bool = True,
+        seed: int = 0,
+        padding_side: str = "right",
+        intervention: Callable[[int], nn.Module] | None = None,
+    ):
         super().__init__()
         check_dtype(dtype)
         if sites and (regions or layer is not None):
@@ -146,7 +163,7 @@ class MultiSiteInterchangeModule(SiteModule):
             raise ValueError(f"the cache holds layers {cache.layers}, not layers {missing}")
         self._frozen["cache"] = cache
 
-    def attach(self, datas: dict, batch_size: int = 4) -> "MultiSiteInterchangeModule":
+    def attach(self, datas: dict, batch_size: int = 4) -> MultiSiteInterchangeModule:
         """The sites' data: {region: CausalGymDataModule} (shared by the region's sites at every
         layer) or {(layer, region): ...}, set up. Training draws each site's batches shuffled in
         the order `seed` gives it."""
@@ -154,8 +171,10 @@ class MultiSiteInterchangeModule(SiteModule):
         missing = sorted({region for (_, region), data in found.items() if data is None})
         if missing:
             raise ValueError(f"no data for regions {missing}; given: {sorted(map(str, datas))}")
-        self._frozen["loaders"] = {site_name(*site): data.loader("train", batch_size, shuffle=True, seed=self.hparams.seed)
-                                   for site, data in found.items()}  # fmt: skip
+        self._frozen["loaders"] = {
+            site_name(*site): data.loader("train", batch_size, shuffle=True, seed=self.hparams.seed)
+            for site, data in found.items()
+        }
         return self
 
     def setup(self, stage: str) -> None:
@@ -166,8 +185,9 @@ class MultiSiteInterchangeModule(SiteModule):
             )
 
     def train_dataloader(self) -> CombinedLoader:
-        loaders = {name: ResumableLoader(loader, lambda: self._steps)
-                   for name, loader in self._frozen["loaders"].items()}  # fmt: skip
+        loaders = {
+            name: ResumableLoader(loader, lambda: self._steps) for name, loader in self._frozen["loaders"].items()
+        }
         return CombinedLoader(loaders, mode="max_size")  # a site with fewer pairs stops early
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -191,24 +211,42 @@ class MultiSiteInterchangeModule(SiteModule):
                 if self._stacked:  # it worked before: a real error
                     raise
                 self._stacked = False
-                warnings.warn(f"the stacked forward failed on {type(self.lm).__name__} ({type(error).__name__}: "
-                              f"{error}); each layer's sites run in their own forward instead (same results, slower)")  # fmt: skip
+                warnings.warn(
+                    f"the stacked forward failed on {type(self.lm).__name__} ({type(error).__name__}: "
+                    f"{error}); each layer's sites run in their own forward instead (same results, slower)",
+                    stacklevel=2,
+                )
         edited = edit(self._site_states(stacked, layers, "base"))
         logits, a = [], 0
         for layer in sorted(set(layers)):
             b = a + layers.count(layer)
             part = _rows_at(stacked, list(range(a, b)))
             rows = edited[a:b]
-            start = None if cache is None else cache.states(layer, part["base_input_ids"], part["base_attention_mask"],
-                                                            part["base_keys"])  # fmt: skip
+            start = (
+                None
+                if cache is None
+                else cache.states(layer, part["base_input_ids"], part["base_attention_mask"], part["base_keys"])
+            )
             prefix = None if cache is None else cache.prefix(layer, part["base_keys"], part["base_pos_list"])
-            logits.append(logits_at(self.lm, part["base_input_ids"], part["base_attention_mask"], part["base_last"],
-                                    layer=layer, site_positions=part["base_pos"], intervention=lambda _, rows=rows: rows,
-                                    start_states=start, prefix=prefix))  # fmt: skip
+            logits.append(
+                logits_at(
+                    self.lm,
+                    part["base_input_ids"],
+                    part["base_attention_mask"],
+                    part["base_last"],
+                    layer=layer,
+                    site_positions=part["base_pos"],
+                    intervention=lambda _, rows=rows: rows,
+                    start_states=start,
+                    prefix=prefix,
+                )
+            )
             a = b
         return torch.cat(logits)
 
-    def _stacked_logits(self, stacked: dict, layers: list[int], edit: Callable, groups: list[list[int]]) -> torch.Tensor:
+    def _stacked_logits(
+        self, stacked: dict, layers: list[int], edit: Callable, groups: list[list[int]]
+    ) -> torch.Tensor:
         """`_logits` by `sites.stacked_hidden`, one forward per group of rows (a region's rows
         have runs of similar length, so little padding): each row runs the blocks from its own
         site's column on (the keys and values before it are cached, `ActivationCache.row_prefix`)."""
@@ -220,8 +258,19 @@ class MultiSiteInterchangeModule(SiteModule):
             part, index = _rows_at(stacked, rows), torch.tensor(rows, device=base.device)
             at = [layers[i] for i in rows]
             prefix = cache.row_prefix(min(at), part["base_keys"], part["base_pos_list"])
-            hidden.append(stacked_hidden(self.lm, part["base_input_ids"], part["base_attention_mask"], part["base_last"],
-                                         at, part["base_pos"], lambda _, new=edited[index]: new, base[index], prefix))  # fmt: skip
+            hidden.append(
+                stacked_hidden(
+                    self.lm,
+                    part["base_input_ids"],
+                    part["base_attention_mask"],
+                    part["base_last"],
+                    at,
+                    part["base_pos"],
+                    lambda _, new=edited[index]: new,
+                    base[index],
+                    prefix,
+                )
+            )
         order = torch.tensor([i for rows in groups for i in rows], device=base.device)
         return final_logits(self.lm, torch.cat(hidden)[torch.argsort(order)])  # rows back in stacked order
 
@@ -248,8 +297,9 @@ class MultiSiteInterchangeModule(SiteModule):
         interventions = [self.interventions[site_name(*site)] for site in present]
 
         def edit(base):  # each site's rows through its own subspace
-            return torch.cat([intervention(base[a:b], source[a:b])
-                              for intervention, a, b in zip(interventions, bounds, bounds[1:])])  # fmt: skip
+            return torch.cat(
+                [intervention(base[a:b], source[a:b]) for intervention, a, b in zip(interventions, bounds, bounds[1:])]
+            )
 
         regions = defaultdict(list)  # the rows of each region: one forward each
         for (_, region), a, b in zip(present, bounds, bounds[1:]):
@@ -274,6 +324,8 @@ class MultiSiteInterchangeModule(SiteModule):
     def configure_optimizers(self):
         """Per site: Adam, linear warmup over `warmup_ratio` of its own steps, then decay to 0."""
         loaders = self._frozen["loaders"]
-        built = [self.optimizer_args.build(self.interventions[site_name(*site)].parameters(), len(loaders[site_name(*site)]))
-                 for site in self.sites]  # fmt: skip
+        built = [
+            self.optimizer_args.build(self.interventions[site_name(*site)].parameters(), len(loaders[site_name(*site)]))
+            for site in self.sites
+        ]
         return [optimizer for optimizer, _ in built], [schedule for _, schedule in built]

@@ -50,10 +50,14 @@ def _network(kind: str, d: int, n_out: int, hidden: int, dropout: float) -> nn.M
     if kind == "linear":
         return nn.Linear(d, n_out)
     return nn.Sequential(  # 2 hidden layers, ReLU, dropout (CALM App. B.3)
-        nn.Linear(d, hidden), nn.ReLU(), nn.Dropout(dropout),
-        nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+        nn.Linear(d, hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
         nn.Linear(hidden, n_out),
-    )  # fmt: skip
+    )
 
 
 class ProbeModule(L.LightningModule):
@@ -167,8 +171,13 @@ class ProbeModule(L.LightningModule):
 class ProbeDataModule(L.LightningDataModule):
     """Representations and labels as tensors: train (shuffled) and val splits."""
 
-    def __init__(self, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
-                 batch_size: int = 64, seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        train: tuple[torch.Tensor, torch.Tensor],
+        val: tuple[torch.Tensor, torch.Tensor],
+        batch_size: int = 64,
+        seed: int = 0,
+    ):
         super().__init__()
         for name, (x, y) in {"train": train, "val": val}.items():
             if len(x) == 0 or len(x) != len(y):
@@ -203,10 +212,16 @@ def train_probe(
     with tempfile.TemporaryDirectory(prefix="probe-") as tmp:
         best = ModelCheckpoint(dirpath=tmp, monitor="val/acc", mode="max", save_top_k=1, filename="best")
         trainer = L.Trainer(
-            max_epochs=epochs, accelerator="cpu", devices=1, logger=False, callbacks=[best],
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+            max_epochs=epochs,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            callbacks=[best],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp,
             num_sanity_val_steps=0,
-        )  # fmt: skip
+        )
         trainer.fit(probe, datamodule=data)
         checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=False)
         probe.load_state_dict(checkpoint["state_dict"])

@@ -76,8 +76,12 @@ class SparseAutoencoder(nn.Module):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """W1, b1, W2, b2 acting on raw x (the scale folded in): f = ReLU(W1(x − b2) + b1), x̂ = W2 f + b2."""
         c = self.scale.detach()
-        return {"W1": (self.W1 * c).detach().cpu(), "b1": self.b1.detach().cpu().clone(),
-                "W2": (self.W2 / c).detach().cpu(), "b2": (self.b2 / c).detach().cpu()}  # fmt: skip
+        return {
+            "W1": (self.W1 * c).detach().cpu(),
+            "b1": self.b1.detach().cpu().clone(),
+            "W2": (self.W2 / c).detach().cpu(),
+            "b2": (self.b2 / c).detach().cpu(),
+        }
 
 
 class Reconstruction(Metric):
@@ -98,8 +102,11 @@ class Reconstruction(Metric):
         self.elements += x.numel()
 
     def compute(self) -> dict[str, torch.Tensor]:
-        return {"mse": self.sse / self.elements.clamp_min(1), "fvu": self.sse / self.sst.clamp_min(1e-12),
-                "l0": self.active / self.count.clamp_min(1)}  # fmt: skip
+        return {
+            "mse": self.sse / self.elements.clamp_min(1),
+            "fvu": self.sse / self.sst.clamp_min(1e-12),
+            "l0": self.active / self.count.clamp_min(1),
+        }
 
 
 class SAEModule(LightningModule):
@@ -113,8 +120,14 @@ class SAEModule(LightningModule):
         normalize_decoder: renormalise the decoder columns after every step.
     """
 
-    def __init__(self, hidden_size: int, latent_size: int | None = None, l1_coefficient: float = 2e-3,
-                 lr: float = 1e-3, normalize_decoder: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        latent_size: int | None = None,
+        l1_coefficient: float = 2e-3,
+        lr: float = 1e-3,
+        normalize_decoder: bool = True,
+    ):
         super().__init__()
         if not math.isfinite(l1_coefficient) or l1_coefficient < 0:
             raise ValueError(f"l1_coefficient={l1_coefficient!r} must be a finite number ≥ 0")
@@ -142,7 +155,12 @@ class SAEModule(LightningModule):
         f = self.sae.encode_scaled(x_s)
         mse = (self.sae.decode_scaled(f) - x_s).pow(2).mean()
         l1 = f.abs().sum(-1).mean()
-        return {"loss": mse + self.hparams.l1_coefficient * l1, "mse": mse, "l1": l1, "l0": (f > 0).float().sum(-1).mean()}
+        return {
+            "loss": mse + self.hparams.l1_coefficient * l1,
+            "mse": mse,
+            "l1": l1,
+            "l0": (f > 0).float().sum(-1).mean(),
+        }
 
     def training_step(self, batch, batch_idx):
         x = self._inputs(batch)

@@ -15,7 +15,6 @@ from lit_interventions.lm import check_dtype, load_config, load_lm
 from lit_interventions.sharding import LoadOptions, is_dispatched
 from lit_interventions.sites import BLOCK_OUTPUT, logits_at, read_site, site_layer
 
-
 LM_OPTIONS = ("device_map", "quantization", "max_memory", "offload_folder")  # hparams: `sharding.LoadOptions`
 
 
@@ -82,8 +81,10 @@ class SiteModule(FrozenLMModule):
         loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
             data = loader.dataset
-            cache.fill(loader.collate_fn([data[i] for i in range(start, min(start + chunk, len(data)))])
-                       for start in range(0, len(data), chunk))  # fmt: skip
+            cache.fill(
+                loader.collate_fn([data[i] for i in range(start, min(start + chunk, len(data)))])
+                for start in range(0, len(data), chunk)
+            )
 
     def on_train_start(self) -> None:
         self.prefill(self.trainer.train_dataloader)
@@ -110,8 +111,9 @@ class SiteModule(FrozenLMModule):
         cache = self.activations
         if cache is None:
             return None
-        return cache.states(self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
-                            batch.get(f"{side}_keys"))  # fmt: skip
+        return cache.states(
+            self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch.get(f"{side}_keys")
+        )
 
     def _prefix(self, batch) -> tuple[int, torch.Tensor] | None:
         """The cached keys and values above the layer of the base's columns before every site."""
@@ -126,8 +128,14 @@ class SiteModule(FrozenLMModule):
         """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
         cache = self.activations
         if cache is None:
-            return read_site(self.lm, self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
-                             batch[f"{side}_pos"], component=self.component)  # fmt: skip
+            return read_site(
+                self.lm,
+                self.hparams.layer,
+                batch[f"{side}_input_ids"],
+                batch[f"{side}_attention_mask"],
+                batch[f"{side}_pos"],
+                component=self.component,
+            )
         return cache.at_site(self.hparams.layer, batch, side)
 
     def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,6 +159,13 @@ class SiteModule(FrozenLMModule):
     def clean_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab); only
         of the token ids `vocab` (batch, n) if given."""
-        return logits_at(self.lm, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"],
-                         layer=self.hparams.layer, start_states=self._states(batch, "base"), vocab=vocab,
-                         prefix=self._prefix(batch))  # fmt: skip
+        return logits_at(
+            self.lm,
+            batch["base_input_ids"],
+            batch["base_attention_mask"],
+            batch["base_last"],
+            layer=self.hparams.layer,
+            start_states=self._states(batch, "base"),
+            vocab=vocab,
+            prefix=self._prefix(batch),
+        )

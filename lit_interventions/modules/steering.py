@@ -46,11 +46,11 @@ unit of the released dictionary).
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.dictionary import RELU_METHODS, Dictionary
 from lit_interventions.interventions.additive import (
     ConceptDictionary,
@@ -63,7 +63,6 @@ from lit_interventions.interventions.directions import LATDirection, PCADirectio
 from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.optim import OptimizerArgs
-from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 
 TRAINED = ("reft_r1", "ssv")
@@ -82,8 +81,9 @@ def _gather(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(gather_all_tensors(tensor))
 
 
-def fit_concept_direction(method: str, positives: torch.Tensor, negatives: torch.Tensor, seed: int = 0,
-                          **kwargs) -> torch.Tensor:  # fmt: skip
+def fit_concept_direction(
+    method: str, positives: torch.Tensor, negatives: torch.Tensor, seed: int = 0, **kwargs
+) -> torch.Tensor:
     """One concept's unit direction from its positive tokens H⁺_c (n⁺, d) and the negative pool
     H⁻ (n⁻, d), oriented so that mean(H⁺_c)·w ≥ mean(H⁻)·w. float32 (d,)."""
     if method not in CLOSED_FORM:
@@ -198,8 +198,9 @@ class SteeringModule(FrozenLMModule):
             raise ValueError(f"concepts must be a non-empty list of distinct names; got {concepts!r}")
         self.hparams.concept_names = [str(c) for c in concepts]
         n = len(concepts)
-        self.dictionary = ConceptDictionary(n, self._hidden_size, unit_norm=self.hparams.method != "ssv",
-                                            seed=self.hparams.direction_seed)  # fmt: skip
+        self.dictionary = ConceptDictionary(
+            n, self._hidden_size, unit_norm=self.hparams.method != "ssv", seed=self.hparams.direction_seed
+        )
         self.register_buffer("max_activations", torch.full((n,), float("nan")))
 
     def configure_model(self) -> None:
@@ -208,8 +209,10 @@ class SteeringModule(FrozenLMModule):
             datamodule = getattr(self.trainer, "datamodule", None)
             concepts = getattr(datamodule, "concepts", None)
             if not concepts:
-                raise ValueError("SteeringModule needs concept names: pass concept_names=[...] or use a data module "
-                                 "with a .concepts list")  # fmt: skip
+                raise ValueError(
+                    "SteeringModule needs concept names: pass concept_names=[...] or use a data module "
+                    "with a .concepts list"
+                )
             self._build(list(concepts))
 
     @property
@@ -237,8 +240,10 @@ class SteeringModule(FrozenLMModule):
         every real token with `exclude_prefix: false`."""
         if self.hparams.exclude_prefix:
             if "content_mask" not in batch:
-                raise ValueError("exclude_prefix=True needs the batch's content_mask (AxBenchDataModule); "
-                                 "pass exclude_prefix=False to intervene on every token")  # fmt: skip
+                raise ValueError(
+                    "exclude_prefix=True needs the batch's content_mask (AxBenchDataModule); "
+                    "pass exclude_prefix=False to intervene on every token"
+                )
             return batch["content_mask"].bool() & batch["attention_mask"].bool()
         return batch["attention_mask"].bool()
 
@@ -283,8 +288,9 @@ class SteeringModule(FrozenLMModule):
     def _l1(self, seen: dict, trained: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean over the batch of each row's L1 term: a trained row's non-top-k latents of its
         concept; a pool negative's latents of every concept at all tokens (if negative_l1)."""
-        per_row = torch.where(trained, non_topk_l1(seen["latents"], seen["chosen"], mask),
-                              torch.zeros_like(seen["latents"][:, 0]))  # fmt: skip
+        per_row = torch.where(
+            trained, non_topk_l1(seen["latents"], seen["chosen"], mask), torch.zeros_like(seen["latents"][:, 0])
+        )
         negative = ~trained
         if self.hparams.negative_l1 and negative.any():
             every = torch.relu(seen["hidden"][negative].float() @ self.dictionary.weight.T)  # (neg, seq, C)
@@ -299,11 +305,15 @@ class SteeringModule(FrozenLMModule):
         wants = self.hparams.method == "reft_r1" and self.hparams.train_on_negative
         has = getattr(datamodule, "genre_negatives", None)
         if wants and has is False:
-            raise ValueError("train_on_negative=True (AxBench) needs negatives per concept: set the data module's "
-                             "genre_negatives: true, or set train_on_negative: false")  # fmt: skip
+            raise ValueError(
+                "train_on_negative=True (AxBench) needs negatives per concept: set the data module's "
+                "genre_negatives: true, or set train_on_negative: false"
+            )
         if self.hparams.method in CLOSED_FORM and has is True:
-            raise ValueError(f"{self.hparams.method} is fitted against the shared negative pool: set the data module's "
-                             "genre_negatives: false")  # fmt: skip
+            raise ValueError(
+                f"{self.hparams.method} is fitted against the shared negative pool: set the data module's "
+                "genre_negatives: false"
+            )
 
     def training_step(self, batch, batch_idx):
         if not self.automatic_optimization:
@@ -346,11 +356,19 @@ class SteeringModule(FrozenLMModule):
         positive = response & (batch["token_labels"] >= 0)
         negative = response & (batch["label"] == 0)[:, None]
         if ((batch["label"] == 0) & (batch["concept_id"] >= 0)).any():
-            raise ValueError(f"{self.hparams.method} is fitted against the shared negative pool (concept_id -1); "
-                             "these negatives carry concept ids: set the data module's genre_negatives: false")  # fmt: skip
+            raise ValueError(
+                f"{self.hparams.method} is fitted against the shared negative pool (concept_id -1); "
+                "these negatives carry concept ids: set the data module's genre_negatives: false"
+            )
         keep = positive | negative
-        self._frozen["tokens"].append((hidden[keep].float().cpu(), batch["token_labels"][keep].where(
-            positive[keep], torch.full_like(batch["token_labels"][keep], -1)).cpu()))  # fmt: skip
+        self._frozen["tokens"].append(
+            (
+                hidden[keep].float().cpu(),
+                batch["token_labels"][keep]
+                .where(positive[keep], torch.full_like(batch["token_labels"][keep], -1))
+                .cpu(),
+            )
+        )
         self._frozen["pending"] = True
 
     @torch.no_grad()
@@ -367,20 +385,29 @@ class SteeringModule(FrozenLMModule):
         if bad.any():
             from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
 
-            raise NonFiniteError(f"the LM's residual stream at layer {self.hparams.layer} is NaN/inf at {int(bad.sum())} "
-                                 f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "
-                                 "Nothing was fitted or exported.")  # fmt: skip
+            raise NonFiniteError(
+                f"the LM's residual stream at layer {self.hparams.layer} is NaN/inf at {int(bad.sum())} "
+                f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "
+                "Nothing was fitted or exported."
+            )
         negatives = hidden[labels == -1]
         if len(negatives) == 0:
             raise ValueError("the training data has no negative tokens: the closed-form methods need negatives")
         for c, name in enumerate(self.concepts):
             positives = hidden[labels == c]
             if len(positives) < 2:
-                raise ValueError(f"concept {name!r} has {len(positives)} positive response token(s) in the "
-                                 "training data; at least 2 are needed")  # fmt: skip
+                raise ValueError(
+                    f"concept {name!r} has {len(positives)} positive response token(s) in the "
+                    "training data; at least 2 are needed"
+                )
             options = {"lat": {"lat_pairs": self.hparams.lat_pairs}, "probe": {"l2": self.hparams.probe_l2}}
-            w = fit_concept_direction(self.hparams.method, positives, negatives, seed=self.hparams.direction_seed,
-                                      **options.get(self.hparams.method, {}))  # fmt: skip
+            w = fit_concept_direction(
+                self.hparams.method,
+                positives,
+                negatives,
+                seed=self.hparams.direction_seed,
+                **options.get(self.hparams.method, {}),
+            )
             self.dictionary.weight.data[c] = w.to(self.dictionary.weight)
 
     def on_train_epoch_start(self):
@@ -426,8 +453,10 @@ class SteeringModule(FrozenLMModule):
         seen = ~torch.isnan(result["max_score"])
         if stage == "val" and not self.trainer.sanity_checking:
             self.max_activations[seen] = result["max_score"][seen].to(self.max_activations)
-        auroc = {"mean": float(result["auroc"]),
-                 "per_concept": {n: float(v) for n, v in zip(self.concepts, result["auroc_per_concept"])}}  # fmt: skip
+        auroc = {
+            "mean": float(result["auroc"]),
+            "per_concept": {n: float(v) for n, v in zip(self.concepts, result["auroc_per_concept"])},
+        }
         if stage == "test":
             self._frozen["test_auroc"] = auroc
         elif not self.trainer.sanity_checking:
@@ -441,7 +470,13 @@ class SteeringModule(FrozenLMModule):
         if self.hparams.method == "reft_r1":
             card.update(topk=self.hparams.topk, l1=self.hparams.l1)
         return Dictionary(
-            vectors=self.dictionary.weight.detach(), max_activations=self.max_activations, concepts=self.concepts,
-            model=self.hparams.lm, layer=self.hparams.layer, method=self.hparams.method,
-            training_data=training_data, auroc=self._frozen.get("val_auroc"), card=card,
-        )  # fmt: skip
+            vectors=self.dictionary.weight.detach(),
+            max_activations=self.max_activations,
+            concepts=self.concepts,
+            model=self.hparams.lm,
+            layer=self.hparams.layer,
+            method=self.hparams.method,
+            training_data=training_data,
+            auroc=self._frozen.get("val_auroc"),
+            card=card,
+        )

@@ -58,8 +58,9 @@ class _SteeringModule(FrozenLMModule):
 
     method = ""
 
-    def _setup_common(self, lm: str, concept_id: int | None, lr: float, warmup_ratio: float, weight_decay: float,
-                      dtype: str):  # fmt: skip
+    def _setup_common(
+        self, lm: str, concept_id: int | None, lr: float, warmup_ratio: float, weight_decay: float, dtype: str
+    ):
         self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validated before any load
         check_dtype(dtype)
         if concept_id is not None and (not isinstance(concept_id, int) or concept_id < 0):
@@ -131,10 +132,17 @@ class _SteeringModule(FrozenLMModule):
             concept = names[self.hparams.concept_id]
         elif concept is None and names and len(names) == 1:
             concept = names[0]
-        return {"method": self.method, "model": self.hparams.lm, "concept": concept,
-                "concept_id": self.hparams.concept_id, "metrics": {k: float(v) for k, v in (
-                    self.trainer.callback_metrics.items() if self._trainer is not None else [])
-                    if torch.as_tensor(v).numel() == 1}}  # fmt: skip
+        return {
+            "method": self.method,
+            "model": self.hparams.lm,
+            "concept": concept,
+            "concept_id": self.hparams.concept_id,
+            "metrics": {
+                k: float(v)
+                for k, v in (self.trainer.callback_metrics.items() if self._trainer is not None else [])
+                if torch.as_tensor(v).numel() == 1
+            },
+        }
 
 
 class LoReFTModule(_SteeringModule):
@@ -156,10 +164,22 @@ class LoReFTModule(_SteeringModule):
 
     method = "loreft"
 
-    def __init__(self, lm: str = DEFAULT_LM, layer: int | None = None, rank: int = 4, concept_id: int | None = None,
-                 concept: str | None = None, lr: float = 5e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.0,
-                 dtype: str = "float32", device_map: str | int | dict | None = None, quantization: str | None = None,
-                 max_memory: dict | None = None, offload_folder: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        lm: str = DEFAULT_LM,
+        layer: int | None = None,
+        rank: int = 4,
+        concept_id: int | None = None,
+        concept: str | None = None,
+        lr: float = 5e-3,
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.0,
+        dtype: str = "float32",
+        device_map: str | int | dict | None = None,
+        quantization: str | None = None,
+        max_memory: dict | None = None,
+        offload_folder: str | None = None,
+    ):
         super().__init__()
         self.check_lm_options(device_map, quantization, max_memory, offload_folder)  # before the config is read
         config = load_config(lm)
@@ -182,8 +202,13 @@ class LoReFTModule(_SteeringModule):
             return lm_loss(self.lm, batch)
 
     def export(self):
-        card = {**self._card(), "layer": self.hparams.layer, "rank": self.hparams.rank, "positions": "all",
-                "hidden_size": self.intervention.hidden_size}  # fmt: skip
+        card = {
+            **self._card(),
+            "layer": self.hparams.layer,
+            "rank": self.hparams.rank,
+            "positions": "all",
+            "hidden_size": self.intervention.hidden_size,
+        }
         return self.intervention.export(), card
 
     def save(self, directory: str | Path) -> Path:
@@ -198,8 +223,10 @@ def attention_output_modules(model: nn.Module) -> list[str]:
     for suffix in ATTENTION_OUTPUTS:
         if any(name.endswith("." + suffix) for name in names):
             return [suffix]
-    raise ValueError(f"Cannot find an attention output projection in {type(model).__name__}: "
-                     f"no module named like {ATTENTION_OUTPUTS}; pass target_modules.")  # fmt: skip
+    raise ValueError(
+        f"Cannot find an attention output projection in {type(model).__name__}: "
+        f"no module named like {ATTENTION_OUTPUTS}; pass target_modules."
+    )
 
 
 class LoRAModule(_SteeringModule):
@@ -216,10 +243,21 @@ class LoRAModule(_SteeringModule):
 
     method = "lora"
 
-    def __init__(self, lm: str = DEFAULT_LM, rank: int = 4, alpha: int = 32, dropout: float = 0.0,
-                 target_modules: list[str] | None = None, layers: list[int] | None = None,
-                 concept_id: int | None = None, concept: str | None = None, lr: float = 5e-3,
-                 weight_decay: float = 0.0, warmup_ratio: float = 0.0, dtype: str = "float32"):  # fmt: skip
+    def __init__(
+        self,
+        lm: str = DEFAULT_LM,
+        rank: int = 4,
+        alpha: int = 32,
+        dropout: float = 0.0,
+        target_modules: list[str] | None = None,
+        layers: list[int] | None = None,
+        concept_id: int | None = None,
+        concept: str | None = None,
+        lr: float = 5e-3,
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.0,
+        dtype: str = "float32",
+    ):
         super().__init__()
         from peft import LoraConfig, get_peft_model
 
@@ -234,14 +272,21 @@ class LoRAModule(_SteeringModule):
         target_modules = list(target_modules) if target_modules else attention_output_modules(model)
         self.save_hyperparameters()
         self.hparams.target_modules = target_modules
-        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                            layers_to_transform=layers, bias="none")  # fmt: skip
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            lora_dropout=dropout,
+            target_modules=target_modules,
+            layers_to_transform=layers,
+            bias="none",
+        )
         peft_model = get_peft_model(model, config)
         self._frozen["peft"] = peft_model
         self._frozen["dropouts"] = [m for name, m in peft_model.named_modules() if name.endswith("lora_dropout")]
         # The adapter's parameters, registered here too: the optimizer, DDP and state_dict see only them.
-        self.adapter = nn.ParameterDict({name.replace(".", "__"): p for name, p in peft_model.named_parameters()
-                                         if p.requires_grad})  # fmt: skip
+        self.adapter = nn.ParameterDict(
+            {name.replace(".", "__"): p for name, p in peft_model.named_parameters() if p.requires_grad}
+        )
         if not len(self.adapter):
             raise ValueError(f"target_modules={target_modules!r} matched no module of {lm!r}")
 
@@ -267,9 +312,14 @@ class LoRAModule(_SteeringModule):
         from peft import get_peft_model_state_dict
 
         tensors = get_peft_model_state_dict(self._frozen["peft"])
-        card = {**self._card(), "rank": self.hparams.rank, "alpha": self.hparams.alpha,
-                "target_modules": self.hparams.target_modules, "layers": self.hparams.layers,
-                "dropout": self.hparams.dropout}  # fmt: skip
+        card = {
+            **self._card(),
+            "rank": self.hparams.rank,
+            "alpha": self.hparams.alpha,
+            "target_modules": self.hparams.target_modules,
+            "layers": self.hparams.layers,
+            "dropout": self.hparams.dropout,
+        }
         return tensors, card
 
     def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -295,16 +345,26 @@ def load_steering_checkpoint(path: str | Path, lm: str | None = None) -> _Steeri
     if card.get("method") == "loreft":
         module = LoReFTModule(layer=card["layer"], rank=card["rank"], **common)
         if module.intervention.hidden_size != tensors["rotation"].shape[1]:
-            raise ValueError(f"{path} was trained on hidden size {tensors['rotation'].shape[1]}, but "
-                             f"{common['lm']!r} has hidden size {module.intervention.hidden_size}")  # fmt: skip
+            raise ValueError(
+                f"{path} was trained on hidden size {tensors['rotation'].shape[1]}, but "
+                f"{common['lm']!r} has hidden size {module.intervention.hidden_size}"
+            )
         module.intervention = LoReFTIntervention.from_tensors(tensors)
         return module
     if card.get("method") == "lora":
-        module = LoRAModule(rank=card["rank"], alpha=card["alpha"], target_modules=card["target_modules"],
-                            layers=card.get("layers"), dropout=card.get("dropout", 0.0), **common)  # fmt: skip
+        module = LoRAModule(
+            rank=card["rank"],
+            alpha=card["alpha"],
+            target_modules=card["target_modules"],
+            layers=card.get("layers"),
+            dropout=card.get("dropout", 0.0),
+            **common,
+        )
         module.load_adapter(tensors)
         return module
-    raise ValueError(f"{path}: card method {card.get('method')!r} is not a steering checkpoint; expected loreft or lora")
+    raise ValueError(
+        f"{path}: card method {card.get('method')!r} is not a steering checkpoint; expected loreft or lora"
+    )
 
 
 def main(args=None):

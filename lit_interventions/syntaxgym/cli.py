@@ -30,17 +30,27 @@ def _arguments(argv: list[str] | None):
         default_config_files=[],
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with these options")
-    parser.add_argument("--suites", type=str, required=True, nargs="+",
-                        help="a directory of *.json suites, or suite files")  # fmt: skip
+    parser.add_argument(
+        "--suites", type=str, required=True, nargs="+", help="a directory of *.json suites, or suite files"
+    )
     parser.add_argument("--lm", type=str, default=DEFAULT_LM, help="what lit_interventions.lm.load_lm accepts")
     parser.add_argument("--out", type=str, required=True, help="CSV: suite,items,accuracy; last row 'SG score'")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=16, help="sentences per forward pass")
     parser.add_argument("--dtype", type=Literal[tuple(sorted(DTYPES))], default="float32", help="the LM's dtype")
-    parser.add_argument("--attach_punctuation", "--attach-punctuation", type=bool, default=False,
-                        help="join a punctuation-only region ('.', ',') to the previous one without a space "
-                             "(default: with a space, as syntaxgym-core)")  # fmt: skip
-    parser.add_argument("--threads", type=int | None, default=None,
-                        help="torch CPU threads (default: torch's choice); 1 is much faster when other processes share the cores")  # fmt: skip
+    parser.add_argument(
+        "--attach_punctuation",
+        "--attach-punctuation",
+        type=bool,
+        default=False,
+        help="join a punctuation-only region ('.', ',') to the previous one without a space "
+        "(default: with a space, as syntaxgym-core)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int | None,
+        default=None,
+        help="torch CPU threads (default: torch's choice); 1 is much faster when other processes share the cores",
+    )
     return parser, parser.parse_args(resolve_configs(argv))
 
 
@@ -62,8 +72,11 @@ def main(argv: list[str] | None = None) -> list[SuiteResult]:
         model, tokenizer = load_lm(args.lm, args.dtype), load_tokenizer(args.lm)
         results = []
         for suite in suites:
-            results.append(evaluate_suite(suite, model, tokenizer, batch_size=args.batch_size,
-                                          attach_punctuation=args.attach_punctuation))  # fmt: skip
+            results.append(
+                evaluate_suite(
+                    suite, model, tokenizer, batch_size=args.batch_size, attach_punctuation=args.attach_punctuation
+                )
+            )
             print(f"{suite.name:<28} items {results[-1].items:>3}  accuracy {results[-1].accuracy:.3f}", flush=True)
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))

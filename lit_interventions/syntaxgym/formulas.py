@@ -21,8 +21,8 @@ need numbers; a whole formula must be true/false.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 EQUALITY_RTOL, EQUALITY_ATOL = 1e-5, 1e-3
 
@@ -58,7 +58,7 @@ class Number:
 
 @dataclass(frozen=True)
 class Negative:
-    operand: "Node"
+    operand: Node
     is_truth = False
 
     def evaluate(self, values: RegionValues) -> float:
@@ -83,8 +83,8 @@ class BinaryOp:
     """left op right; `is_truth` says whether the result is true/false (else a number)."""
 
     op: str
-    left: "Node"
-    right: "Node"
+    left: Node
+    right: Node
 
     @property
     def is_truth(self) -> bool:
@@ -95,7 +95,7 @@ class BinaryOp:
         return rule(self.left.evaluate(values), self.right.evaluate(values))
 
 
-Node = Union[RegionRef, Number, Negative, BinaryOp]
+Node = RegionRef | Number | Negative | BinaryOp
 
 
 def region_refs(node: Node) -> list[RegionRef]:

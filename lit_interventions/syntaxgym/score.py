@@ -19,7 +19,6 @@ from lit_interventions.syntaxgym.suites import Suite
 SG_SCORE_ROW = "SG score"
 
 
-
 @dataclass(frozen=True)
 class SuiteResult:
     name: str
@@ -46,8 +45,9 @@ def _wanted_regions(suite: Suite, condition: str, numbers: list[int]) -> set[int
     return {index for index, number in enumerate(numbers) if number in read}
 
 
-def evaluate_suite(suite: Suite, model, tokenizer, batch_size: int = 16, all_regions: bool = False,
-                   attach_punctuation: bool = False) -> SuiteResult:  # fmt: skip
+def evaluate_suite(
+    suite: Suite, model, tokenizer, batch_size: int = 16, all_regions: bool = False, attach_punctuation: bool = False
+) -> SuiteResult:
     """Score every condition of every item, then check each item's predictions.
 
     Only the regions the predictions read are scored (their (condition, region) keys fill
@@ -62,7 +62,12 @@ def evaluate_suite(suite: Suite, model, tokenizer, batch_size: int = 16, all_reg
             sentences.append([region["content"] for region in condition["regions"]])
             wanted.append(set(range(len(numbers))) if all_regions else _wanted_regions(suite, name, numbers))
     surprisals = region_surprisals(
-        model, tokenizer, sentences, metric=suite.metric, batch_size=batch_size, wanted_regions=wanted,
+        model,
+        tokenizer,
+        sentences,
+        metric=suite.metric,
+        batch_size=batch_size,
+        wanted_regions=wanted,
         attach_punctuation=attach_punctuation,
     )
     item_values: list[RegionValues] = [{} for _ in suite.items]

@@ -15,7 +15,6 @@ from lit_interventions.surprisal import METRICS
 from lit_interventions.syntaxgym.formulas import Node, RegionValues, parse_formula, region_refs
 
 
-
 @dataclass(frozen=True)
 class Prediction:
     formula: str
@@ -64,8 +63,10 @@ def _check_item(where: str, item) -> None:
         if not isinstance(regions, list) or "condition_name" not in condition:
             raise ValueError(f"{where}: condition {condition!r:.80} needs a 'condition_name' and a 'regions' list")
         for region in regions:
-            if not isinstance(region, dict) or not isinstance(region.get("region_number"), int) or not isinstance(
-                region.get("content"), str
+            if (
+                not isinstance(region, dict)
+                or not isinstance(region.get("region_number"), int)
+                or not isinstance(region.get("content"), str)
             ):
                 raise ValueError(
                     f"{where}: region {region!r:.80} needs an integer 'region_number' and a string 'content'"

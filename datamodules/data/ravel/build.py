@@ -418,4 +418,4 @@ def build(entity_type: str, table: str, attributes: list[str], group_by: str, pr
 if __name__ == "__main__":
     build("city", CITIES, ["Country", "Continent", "Language"], "Continent", CITY_PROMPTS, CITY_WIKI, seed=0)
     build("physical_object", OBJECTS, ["Category", "Color", "Size", "Texture"], "Category", OBJECT_PROMPTS,
-          OBJECT_WIKI, seed=0)  # fmt: skip
+          OBJECT_WIKI, seed=0)
