@@ -5,11 +5,11 @@ LightningCLI gives `fit`, `validate` and `test`. A config names its LightningMod
 DataModule by `class_path` (CausalGym DAS, RAVEL DAS/MDAS/DBM/MDBM, AxBench dictionaries, SAE, ...).
 `--model.lm` is shared with the data module, and so are `--model.region` (CausalGym) and
 `--model.multitask` (RAVEL) where both classes take them, so each is given once.
-See `lit_interventions.commands` for what every run gets (run names, summaries, progress lines).
+See `lit_interventions.cli.commands` for what every run gets (run names, summaries, progress lines).
 """
 
-from lit_interventions.cli_lightning import InterventionCLI, train_main
-from lit_interventions.parsing import first_reason
+from lit_interventions.cli.lightning import InterventionCLI, train_main
+from lit_interventions.cli.parsing import first_reason
 
 __all__ = ["InterventionCLI", "first_reason", "main"]
 

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _data(lm: str, task: str, steps: int):
-    from datamodules.causalgym import CausalGymDataModule
+    from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
     data = CausalGymDataModule(task=task, lm=lm, batch_size=4, train_pairs=max(2 * steps, 2), eval_pairs=50)
     data.setup("fit")
@@ -95,7 +95,7 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype
     import torch.nn.functional as F
     from transformers import get_linear_schedule_with_warmup
 
-    from lit_interventions.lm import load_lm
+    from lit_interventions.core.lm import load_lm
     from lit_interventions.metrics import log_odds_ratio
 
     data = _data(lm, task, steps)
@@ -166,7 +166,7 @@ def main() -> None:
         print(json.dumps(run(args.lm, layer, args.task, args.steps, args.device, args.dtype)))
         return
 
-    from lit_interventions.lm import load_config, num_layers
+    from lit_interventions.core.lm import load_config, num_layers
 
     n = num_layers(load_config(args.lm))
     layers = args.layers or [n // 8, n // 2, n - 1]

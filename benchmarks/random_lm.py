@@ -37,7 +37,7 @@ PYTHIA = dict(
 def write_random_lm(shape: str, out: Path, tokenizer: str = "smollm2-135m-instruct", seed: int = 0, **override) -> Path:
     """Save a random-init GPT-NeoX model of `shape` (`override` changes fields, e.g. for a test)
     and `tokenizer`'s files to `out`, a directory `--model.lm` and `load_lm` accept."""
-    from lit_interventions.lm import load_tokenizer
+    from lit_interventions.core.lm import load_tokenizer
 
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}: choose one of {sorted(SHAPES)}")

@@ -3,7 +3,7 @@ process with N threads, the same units of work, alternating `--repeat` times.
 
 On a small CPU, torch's threads share out the big matrix products, but the Python, the dispatch
 and the small kernels between them run on one core. N processes of one thread keep every core
-busy, each on its own units (`lit_interventions.distributed`). Each command is timed whole (model
+busy, each on its own units (`lit_interventions.studies.distributed`). Each command is timed whole (model
 loads, cache fills and rank 0's merge included). The units should be several, of like size:
 a rank waits for the slowest.
 
@@ -60,7 +60,7 @@ def main() -> None:
     layers = args.layers[0] if args.layers == ["all"] else f"[{','.join(args.layers)}]"
     sweep = [
         "-m",
-        "lit_interventions.sweep",
+        "lit_interventions.studies.causalgym_sweep",
         "--config",
         "configs/sweep_causalgym.yaml",
         "--lm",

@@ -1,6 +1,6 @@
 """Time per site of a one-task CausalGym sweep: ours against a reference loop, same run.
 
-- ours: `python -m lit_interventions.sweep` (activations of every layer computed once per task,
+- ours: `lit-interventions sweep causalgym` (activations of every layer computed once per task,
   in full batches; DAS at every layer and region of the task trained in one loop, one stacked
   forward per step; each site runs only the blocks above it; one unintervened forward shared by
   all methods; the odds from the two labels' rows of the LM head);
@@ -33,15 +33,15 @@ import numpy as np
 import pyvene
 import torch
 import torch.nn.functional as F
+from lit_interventions.datamodules.causalgym import CausalGymDataModule
 from transformers import get_linear_schedule_with_warmup
 
-from datamodules.causalgym import CausalGymDataModule
-from lit_interventions import sweep
-from lit_interventions.cli import choose_layers
+from lit_interventions.cli.studies import choose_layers
+from lit_interventions.core.lm import load_config, load_lm, num_layers
+from lit_interventions.core.sites import read_site
 from lit_interventions.interventions.directions import fit_direction
-from lit_interventions.lm import load_config, load_lm, num_layers
 from lit_interventions.metrics import log_odds_ratio
-from lit_interventions.sites import read_site
+from lit_interventions.studies import causalgym_sweep as sweep
 
 
 def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str]) -> None:

@@ -30,9 +30,9 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader
 
-from datamodules.loaders import split_loader
-from lit_interventions.lm import load_tokenizer
-from lit_interventions.surprisal import bos_prefix
+from lit_interventions.core.lm import load_tokenizer
+from lit_interventions.core.loaders import split_loader
+from lit_interventions.core.surprisal import bos_prefix
 
 BUILTIN_DIR = Path(__file__).parent / "data" / "axbench"
 COLUMNS = ["input", "output", "output_concept", "concept_genre", "category", "dataset_category", "concept_id"]

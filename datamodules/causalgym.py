@@ -13,15 +13,15 @@ from functools import partial
 
 import torch
 from lightning import LightningDataModule
+from lit_interventions.datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from torch.utils.data import DataLoader
 
-from datamodules.loaders import split_loader
-from datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from lit_interventions.callbacks.metrics import OddsCallback
-from lit_interventions.lm import DEFAULT_LM, load_tokenizer
+from lit_interventions.core.lm import DEFAULT_LM, load_tokenizer
+from lit_interventions.core.loaders import split_loader
+from lit_interventions.core.surprisal import bos_prefix
+from lit_interventions.core.tokens import pad_batch, token_covering
 from lit_interventions.metrics.disentangle import CAUSE, ISO
-from lit_interventions.surprisal import bos_prefix
-from lit_interventions.tokens import pad_batch, token_covering
 
 CONTROL_TASKS = {"dog_give": [" dog", " give"]}
 

@@ -14,11 +14,8 @@ from pathlib import Path
 
 import torch
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader
-
-from datamodules.causalgym import collate as causalgym_collate
-from datamodules.loaders import split_loader
-from datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's reader and prompt encoding)
+from lit_interventions.datamodules.causalgym import collate as causalgym_collate
+from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's reader and prompt encoding)
     BUILTIN_RAVEL,
     FILES,
     SPLITS,
@@ -28,12 +25,15 @@ from datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's re
     load_ravel,
     value_separator,
 )
+from torch.utils.data import DataLoader
+
 from lit_interventions.callbacks.metrics import DisentangleCallback
-from lit_interventions.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
+from lit_interventions.core.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
+from lit_interventions.core.loaders import split_loader
+from lit_interventions.core.sites import logits_at
+from lit_interventions.core.surprisal import bos_prefix
+from lit_interventions.core.tokens import pad_batch
 from lit_interventions.metrics.disentangle import DevDisentangle
-from lit_interventions.sites import logits_at
-from lit_interventions.surprisal import bos_prefix
-from lit_interventions.tokens import pad_batch
 
 # ---------------------------------------------------------------------------------------------
 # DataModule: filtered (entity, template) pairs -> Cause / Iso interchange examples
@@ -60,7 +60,7 @@ class Query:
 
 @dataclass
 class RavelExample:
-    """Fields named as `datamodules.causalgym.Example`, so its collate function applies."""
+    """Fields named as `lit_interventions.datamodules.causalgym.Example`, so its collate function applies."""
 
     base_ids: list[int]
     source_ids: list[int]

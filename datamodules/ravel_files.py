@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_interventions.tokens import token_covering
+from lit_interventions.core.tokens import token_covering
 
 BUILTIN_RAVEL = Path(__file__).parent / "data" / "ravel"
 SPLITS = ("train", "val", "test")

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from lit_interventions.datamodules.templates import BUILTIN_TEMPLATES
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -17,8 +18,6 @@ from transformers import (
     LlamaConfig,
     PreTrainedTokenizerFast,
 )
-
-from datamodules.templates import BUILTIN_TEMPLATES
 
 HIDDEN, LAYERS = 32, 3
 
@@ -126,7 +125,7 @@ def tiny_lm_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_lm_dir):
-    """arch -> a frozen tiny model (loaded through lit_interventions.lm, like a user's model)."""
-    from lit_interventions.lm import load_lm
+    """arch -> a frozen tiny model (loaded through lit_interventions.core.lm, like a user's model)."""
+    from lit_interventions.core.lm import load_lm
 
     return lambda arch: load_lm(tiny_lm_dir(arch))

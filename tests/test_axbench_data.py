@@ -6,8 +6,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-
-from datamodules.axbench import (
+from lit_interventions.datamodules.axbench import (
     BUILTIN_DIR,
     CATEGORIES,
     COLUMNS,
@@ -19,12 +18,13 @@ from datamodules.axbench import (
     split_chat,
     tokenize_rows,
 )
-from lit_interventions.lm import load_tokenizer
+
+from lit_interventions.core.lm import load_tokenizer
 
 CONCEPT10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "axbench" / "concept10_2b_l20"
 needs_concept10 = pytest.mark.skipif(
     not CONCEPT10.exists(),
-    reason="Concept10 data not present; get it: python -m lit_interventions.data axbench-concept10 --out ../shared/data/axbench/concept10_2b_l20",
+    reason="Concept10 data not present; get it: lit-interventions data axbench-concept10 --out ../shared/data/axbench/concept10_2b_l20",
 )
 
 

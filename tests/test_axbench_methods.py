@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.callbacks.dictionary import ExportDictionary
-from lit_interventions.dictionary import Dictionary
 from lit_interventions.interventions.additive import (
     ConceptDictionary,
     add_vector,
@@ -367,7 +367,7 @@ def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
     rows = make_rows(tokenizer)
     batch = collate([rows[0], rows[-1]])  # a positive of concept 0, a pool negative
     seen = {}
-    from lit_interventions.sites import residual_hook
+    from lit_interventions.core.sites import residual_hook
 
     with residual_hook(module.lm, 1, lambda h: seen.setdefault("h", h)):
         module._steered_loss(batch)  # the hook at layer 1 runs first: it sees the clean states
@@ -476,7 +476,7 @@ def test_bad_arguments_fail_before_loading(tiny_lm_dir):
 
 
 def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
-    from datamodules.axbench import AxBenchDataModule
+    from lit_interventions.datamodules.axbench import AxBenchDataModule
 
     lm_dir = tiny_lm_dir("llama")
     data = AxBenchDataModule(lm=lm_dir, concepts=[0, 1], max_length=48, batch_size=16, eval_batch_size=32)
@@ -495,7 +495,7 @@ def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
 
 def _hand_reft_r1_loss(module, batch, trained, k):
     """−log p(response) of the `trained` rows with Φ = h + mean(TopK over content)·w on content tokens only."""
-    from lit_interventions.sites import final_logits, residual_hook, run_body
+    from lit_interventions.core.sites import final_logits, residual_hook, run_body
 
     hidden = module.states(batch).detach()
     content = batch["content_mask"].bool()
@@ -551,7 +551,7 @@ def test_reft_r1_prefix_gets_no_intervention_and_is_never_in_the_topk(tiny_lm_di
     latents = torch.relu(hidden[0] @ module.dictionary.weight[0])
     assert latents.argmax() == 0
     seen = {}
-    from lit_interventions.sites import residual_hook
+    from lit_interventions.core.sites import residual_hook
 
     with torch.no_grad(), residual_hook(module.lm, 2, lambda h: seen.setdefault("after", h)):
         lm_loss, l1 = module._steered_loss(batch)

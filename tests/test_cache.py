@@ -3,12 +3,12 @@
 import lightning as L
 import pytest
 import torch
+from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
-from datamodules.causalgym import CausalGymDataModule
-from lit_interventions.cache import ActivationCache, input_keys
+from lit_interventions.core.cache import ActivationCache, input_keys
+from lit_interventions.core.sites import final_logits, logits_at, read_layers, stacked_hidden
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
-from lit_interventions.sites import final_logits, logits_at, read_layers, stacked_hidden
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch
 
@@ -213,7 +213,7 @@ def test_cached_and_uncached_training_give_the_same_loss_curve(tiny_lm_dir, arch
 
 
 def test_collate_keys_match_the_tensors(tiny_lm_dir):
-    from lit_interventions.cache import input_keys
+    from lit_interventions.core.cache import input_keys
 
     data = CausalGymDataModule(
         task="agr_sv_num_pp", lm=tiny_lm_dir("llama"), train_pairs=6, eval_pairs=2, padding_side="left"

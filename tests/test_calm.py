@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from lit_interventions.core.sites import logits_at, read_layers
 from lit_interventions.interventions.attacks import add, attack, epsilon_scale, fgsm, pgd, random_sign
 from lit_interventions.metrics.competence import Competence, competence_scores, topk_overlaps
 from lit_interventions.modules.probe import ProbeModule, probe_predict, train_probe
-from lit_interventions.sites import logits_at, read_layers
 
 
 # --- attacks ----------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ SMALL = dict(
 
 
 def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):
-    from lit_interventions.calm import run_calm
+    from lit_interventions.studies.calm import run_calm
 
     summary = run_calm(lm=tiny_lm_dir("llama"), tasks=["Country"], out=str(tmp_path), **SMALL)
     assert [row["method"] for row in summary] == ["fgsm", "pgd", "random"]
@@ -263,9 +263,10 @@ def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):
 
 def test_study_ranks_within_each_task_answer_vocabulary(tiny_lm_dir, tmp_path, monkeypatch):
     """Every Competence of a task gets the first tokens of the queried attribute's values."""
-    from datamodules.ravel import load_ravel, value_separator
-    from lit_interventions import calm
-    from lit_interventions.lm import load_tokenizer
+    from lit_interventions.datamodules.ravel import load_ravel, value_separator
+
+    from lit_interventions.core.lm import load_tokenizer
+    from lit_interventions.studies import calm
 
     seen = []
 
@@ -310,7 +311,7 @@ def test_study_ranks_within_each_task_answer_vocabulary(tiny_lm_dir, tmp_path, m
     ],
 )
 def test_study_bad_input(tiny_lm_dir, tmp_path, bad, match):
-    from lit_interventions.calm import run_calm
+    from lit_interventions.studies.calm import run_calm
 
     with pytest.raises(ValueError, match=match):
         run_calm(lm=tiny_lm_dir("llama"), out=str(tmp_path), **(SMALL | bad))
@@ -319,7 +320,7 @@ def test_study_bad_input(tiny_lm_dir, tmp_path, bad, match):
 @pytest.mark.slow
 def test_study_on_gemma(tmp_path):
     """A few minutes at most: gemma-3-270m, the built-in cities, one task; PGD beats the random control."""
-    from lit_interventions.calm import run_calm
+    from lit_interventions.studies.calm import run_calm
 
     summary = run_calm(
         lm="gemma-3-270m",

@@ -4,9 +4,8 @@ import json
 
 import pytest
 import torch
-
-from datamodules.causalgym import CausalGymDataModule, collate, label_token_ids
-from datamodules.templates import load_task, load_templates, parse_task, sample_pairs, split_regions
+from lit_interventions.datamodules.causalgym import CausalGymDataModule, collate, label_token_ids
+from lit_interventions.datamodules.templates import load_task, load_templates, parse_task, sample_pairs, split_regions
 
 PAPER_TASKS = """agr_gender agr_sv_num_subj-relc agr_sv_num_obj-relc agr_sv_num_pp agr_refl_num_subj-relc
 agr_refl_num_obj-relc agr_refl_num_pp npi_any_subj-relc npi_any_obj-relc npi_ever_subj-relc npi_ever_obj-relc

@@ -3,6 +3,7 @@ checkpoint evaluated with the checkpoint's settings, the run directory's name, t
 line progress when stdout is a file, no Lightning adverts, configs by short name, the short help."""
 
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_interventions.commands import find_config, main, quiet_lightning
+from lit_interventions.cli.commands import COMMANDS, find_config, main, quiet_lightning, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +26,9 @@ HELP = {  # subcommand line -> options its help must name
     ],
     ("validate", "--config", "configs/das.yaml"): ["--ckpt_path", "--model.layer", "--data.eval_pairs"],
     ("test", "--config", "ravel/mdas.yaml"): ["--ckpt_path", "--model.objective", "--data.target_attribute"],
-    ("sweep",): ["--tasks", "--methods", "--layers", "--out", "--batch_size"],
-    ("sweep", "--config", "sweep_ravel.yaml"): ["--attributes", "--methods", "--out"],
+    ("sweep",): ["causalgym", "ravel"],
+    ("sweep", "causalgym"): ["--tasks", "--methods", "--layers", "--out", "--batch_size"],
+    ("sweep", "ravel", "--config", "sweep_ravel.yaml"): ["--attributes", "--methods", "--out"],
     ("calm",): ["--properties", "--layer", "--probe", "--epsilon"],
     ("steer",): ["--dictionary", "--checkpoint", "--factors", "--judge"],
     ("syntaxgym",): ["--suites", "--lm", "--out", "--batch_size", "--threads"],
@@ -64,8 +66,9 @@ BAD = {  # a bad value for each subcommand -> part of its one-line error
     ("fit", "--config", "das.yaml", "--trainer.max_epochs", "many"): "max_epochs",
     ("validate", "--config", "das.yaml", "--model.k", "one"): "k",
     ("test", "--config", "das.yaml", "--data.eval_pairs", "x"): "eval_pairs",
-    ("sweep", "--config", "sweep_causalgym.yaml", "--batch_size", "big"): "batch_size",
-    ("sweep", "--config", "sweep_ravel.yaml", "--benchmark", "causal"): "benchmark",
+    ("sweep", "causalgym", "--config", "sweep_causalgym.yaml", "--batch_size", "big"): "batch_size",
+    ("sweep", "ravel", "--config", "sweep_ravel.yaml", "--train_size", "many"): "train_size",
+    ("sweep", "tabular"): "invalid choice: 'tabular'",
     ("calm", "--layer", "nine"): "layer",
     ("steer", "--instructions", "ten"): "instructions",
     ("syntaxgym", "--suites", "x", "--out", "o.csv", "--batch_size", "0"): "--batch_size=0 must be a positive integer",
@@ -128,7 +131,7 @@ def fitted(tmp_path_factory, tiny_lm_dir):
         f"--model.region={REGION}",
         "--trainer.enable_progress_bar=false",
     ]
-    cli = main(args)
+    cli = run(args)
     (checkpoint,) = Path(cli.trainer.log_dir).glob("checkpoints/*.ckpt")
     return cli, Path(cli.trainer.log_dir), checkpoint, lm
 
@@ -154,7 +157,7 @@ def test_checkpoint_settings_are_used_and_the_summary_printed(fitted, tmp_path, 
     checkpoint's task and region; the summary is sorted and aligned, with the run directory."""
     cli, _, checkpoint, lm = fitted
     capsys.readouterr()
-    tested = main(
+    tested = run(
         [
             subcommand,
             "--config",
@@ -177,7 +180,7 @@ def test_checkpoint_settings_are_used_and_the_summary_printed(fitted, tmp_path, 
 
 def test_ckpt_path_alone_reads_the_runs_config(fitted, tmp_path):
     _, _, checkpoint, _ = fitted
-    tested = main(
+    tested = run(
         [
             "test",
             f"--ckpt_path={checkpoint}",
@@ -262,3 +265,65 @@ def test_a_missing_or_damaged_checkpoint_is_one_line(tmp_path, capsys):
         assert err == f"error: --ckpt_path {path}: {words}\n" or (
             err.startswith(f"error: --ckpt_path {path} {words}") and len(err.splitlines()) == 1
         )
+
+
+# ----------------------------------------------------------------------------- exit status, as a user runs it
+
+
+def _console_script() -> str:
+    found = shutil.which("lit-interventions", path=str(Path(sys.executable).parent)) or shutil.which(
+        "lit-interventions"
+    )
+    assert found, "the console script is not installed: pip install -e ."
+    return found
+
+
+def _console(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [_console_script(), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
+    )
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_main_returns_0_whatever_the_command_returns(name, monkeypatch):
+    """The console script's status is 0 after a successful command: `sys.exit(main())` must not
+    see the LightningCLI object (or a study's rows) a command returns, which exits 1."""
+    calls = []
+    monkeypatch.setitem(COMMANDS, name, (lambda rest: calls.append(rest) or object(), "stub"))
+    assert main([*name.split(), "--x", "1"]) == 0 and calls == [["--x", "1"]]
+
+
+def test_console_script_fit_exits_0_and_bad_input_2(tmp_path, tiny_lm_dir):
+    """`lit-interventions fit` in a subprocess: 0 after a successful fit (with its summary), 2 with
+    one error line on a bad value, and 2 for a command it does not know or a bare group."""
+    done = _console(
+        "fit",
+        "--config",
+        "das.yaml",
+        f"--model.lm={tiny_lm_dir('gpt2')}",
+        *SMALL,
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.accelerator=cpu",
+        "--trainer.enable_progress_bar=false",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == f"files in {tmp_path}/agr_sv_num_pp/layer1/version_0"
+    for line, words in (
+        (("fit", "--config", "das.yaml", "--trainer.max_epochs", "many"), "max_epochs"),
+        (("sweep", "tabular"), "invalid choice: 'tabular'"),
+        (("train",), "invalid choice: 'train'"),
+    ):
+        bad = _console(*line)
+        assert bad.returncode == 2, (line, bad.stderr[-2000:])
+        (err,) = bad.stderr.strip().splitlines()
+        assert err.startswith("error: ") and words in err
+    bare = _console("sweep")
+    assert bare.returncode == 2 and "causalgym" in bare.stdout and "ravel" in bare.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_console_script_help_exits_0_for_every_command(name):
+    done = _console(*name.split(), "--help", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: ") and done.stderr == "", done.stderr[-2000:]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lit_interventions import data
-from lit_interventions.data import ChecksumError, Dataset, Remote, download, main
+from lit_interventions.cli import data
+from lit_interventions.cli.data import ChecksumError, Dataset, Remote, download, main
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -183,7 +183,7 @@ def test_main_downloads(tiny, tmp_path, capsys):
 
 def test_python_dash_m_runs(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "lit_interventions.data", "nope", "--out", str(tmp_path)],
+        [sys.executable, "-m", "lit_interventions", "data", "nope", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[1],
@@ -216,7 +216,7 @@ LOCAL_COPIES = {
 def test_registry_hashes_match_the_local_copies(name):
     folder = LOCAL_COPIES[name]
     if not folder.is_dir():
-        pytest.skip(f"no local copy at {folder}; get it with: python -m lit_interventions.data {name} --out {folder}")
+        pytest.skip(f"no local copy at {folder}; get it with: lit-interventions data {name} --out {folder}")
     dataset = data.DATASETS[name]
     expected = {r.name: r.sha256 for r in dataset.files if not r.members}
     expected |= {m: sha for r in dataset.files for m, sha in r.members.items()}

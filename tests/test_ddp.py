@@ -102,7 +102,8 @@ def test_ddp_ravel_cause_iso_equal_single_process(tmp_path, tiny_lm_dir, monkeyp
     """Cause / Iso / Disentangle (and per attribute) under DDP. The data filter's model answers are
     written to the on-disk answer cache first (an oracle that knows every city), so the
     subprocesses read them instead of asking the random tiny model."""
-    from datamodules.ravel import RavelDataModule
+    from lit_interventions.datamodules.ravel import RavelDataModule
+
     from tests.helpers import oracle
 
     lm_dir = tiny_lm_dir("llama")
@@ -176,7 +177,8 @@ def test_ddp_closed_form_fit_equals_single_process(tmp_path, tiny_lm_dir):
 def test_ddp_sae_validation_equals_single_process(tmp_path, tiny_lm_dir):
     """The SAE featurizer fitted by 2 processes: its last logged (synced) validation metrics equal a
     single-process validation of its checkpoint."""
-    from datamodules.activations import RavelActivationsDataModule
+    from lit_interventions.datamodules.activations import RavelActivationsDataModule
+
     from lit_interventions.modules.sae import SAEModule
 
     lm_dir = tiny_lm_dir("gpt2")
@@ -189,7 +191,7 @@ def test_ddp_sae_validation_equals_single_process(tmp_path, tiny_lm_dir):
         None,
         2,
         setup=setup,
-        program=("-m", "lit_interventions.modules.sae"),
+        program=("-m", "lit_interventions"),
         lm_option="--data.lm",
     )
     (checkpoint,) = fit_dir.glob("**/version_0/checkpoints/*.ckpt")

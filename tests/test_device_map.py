@@ -1,4 +1,4 @@
-"""Frozen LMs larger than one device (`lit_interventions.sharding`): a device map spreads the LM
+"""Frozen LMs larger than one device (`lit_interventions.core.sharding`): a device map spreads the LM
 with accelerate, 8/4-bit weights come from bitsandbytes. On a CPU-only machine a device map that
 puts blocks and the LM head on "disk" runs every forward through accelerate's dispatch hooks
 (AlignDevicesHook loads the offloaded weights on the fly): its numbers must equal the unsharded
@@ -11,14 +11,14 @@ import importlib.util
 import lightning as L
 import pytest
 import torch
+from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
-from datamodules.causalgym import CausalGymDataModule
-from lit_interventions.cache import ActivationCache, input_keys
+from lit_interventions.core.cache import ActivationCache, input_keys
+from lit_interventions.core.lm import load_lm
+from lit_interventions.core.sharding import LoadOptions, execution_device, input_device, is_dispatched
+from lit_interventions.core.sites import decoder_layers, logits_at, read_layers
 from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
-from lit_interventions.lm import load_lm
 from lit_interventions.modules.interchange import InterchangeModule
-from lit_interventions.sharding import LoadOptions, execution_device, input_device, is_dispatched
-from lit_interventions.sites import decoder_layers, logits_at, read_layers
 from tests.conftest import HIDDEN, LAYERS
 from tests.helpers import token_batch
 
@@ -50,8 +50,8 @@ def test_bad_options_are_one_line_before_any_load(options, message):
 
 
 def test_calm_and_steer_eval_refuse_bad_placement_before_any_work(tmp_path):
-    from lit_interventions.calm import run_calm
-    from lit_interventions.steer_eval import run_steer_eval
+    from lit_interventions.studies.calm import run_calm
+    from lit_interventions.studies.steer_eval import run_steer_eval
 
     with pytest.raises(ValueError, match="device_map='everywhere' is neither a placement strategy"):
         run_calm(lm="/no/such/model", device_map="everywhere", out=str(tmp_path / "calm"))

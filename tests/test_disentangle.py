@@ -248,8 +248,9 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
     filter answered by an oracle that knows every city, and logs Cause / Iso / Disentangle."""
     import json
 
+    from lit_interventions.datamodules.ravel import RavelDataModule
+
     import train
-    from datamodules.ravel import RavelDataModule
     from tests.helpers import oracle
 
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))

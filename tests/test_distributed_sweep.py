@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_interventions import distributed, sweep
-from lit_interventions.sweep import sweep_units
+from lit_interventions.studies import causalgym_sweep as sweep
+from lit_interventions.studies import distributed
+from lit_interventions.studies.causalgym_sweep import sweep_units
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = "[agr_gender, agr_sv_num_pp]"
@@ -25,7 +26,7 @@ def _rows(path):
 
 
 def _launch(tmp_path, nproc, *args, env=None):
-    """`python -m lit_interventions.sweep ARGS` under torchrun with `nproc` processes (as test_ddp
+    """`lit-interventions sweep causalgym ARGS` under torchrun with `nproc` processes (as test_ddp
     runs its DDP fits: a subprocess from the repository root)."""
     command = [
         sys.executable,
@@ -34,7 +35,9 @@ def _launch(tmp_path, nproc, *args, env=None):
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "lit_interventions.sweep",
+        "lit_interventions",
+        "sweep",
+        "causalgym",
         *args,
     ]
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -196,7 +199,7 @@ def test_an_out_dir_of_another_config_stops_every_rank_before_any_work(tmp_path,
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "lit_interventions.sweep",
+        "lit_interventions.studies.causalgym_sweep",
         *_causalgym(lm_dir, out, train_pairs=6),
     ]
     done = subprocess.run(
@@ -213,8 +216,9 @@ def test_ravel_two_ranks_resume_and_equal_one_process(tmp_path, tiny_lm_dir, mon
     2-process rerun merges them and the free ranks take the 2 DAS cells: every file equals a
     one-process run's but for the marks. The model's answers (the data filter) come from the
     on-disk cache the one-process run fills with an oracle, as in test_ddp."""
-    from datamodules.ravel import RavelDataModule
-    from lit_interventions.ravel_sweep import run_ravel_sweep
+    from lit_interventions.datamodules.ravel import RavelDataModule
+
+    from lit_interventions.studies.ravel_sweep import run_ravel_sweep
     from tests.helpers import oracle
 
     cache = {"LIT_INTERVENTIONS_CACHE": str(tmp_path / "cache")}
@@ -258,7 +262,7 @@ def test_ravel_two_ranks_resume_and_equal_one_process(tmp_path, tiny_lm_dir, mon
 
 
 def test_a_rank_alone_gives_up_with_one_clear_error(monkeypatch):
-    """`python -m lit_interventions.sweep` run bare in a SLURM batch script of 2 tasks: the one
+    """`lit-interventions sweep causalgym` run bare in a SLURM batch script of 2 tasks: the one
     process is rank 0 of 2 and no other comes."""
     import socket
     from datetime import timedelta

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import train
-from lit_interventions.lm import load_lm, load_tokenizer
-from lit_interventions.sites import logits_at
+from lit_interventions.core.lm import load_lm, load_tokenizer
+from lit_interventions.core.sites import logits_at
 
 pytestmark = pytest.mark.slow
 

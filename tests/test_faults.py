@@ -9,10 +9,11 @@ import textwrap
 import time
 
 import pytest
+from lit_interventions.datamodules.templates import load_task, sample_pairs
 
-from datamodules.templates import load_task, sample_pairs
-from lit_interventions import results, sweep
-from lit_interventions.results import OutDirBusy, OutDirLock, ResultsStore, Table
+from lit_interventions.artifacts import results
+from lit_interventions.artifacts.results import OutDirBusy, OutDirLock, ResultsStore, Table
+from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import csv_rows as _rows
 
 
@@ -104,7 +105,7 @@ def test_a_second_run_on_the_same_out_is_refused(reference, tmp_path, tiny_lm_di
             "-c",
             textwrap.dedent(f"""
         import sys, time
-        from lit_interventions.results import OutDirLock
+        from lit_interventions.artifacts.results import OutDirLock
         OutDirLock({str(out)!r}).acquire()
         print("locked", flush=True)
         time.sleep(60)
@@ -227,7 +228,7 @@ def test_an_exception_inside_a_unit_leaves_the_store_as_it_was(tmp_path, monkeyp
 def test_a_process_killed_inside_a_unit_loses_only_that_unit(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal
-        from lit_interventions import results
+        from lit_interventions.artifacts import results
         from tests.test_faults import TABLE
         store = results.ResultsStore({str(tmp_path)!r}, [TABLE])
         store.add({{"results": [{{"name": "a", "value": 1.0}}]}})
@@ -264,7 +265,7 @@ def test_a_damaged_meta_json_is_named(tmp_path):
 
 
 def test_a_cut_generations_line_is_reported_and_cut_off(tmp_path):
-    from lit_interventions.steer_eval import _read_generations
+    from lit_interventions.studies.steer_eval import _read_generations
 
     path = tmp_path / "generations.jsonl"
     whole = '{"concept": "a", "factor": 1.0}\n'

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 from lightning import Trainer
+from lit_interventions.datamodules.activations import ActivationsDataModule, RavelActivationsDataModule
+from lit_interventions.datamodules.ravel import encode_prompt
 from safetensors.torch import load_file
 from sklearn.linear_model import LogisticRegression
 
-from datamodules.activations import ActivationsDataModule, RavelActivationsDataModule
-from datamodules.ravel import encode_prompt
 from lit_interventions.interventions.featurizers import (
     FeatureInterchange,
     FullVectorSwap,
@@ -363,11 +363,12 @@ def test_ravel_activations_at_the_entity_token(tiny_lm_dir, tokenizer):
 
 
 def test_sae_cli_writes_weights(tiny_lm_dir, tmp_path):
-    from lit_interventions.modules.sae import main
+    from lit_interventions.cli.commands import main
 
     lm = tiny_lm_dir("gpt2")
     main(
         [
+            "fit",
             "--config",
             str(CONFIG),
             "--data.lm",
@@ -401,9 +402,10 @@ def test_sae_cli_writes_weights(tiny_lm_dir, tmp_path):
 def test_pca_interchange_from_ravel_batches(monkeypatch, tiny_lm_dir):
     """Fit a PCA FeatureInterchange on the base representations of RavelDataModule train batches
     (labels: the target attribute of the base entity) and run it in the tiny model."""
-    from datamodules.ravel import RavelDataModule
-    from lit_interventions.lm import load_lm
-    from lit_interventions.sites import logits_at, read_site
+    from lit_interventions.datamodules.ravel import RavelDataModule
+
+    from lit_interventions.core.lm import load_lm
+    from lit_interventions.core.sites import logits_at, read_site
 
     def oracle(self, model, queries):  # the tiny random model answers nothing: pretend it knows all
         return [self.value_token(q.template, self.data.entities[q.entity][q.attribute]) for q in queries]

@@ -14,8 +14,9 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from lit_interventions import hub
-from lit_interventions.dictionary import Dictionary
+from lit_interventions.artifacts import hub
+from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.interventions.base import load_pretrained, save_intervention
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 
@@ -69,7 +70,7 @@ def test_intervention_round_trip_and_files(tmp_path):
     assert config["config"] == das.config() and config["library_name"] == "lit-interventions"
     assert config["site"] == {"layer": 3, "region": "subject"} and config["metrics"] == CARD["metrics"]
     assert config["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["command"] == CARD["command"]
-    for loaded in (RotatedSpaceIntervention.from_pretrained(out), hub.from_pretrained(out), load_pretrained(out)):
+    for loaded in (RotatedSpaceIntervention.from_pretrained(out), from_pretrained(out), load_pretrained(out)):
         assert type(loaded) is RotatedSpaceIntervention
         _same_outputs(das, loaded)
     with pytest.raises(TypeError, match="not a lit_interventions.interventions.rotation.FixedSubspaceIntervention"):
@@ -95,7 +96,7 @@ def test_old_intervention_directories_still_load(tmp_path):
     das = _das()
     save_intervention(tmp_path, das, CARD)  # intervention.safetensors + intervention.json only
     assert not (tmp_path / "config.json").exists()
-    for loaded in (RotatedSpaceIntervention.from_pretrained(tmp_path), hub.from_pretrained(tmp_path)):
+    for loaded in (RotatedSpaceIntervention.from_pretrained(tmp_path), from_pretrained(tmp_path)):
         _same_outputs(das, loaded)
 
 
@@ -113,16 +114,16 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
     _same_outputs(das, loaded)
     assert calls[0][0] == "someone/das-agr" and calls[0][1]["revision"] == "v1"
     assert calls[0][1]["library_name"] == "lit-interventions"
-    assert type(hub.from_pretrained("someone/das-agr")) is RotatedSpaceIntervention and len(calls) == 2
+    assert type(from_pretrained("someone/das-agr")) is RotatedSpaceIntervention and len(calls) == 2
 
     def offline(repo_id, **kwargs):
         raise huggingface_hub.errors.LocalEntryNotFoundError("no cached copy and the hub is unreachable")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="'runs/das_typo' is not a local directory.*LocalEntryNotFoundError"):
-        hub.from_pretrained("runs/das_typo")
+        from_pretrained("runs/das_typo")
     with pytest.raises(FileNotFoundError, match="neither a directory nor a hub id"):
-        hub.from_pretrained(tmp_path / "no" / "such" / "dir")
+        from_pretrained(tmp_path / "no" / "such" / "dir")
     assert len(calls) == 2
 
 
@@ -162,7 +163,7 @@ def test_push_to_hub_uploads_the_directory(tmp_path, uploads):
 
 
 def test_dictionary_round_trip_equal_outputs(tmp_path, tiny_lm_dir, tokenizer):
-    from lit_interventions.lm import load_lm
+    from lit_interventions.core.lm import load_lm
 
     lm_dir = tiny_lm_dir("llama")
     d = _dictionary(lm_dir)
@@ -178,7 +179,7 @@ def test_dictionary_round_trip_equal_outputs(tmp_path, tiny_lm_dir, tokenizer):
     torch.testing.assert_close(
         loaded.detect(texts, lm=lm, tokenizer=tokenizer), d.detect(texts, lm=lm, tokenizer=tokenizer)
     )
-    assert isinstance(hub.from_pretrained(out), Dictionary)
+    assert isinstance(from_pretrained(out), Dictionary)
     # saving what was loaded gives the same files
     again = loaded.save_pretrained(tmp_path / "again")
     assert (again / "config.json").read_text() == (out / "config.json").read_text()

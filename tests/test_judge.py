@@ -8,7 +8,6 @@ import urllib.request
 
 import pytest
 
-from lit_interventions.judge_server import make_server, serve_in_background
 from lit_interventions.metrics.judge import (
     PROMPTS,
     OpenAIJudge,
@@ -17,6 +16,7 @@ from lit_interventions.metrics.judge import (
     make_judge,
     parse_rating,
 )
+from lit_interventions.serving.judge_server import make_server, serve_in_background
 from tests.helpers import free_port as _free_port
 
 

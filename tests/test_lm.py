@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_interventions import lm
+from lit_interventions.core import lm
 
 
 def test_local_directory_loads_frozen_in_eval_mode(tiny_lm):
@@ -85,7 +85,7 @@ def test_random_lm_of_a_published_shape_loads_and_runs(tmp_path, tiny_lm_dir):
 def test_check_device_names_what_is_there():
     import torch
 
-    from lit_interventions.lm import check_device
+    from lit_interventions.core.lm import check_device
 
     assert check_device("cpu") == "cpu"
     with pytest.raises(ValueError, match=r"device='tpu9' is not a device torch knows"):

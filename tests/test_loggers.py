@@ -38,7 +38,7 @@ def _fit(tmp_path, lm_dir, *extra):
 def test_csv_logger_writes_metrics_csv_and_the_artifact(tmp_path, tiny_lm_dir):
     from lightning.pytorch.loggers import CSVLogger
 
-    from lit_interventions.hub import from_pretrained
+    from lit_interventions.artifacts.pretrained import from_pretrained
 
     cli = _fit(
         tmp_path,

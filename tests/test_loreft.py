@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from lit_interventions.core.lm import load_lm
+from lit_interventions.core.sites import final_logits
 from lit_interventions.interventions.loreft import LoReFTIntervention, loreft
-from lit_interventions.lm import load_lm
 from lit_interventions.modules.steering_baselines import (
     LoRAModule,
     LoReFTModule,
@@ -17,7 +18,6 @@ from lit_interventions.modules.steering_baselines import (
     lm_loss,
     load_steering_checkpoint,
 )
-from lit_interventions.sites import final_logits
 
 
 def test_loreft_matches_formula_by_hand():

@@ -44,7 +44,8 @@ def test_dbm_on_causalgym_trains_a_mask_scored_by_odds(tmp_path, tiny_lm_dir):
 
 @pytest.mark.parametrize("method", ["diffmean", "probe"])
 def test_directions_on_ravel_from_yaml(method, tmp_path, tiny_lm_dir, monkeypatch):
-    from datamodules.ravel import RavelDataModule
+    from lit_interventions.datamodules.ravel import RavelDataModule
+
     from tests.test_ravel_data import oracle
 
     lm = tiny_lm_dir("llama")
@@ -171,7 +172,7 @@ def test_fitted_interventions_export_and_reload(tmp_path):
 def test_das_at_a_sub_block_component(tmp_path, tiny_lm_dir):
     """configs/das_mlp.yaml: DAS at the MLP output, trained, scored, and its odds equal to an
     interchange written by hand at the real MLP module with the trained basis."""
-    from lit_interventions.sites import logits_at, read_site
+    from lit_interventions.core.sites import logits_at, read_site
 
     cli = _fit(
         "configs/das_mlp.yaml", tmp_path, tiny_lm_dir("gpt_neox"), "--data.train_pairs=24", "--data.eval_pairs=8"

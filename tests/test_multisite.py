@@ -5,8 +5,8 @@ their own layer)."""
 import lightning as L
 import pytest
 import torch
+from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
-from datamodules.causalgym import CausalGymDataModule
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule, stack_batches
 

@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from lit_interventions.plots import DPI, heatmap_figure, odds_heatmap
+from lit_interventions.artifacts.plots import DPI, heatmap_figure, odds_heatmap
 
 REGIONS = [
     "subject",

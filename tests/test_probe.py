@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lit_interventions.core.sites import read_site
 from lit_interventions.modules.probe import ProbeModule, load_probe, probe_loss, train_probe
-from lit_interventions.sites import read_site
 
 
 def _blobs(n: int, d: int, classes: int, seed: int, shift: float = 3.0):

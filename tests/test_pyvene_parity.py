@@ -7,8 +7,8 @@ import torch
 
 pyvene = pytest.importorskip("pyvene")
 
+from lit_interventions.core.sites import logits_at, read_site  # noqa: E402
 from lit_interventions.interventions import RotatedSpaceIntervention  # noqa: E402
-from lit_interventions.sites import logits_at, read_site  # noqa: E402
 from tests.conftest import HIDDEN  # noqa: E402
 
 

@@ -6,8 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from datamodules.ravel import (
+from lit_interventions.datamodules.ravel import (
     BUILTIN_RAVEL,
     CAUSE,
     ISO,
@@ -140,7 +139,7 @@ def test_value_separator():
 def test_value_token_matches_the_tokenisation_in_context():
     """With gemma's tokenizer, the first token of the value after the prompt (prompt + value
     tokenised together) is the token we compare the model's answer with, for every template."""
-    from lit_interventions.lm import load_tokenizer
+    from lit_interventions.core.lm import load_tokenizer
 
     dm = RavelDataModule(entity_type="city")
     dm.tokenizer = load_tokenizer("gemma-3-270m")
@@ -248,7 +247,7 @@ def test_cause_labels_are_the_model_own_answer(tiny_lm_dir, tmp_path, monkeypatc
     monkeypatch.setattr(RavelDataModule, "predict_next", predict_next)
     dm = RavelDataModule(lm=tiny_lm_dir("gemma3"), train_size=60, eval_size=30, max_candidates=60)
     dm.setup()
-    from lit_interventions.lm import load_lm
+    from lit_interventions.core.lm import load_lm
 
     model = load_lm(dm.lm)
     names, changed, n_cause = dm.entity_names, 0, 0
@@ -346,7 +345,7 @@ def _check_kept_share(dm, minimum):
 
 @pytest.mark.slow
 def test_gemma_knows_many_builtin_cities():
-    from lit_interventions.lm import load_lm
+    from lit_interventions.core.lm import load_lm
 
     dm = RavelDataModule(entity_type="city", max_candidates=24, train_size=20, eval_size=10)
     dm.setup()
@@ -361,7 +360,7 @@ def test_gemma_knows_many_builtin_cities():
 @pytest.mark.slow
 @pytest.mark.skipif(
     not SHARED_RAVEL.is_dir(),
-    reason="published RAVEL files absent; get them: python -m lit_interventions.data ravel --out ../shared/data/ravel",
+    reason="published RAVEL files absent; get them: lit-interventions data ravel --out ../shared/data/ravel",
 )
 def test_gemma_on_published_city_files():
     dm = RavelDataModule(

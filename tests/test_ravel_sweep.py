@@ -1,13 +1,13 @@
-"""`python -m lit_interventions.sweep --config configs/sweep_ravel.yaml` on a tiny model: the
+"""`lit-interventions sweep ravel --config configs/sweep_ravel.yaml` on a tiny model: the
 summary, the change matrix and its heatmap, resuming, and bad input before any work."""
 
 import csv
 
 import pytest
+from lit_interventions.datamodules.ravel import RavelDataModule
 
-from datamodules.ravel import RavelDataModule
-from lit_interventions import sweep
-from lit_interventions.ravel_sweep import run_ravel_sweep
+from lit_interventions.studies import ravel_sweep as sweep
+from lit_interventions.studies.ravel_sweep import run_ravel_sweep
 from tests.test_ravel_data import oracle
 
 
@@ -64,7 +64,7 @@ def test_sweep_writes_summary_changes_and_heatmaps_then_resumes(tiny_sweep, monk
     def must_not_train(*a, **k):
         raise AssertionError("finished cells must be skipped")
 
-    monkeypatch.setattr("lit_interventions.ravel_sweep.run_cell", must_not_train)
+    monkeypatch.setattr("lit_interventions.studies.ravel_sweep.run_cell", must_not_train)
     sweep.main([*args, "--methods=[full_swap, das]"])
     assert len(_rows(out / "summary.csv")) == 4
 
@@ -80,7 +80,9 @@ def test_sweep_writes_summary_changes_and_heatmaps_then_resumes(tiny_sweep, monk
 )
 def test_bad_input_fails_before_any_work(tiny_sweep, monkeypatch, capsys, extra, message):
     args, out = tiny_sweep
-    monkeypatch.setattr("lit_interventions.ravel_sweep.run_cell", lambda *a, **k: pytest.fail("no work on bad input"))
+    monkeypatch.setattr(
+        "lit_interventions.studies.ravel_sweep.run_cell", lambda *a, **k: pytest.fail("no work on bad input")
+    )
     with pytest.raises(SystemExit) as exit_info:
         sweep.main([*args, *extra])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_interventions.dictionary import Dictionary
+from lit_interventions.artifacts.dictionary import Dictionary
 
 RELEASED = Path(__file__).resolve().parents[1] / "checkpoints" / "axbench"
 MODEL, LAYER, HIDDEN = "smollm2-135m-instruct", 15, 576

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lit_interventions import lm
+from lit_interventions.core import lm
 
 # --- the model cache ------------------------------------------------------------------------------
 
@@ -185,7 +185,7 @@ def _steering_fit(tmp_path, lm_dir, guard=True, **module_options):
 
     from lit_interventions.callbacks.dictionary import ExportDictionary
     from lit_interventions.callbacks.guard import NonFiniteGuard
-    from lit_interventions.lm import load_tokenizer
+    from lit_interventions.core.lm import load_tokenizer
     from lit_interventions.modules.steering import SteeringModule
 
     module = SteeringModule(lm=str(lm_dir), layer=1, **module_options)
@@ -278,8 +278,7 @@ def test_guard_is_quiet_on_a_healthy_run(tmp_path, tiny_lm_dir):
 def _concept_dir(tmp_path, empty: str | None = None, drop_eval_negatives: bool = False) -> Path:
     """A copy of the built-in concept set with one split emptied (header rows only)."""
     import pandas as pd
-
-    from datamodules.axbench import BUILTIN_DIR, COLUMNS
+    from lit_interventions.datamodules.axbench import BUILTIN_DIR, COLUMNS
 
     out = tmp_path / "concepts"
     out.mkdir()
@@ -296,7 +295,7 @@ def _concept_dir(tmp_path, empty: str | None = None, drop_eval_negatives: bool =
 
 @pytest.mark.parametrize("split,file", [("train", "train_data.parquet"), ("eval", "latent_eval_data.parquet")])
 def test_empty_split_is_an_error_naming_the_file_before_any_load(tmp_path, monkeypatch, split, file):
-    from datamodules.axbench import AxBenchDataModule
+    from lit_interventions.datamodules.axbench import AxBenchDataModule
 
     directory = _concept_dir(tmp_path, empty=split)
     monkeypatch.setattr(lm, "resolve", lambda name: pytest.fail("the model was touched"))
@@ -306,7 +305,7 @@ def test_empty_split_is_an_error_naming_the_file_before_any_load(tmp_path, monke
 
 
 def test_eval_split_without_negatives_is_an_error(tmp_path):
-    from datamodules.axbench import AxBenchDataModule
+    from lit_interventions.datamodules.axbench import AxBenchDataModule
 
     directory = _concept_dir(tmp_path, drop_eval_negatives=True)
     with pytest.raises(ValueError, match=r"latent_eval_data.parquet: concept 0 \(.*\) has \d+ positive and 0 negative"):
@@ -338,7 +337,7 @@ def test_axbench_fit_with_an_empty_eval_split_fails_through_train_py(tmp_path, t
 
 
 def _saved_dictionary(tmp_path) -> Path:
-    from lit_interventions.dictionary import Dictionary
+    from lit_interventions.artifacts.dictionary import Dictionary
 
     d = Dictionary(
         vectors=torch.randn(3, 8),
@@ -355,7 +354,7 @@ def _saved_dictionary(tmp_path) -> Path:
     "damage", ["truncated", "zero_bytes", "text", "truncated_card", "card_not_object", "card_lacks"]
 )
 def test_damaged_dictionary_names_its_path(tmp_path, damage):
-    from lit_interventions.dictionary import Dictionary
+    from lit_interventions.artifacts.dictionary import Dictionary
 
     weights = _saved_dictionary(tmp_path)
     card = weights.with_suffix(".json")
@@ -379,7 +378,7 @@ def test_damaged_dictionary_names_its_path(tmp_path, damage):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_dictionary_vectors_are_refused(tmp_path, bad):
-    from lit_interventions.dictionary import Dictionary
+    from lit_interventions.artifacts.dictionary import Dictionary
 
     weights = _saved_dictionary(tmp_path)
     tensors = load_file(weights)
@@ -404,7 +403,7 @@ def test_non_finite_dictionary_vectors_are_refused(tmp_path, bad):
 
 def test_dictionary_writes_are_atomic(tmp_path, monkeypatch):
     """A write killed midway leaves the previous file whole and no temporary behind."""
-    from lit_interventions import dictionary
+    from lit_interventions.artifacts import dictionary
 
     weights = _saved_dictionary(tmp_path)
     before = weights.read_bytes()
@@ -445,7 +444,7 @@ class StubChat:
 @pytest.fixture
 def judge_server():
     """start(chat, **options) -> (server, base URL) of a judge server on 127.0.0.1, port 0."""
-    from lit_interventions.judge_server import make_server, serve_in_background
+    from lit_interventions.serving.judge_server import make_server, serve_in_background
 
     servers = []
 
@@ -647,7 +646,7 @@ def test_judge_client_caches_replies_on_disk(judge_server, tmp_path):
 
 
 def test_judge_server_main_parses_with_jsonargparse(monkeypatch, capsys):
-    from lit_interventions import judge_server
+    from lit_interventions.serving import judge_server
 
     ns = judge_server.parser().parse_args(["--port", "0", "--max_body_bytes", "100", "--timeout", "2.5"])
     assert (ns.port, ns.max_body_bytes, ns.timeout, ns.lm) == (0, 100, 2.5, "smollm2-135m-instruct")

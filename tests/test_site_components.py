@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_interventions.sites import Site, _child_name, logits_at, position_ids, read_site
+from lit_interventions.core.sites import Site, _child_name, logits_at, position_ids, read_site
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from lit_interventions.core.sites import decoder_layers, logits_at, read_site
 from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
-from lit_interventions.sites import decoder_layers, logits_at, read_site
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch
 

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from lit_interventions.dictionary import Dictionary
-from lit_interventions.lm import load_lm, load_tokenizer
+from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.metrics.judge import Judge, JudgeScore, harmonic_mean
-from lit_interventions.steer_eval import choose_and_report, generate, main, run_steer_eval
+from lit_interventions.studies.steer_eval import choose_and_report, generate, main, run_steer_eval
 from tests.helpers import free_port as _free_port
 
 INSTRUCTIONS = ["The dog is here.", "The dog is not here.", "Is the dog here?", "The dog was here."]
@@ -70,7 +70,7 @@ def test_end_to_end_writes_all_files_and_resumes(setup, tmp_path, monkeypatch, t
     lm = setup[0]
     out = tmp_path / "run"
     calls = []
-    import lit_interventions.steer_eval as steer_eval
+    import lit_interventions.studies.steer_eval as steer_eval
 
     real_generate = steer_eval.generate
     monkeypatch.setattr(steer_eval, "generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
@@ -130,7 +130,7 @@ def test_factor_chosen_on_select_half_and_reported_on_the_other(setup, tmp_path,
     0.5. The summary must pick 2.0 and report instruction 1's scores at 2.0."""
     import random
 
-    import lit_interventions.steer_eval as steer_eval
+    import lit_interventions.studies.steer_eval as steer_eval
 
     order = {c: random.Random(f"0:{c}").sample(INSTRUCTIONS, 2) for c in ("dogs", "rivers")}  # run_steer_eval's draw
     scores = {(0, 0.5): (1, 1, 1), (0, 2.0): (2, 2, 2), (1, 0.5): (2, 2, 2), (1, 2.0): (1, 2, 2)}
@@ -186,7 +186,7 @@ def test_choose_and_report_by_hand():
 
 
 def test_validation_before_generation(setup, tmp_path, monkeypatch, tiny_lm_dir):
-    import lit_interventions.steer_eval as steer_eval
+    import lit_interventions.studies.steer_eval as steer_eval
 
     monkeypatch.setattr(steer_eval, "generate", lambda *a, **k: pytest.fail("generated before validating"))
     judge = ScriptedJudge(lambda *a: (2, 2, 2))

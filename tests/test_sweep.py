@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lit_interventions.datamodules.templates import load_task
 
-from datamodules.templates import load_task
-from lit_interventions import sweep
+from lit_interventions.studies import causalgym_sweep as sweep
 
 
 def _rows(path):
@@ -207,7 +207,7 @@ def test_trained_das_is_saved_and_reused_after_an_interruption(tmp_path, tiny_lm
 def test_forward_batch_size_changes_no_result(tmp_path, tiny_lm_dir, monkeypatch):
     # The cache fill, the fitted states and the scoring run 3 rows at a time instead of 64: the
     # batches differ in padding and composition, the numbers must not (a GPU raises batch_size).
-    from datamodules.causalgym import CausalGymDataModule
+    from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
     lm_dir = tiny_lm_dir("llama")
     methods = ["das", "diffmean", "probe", "vanilla"]
@@ -233,7 +233,7 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     # Every site × method of the unit in stacked forwards of 7 rows (pieces of several sites,
     # methods and the clean rows at different layers share a forward) gives the results.csv
     # that scoring each site alone gives, to float rounding, the control task included.
-    from lit_interventions import stacked_scoring
+    from lit_interventions.studies import stacked_scoring
 
     calls, score = [], stacked_scoring.score_stacked
 
@@ -312,7 +312,7 @@ def test_a_failed_fit_is_raised_not_retried_site_by_site(tmp_path, tiny_lm_dir, 
 
 
 def test_stacked_scoring_packs_rows_across_jobs_shortest_runs_first():
-    from lit_interventions.stacked_scoring import _pieces
+    from lit_interventions.studies.stacked_scoring import _pieces
 
     runs = {"a": [3, 1, 3, 1, 2], "b": [2, 2, 2], "c": [1, 9, 9, 1, 1, 9]}  # each row's run, in columns
     runs = {job: dict(enumerate(row_runs)) for job, row_runs in runs.items()}
@@ -323,7 +323,7 @@ def test_stacked_scoring_packs_rows_across_jobs_shortest_runs_first():
         [("c", [2, 5])],
     ]
     with pytest.raises(ValueError, match="rows=0 must be a positive integer"):
-        from lit_interventions.stacked_scoring import score_stacked
+        from lit_interventions.studies.stacked_scoring import score_stacked
 
         score_stacked(None, None, {}, {}, rows=0)
 
@@ -429,9 +429,9 @@ def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir
     the loop run whole does; the progress file is gone after."""
     from datetime import timedelta
 
-    from lit_interventions.cache import ActivationCache
     from lit_interventions.callbacks.resume import SaveProgress
-    from lit_interventions.lm import load_lm
+    from lit_interventions.core.cache import ActivationCache
+    from lit_interventions.core.lm import load_lm
     from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 
     lm_dir = tiny_lm_dir("llama")
@@ -480,8 +480,8 @@ def test_das_does_not_train_sites_no_pair_differs_at(tiny_lm_dir, monkeypatch):
     # Region "The" comes before every pair's first difference: under causal attention its base and
     # source states are equal at every layer, so any subspace leaves its rows as they are (f* = f(b)).
     # The loop does not run it: it keeps its initial subspace. The other sites train.
-    from lit_interventions.cache import ActivationCache
-    from lit_interventions.lm import load_lm
+    from lit_interventions.core.cache import ActivationCache
+    from lit_interventions.core.lm import load_lm
     from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 
     lm_dir = tiny_lm_dir("llama")

@@ -13,9 +13,15 @@ import torch
 from tokenizers import processors
 from transformers import AutoModelForCausalLM
 
-from lit_interventions.lm import load_lm
-from lit_interventions.surprisal import bos_prefix, encode_regions, join_regions, region_surprisals, token_surprisals
-from lit_interventions.syntaxgym import (
+from lit_interventions.core.lm import load_lm
+from lit_interventions.core.surprisal import (
+    bos_prefix,
+    encode_regions,
+    join_regions,
+    region_surprisals,
+    token_surprisals,
+)
+from lit_interventions.studies.syntaxgym import (
     FormulaError,
     evaluate_suite,
     load_suite,
@@ -360,7 +366,7 @@ def test_bad_formula_stops_the_command(tmp_path):
 
 @pytest.mark.skipif(
     not REAL_SUITES.is_dir(),
-    reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}",
+    reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: lit-interventions data syntaxgym --out {REAL_SUITES}",
 )
 def test_all_34_real_suites_parse():
     paths = suite_paths([str(REAL_SUITES)])
@@ -373,7 +379,7 @@ def test_all_34_real_suites_parse():
 @pytest.mark.slow
 @pytest.mark.skipif(
     not REAL_SUITES.is_dir(),
-    reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: python -m lit_interventions.data syntaxgym --out {REAL_SUITES}",
+    reason=f"no SyntaxGym suites at {REAL_SUITES}; get them: lit-interventions data syntaxgym --out {REAL_SUITES}",
 )
 def test_gemma_beats_chance_on_number_agreement(tmp_path):
     """gemma-3-270m on 2 real suites (about 20 s on 2 CPU cores once the model is cached)."""

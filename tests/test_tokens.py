@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_interventions.tokens import pad_batch, token_covering
+from lit_interventions.core.tokens import pad_batch, token_covering
 
 
 def test_token_covering_takes_the_token_holding_the_character():

@@ -6,7 +6,7 @@ import warnings
 
 from lightning import Callback
 
-from lit_interventions.hub import dictionary_config, export_dir, trainer_command, write_hub_files
+from lit_interventions.artifacts.hub import dictionary_config, export_dir, trainer_command, write_hub_files
 
 WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
 

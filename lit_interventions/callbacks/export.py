@@ -4,13 +4,12 @@ layout: the log directory loads with `from_pretrained` and uploads with `push_to
 
 from __future__ import annotations
 
-import math
 import warnings
 
-import torch
 from lightning import Callback
 
-from lit_interventions.hub import export_dir, intervention_config, trainer_command, write_hub_files
+from lit_interventions.artifacts.hub import export_dir, intervention_config, trainer_command, write_hub_files
+from lit_interventions.core.files import finite_values
 from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: older imports)
     CARD,
     WEIGHTS,
@@ -23,8 +22,7 @@ from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: 
 
 
 def _metrics(trainer) -> dict[str, float]:
-    values = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
-    return {k: v for k, v in sorted(values.items()) if math.isfinite(v)}
+    return dict(sorted(finite_values(trainer.callback_metrics).items()))
 
 
 class ExportIntervention(Callback):

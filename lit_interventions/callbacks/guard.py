@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from lightning import Callback
 
+from lit_interventions.core.lm import cache_dir
+
 HUGE_LR = 1e3  # a learning rate above this is reported as the likely cause
 
 
@@ -50,8 +52,6 @@ def _non_finite_weights(model: torch.nn.Module) -> tuple[str, int] | None:
 
 
 def _in_cache(path: Path) -> bool:
-    from lit_interventions.lm import cache_dir
-
     try:
         return path.is_dir() and cache_dir().resolve() in path.resolve().parents
     except OSError:

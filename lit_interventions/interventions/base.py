@@ -20,13 +20,23 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from lit_interventions.artifacts.hub import (
+    CONFIG,
+    class_path,
+    intervention_config,
+    local_directory,
+    push_to_hub,
+    read_config,
+    write_hub_files,
+)
+from lit_interventions.core.files import check_finite, write_atomically
 
 WEIGHTS, CARD = "intervention.safetensors", "intervention.json"
 
@@ -64,7 +74,7 @@ class Intervention(nn.Module):
             raise NotImplementedError(f"{cls.__name__} does not rebuild from tensors {sorted(tensors)}")
         return cls(**config)
 
-    # the Hugging Face layout: config.json + README.md card beside the tensors (lit_interventions.hub)
+    # the Hugging Face layout: config.json + README.md card beside the tensors (lit_interventions.artifacts.hub)
 
     def save_pretrained(self, directory: str | Path, card: dict | None = None) -> Path:
         """Write this intervention as a hub model repository directory (module `save_pretrained`);
@@ -75,21 +85,17 @@ class Intervention(nn.Module):
     def from_pretrained(cls, directory_or_hub_id: str | Path, **download: Any) -> Intervention:
         """The intervention saved in a local directory or a hub repository (`snapshot_download`;
         `download`: revision, token, cache_dir, local_files_only). Refuses one of another class."""
-        from lit_interventions.hub import local_directory
-
         intervention = load_pretrained(local_directory(directory_or_hub_id, **download))
         if not isinstance(intervention, cls):
             raise TypeError(
                 f"{directory_or_hub_id} holds a {class_path(intervention)}, not a {class_path(cls)}; "
-                "load it with lit_interventions.hub.from_pretrained"
+                "load it with lit_interventions.from_pretrained"
             )
         return intervention
 
     def push_to_hub(self, repo_id: str, card: dict | None = None, **kwargs: Any):
         """save_pretrained to a temporary directory, then upload it to `repo_id`
-        (`lit_interventions.hub.push_to_hub`; kwargs: private, token, commit_message, revision, create_pr)."""
-        from lit_interventions.hub import push_to_hub
-
+        (`lit_interventions.artifacts.hub.push_to_hub`; kwargs: private, token, commit_message, revision, create_pr)."""
         with tempfile.TemporaryDirectory(prefix="lit-interventions-push-") as tmp:
             save_pretrained(tmp, self, card)
             return push_to_hub(tmp, repo_id, **kwargs)
@@ -104,12 +110,6 @@ class Intervention(nn.Module):
             raise ValueError(f"{type(self).__name__} edits base alone: source must be None, got a tensor")
 
 
-def class_path(obj_or_cls) -> str:
-    """The import path of a class (or of an object's class): ``package.module.Class``."""
-    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def import_class(path: str) -> type:
     """The class at ``package.module.Class`` (the inverse of `class_path`)."""
     module, _, name = path.rpartition(".")
@@ -121,25 +121,6 @@ def import_class(path: str) -> type:
         raise ValueError(f"class_path={path!r} cannot be imported: {error}") from error
 
 
-def _check_finite(tensors: dict[str, torch.Tensor], path: Path, doing: str) -> None:
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(f"{path}: tensor {name!r} has {bad} NaN or infinite value(s); refusing to {doing} it")
-
-
-def _replace_atomically(path: Path, write) -> None:
-    """write(tmp) then os.replace(tmp, path): readers see the old file or the new one, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card: dict) -> Path:
     """`intervention.safetensors` (float32, CPU) plus `intervention.json`, each written atomically.
     Refuses non-finite tensors. Returns the safetensors path."""
@@ -149,10 +130,10 @@ def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card:
     directory.mkdir(parents=True, exist_ok=True)
     weights = directory / WEIGHTS
     tensors = {k: v.detach().cpu().contiguous().float() for k, v in tensors.items()}
-    _check_finite(tensors, weights, "write")
+    check_finite(tensors, weights, "write")
     text = json.dumps(card, indent=2) + "\n"  # fails before anything is written if not JSON-able
-    _replace_atomically(weights, lambda tmp: save_file(tensors, tmp))
-    _replace_atomically(directory / CARD, lambda tmp: Path(tmp).write_text(text))
+    write_atomically(weights, lambda tmp: save_file(tensors, tmp))
+    write_atomically(directory / CARD, text)
     return weights
 
 
@@ -172,7 +153,7 @@ def read_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise ValueError(
             f"{directory / WEIGHTS} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); {fix}"
         ) from None
-    _check_finite(tensors, directory / WEIGHTS, "load")
+    check_finite(tensors, directory / WEIGHTS, "load")
     try:
         card = json.loads((directory / CARD).read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -200,24 +181,22 @@ def load_intervention(directory: str | Path) -> tuple[InterventionProtocol, dict
     return cls.from_tensors(tensors, **card.get("config", {})), card
 
 
-# --- the Hugging Face layout (config.json + README.md card; see lit_interventions.hub) ---------------
+# --- the Hugging Face layout (config.json + README.md card; see lit_interventions.artifacts.hub) ---------------
 
 
 def save_pretrained(directory: str | Path, intervention: InterventionProtocol, card: dict | None = None) -> Path:
     """`directory` as a hub model repository: `intervention.safetensors`, `config.json` (class path,
     config, and the card's model, layer/site, data, metrics, command) and a `README.md` model card.
     Returns the directory."""
-    from lit_interventions.hub import intervention_config, write_hub_files
-
     directory = Path(directory)
     tensors = {k: v.detach().cpu().contiguous().float() for k, v in intervention.export().items()}
-    _check_finite(tensors, directory / WEIGHTS, "write")
+    check_finite(tensors, directory / WEIGHTS, "write")
     config = intervention_config(intervention, card or {})
     json.dumps(config)  # not JSON-able: fails before anything is written
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    _replace_atomically(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp))
+    write_atomically(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp))
     write_hub_files(directory, config)
     return directory
 
@@ -227,8 +206,6 @@ def load_pretrained(directory: str | Path) -> InterventionProtocol:
     older directories) wrote to the local `directory`."""
     from safetensors.torch import load_file
 
-    from lit_interventions.hub import CONFIG, read_config
-
     directory = Path(directory)
     config = read_config(directory) if (directory / CONFIG).is_file() else {}
     if "class_path" not in config:  # an older directory (intervention.json only), or config.json not ours
@@ -237,7 +214,7 @@ def load_pretrained(directory: str | Path) -> InterventionProtocol:
         return load_intervention(directory)[0]
     weights = directory / config.get("weights", WEIGHTS)
     tensors = load_file(weights)
-    _check_finite(tensors, weights, "load")
+    check_finite(tensors, weights, "load")
     cls = import_class(config["class_path"])
     if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
         raise ValueError(

@@ -89,7 +89,9 @@ class FeatureInterchangeFit(_Fitted):
         if featurizer == "sae" and not sae:
             raise ValueError("featurizer='sae' needs sae=PATH (a trained sae.safetensors)")
         if sae and not Path(sae).is_file():
-            raise FileNotFoundError(f"sae={sae!r}: no such file (train one: python -m lit_interventions.modules.sae)")
+            raise FileNotFoundError(
+                f"sae={sae!r}: no such file (train one: lit-interventions fit --config configs/sae.yaml)"
+            )
         if select_by not in self.SELECT_BY:
             raise ValueError(f"select_by={select_by!r} is not one of {', '.join(self.SELECT_BY)}")
         if max_features is not None and (not isinstance(max_features, int) or max_features < 1):

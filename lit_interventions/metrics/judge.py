@@ -39,7 +39,9 @@ from pathlib import Path
 
 import torch
 
-from lit_interventions.sharding import input_device
+from lit_interventions.core.lm import cache_dir, load_lm, load_tokenizer
+from lit_interventions.core.sharding import input_device
+from lit_interventions.core.sites import logits_at
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +222,6 @@ class JudgeRequestError(ConnectionError):
 
 def judge_cache_dir() -> Path:
     """Where judge replies are kept: $LIT_INTERVENTIONS_JUDGE_CACHE, else <model cache>/judge."""
-    from lit_interventions.lm import cache_dir
-
     return Path(os.environ.get("LIT_INTERVENTIONS_JUDGE_CACHE") or cache_dir() / "judge")
 
 
@@ -445,8 +445,6 @@ class LocalJudge(Judge):
         max_length: int | None = 1024,
         dtype: str = "float32",
     ):
-        from lit_interventions.lm import load_lm, load_tokenizer
-
         if rating not in self.RATINGS:
             raise ValueError(f"rating={rating!r}; choose one of {', '.join(self.RATINGS)}")
         self.model, self.tokenizer = load_lm(lm, dtype), load_tokenizer(lm)
@@ -468,8 +466,6 @@ def expected_ratings(
 ) -> list[float]:
     """E[r] = Σ p(r)·r / Σ p(r) over r ∈ {0, 1, 2}: the LM's next-token probabilities of the three
     digits right after the assistant turn "Rating: [[" (left padding, logits at the last token)."""
-    from lit_interventions.sites import logits_at
-
     digits = []
     for d in "012":
         ids = tokenizer(d, add_special_tokens=False)["input_ids"]

@@ -24,14 +24,14 @@ from functools import partial
 import torch
 from torch import nn
 
+from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
+from lit_interventions.core.optim import OptimizerArgs
+from lit_interventions.core.sites import BLOCK_OUTPUT, Site, final_logits, read_site, run_body, site_hook
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.compose import Composition
-from lit_interventions.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.metrics import InterchangeOdds
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective
-from lit_interventions.optim import OptimizerArgs
-from lit_interventions.sites import BLOCK_OUTPUT, Site, final_logits, read_site, run_body, site_hook
 
 
 class InterchangeModule(SiteModule):
@@ -39,7 +39,7 @@ class InterchangeModule(SiteModule):
     intervention is trained and saved.
 
     Args:
-        lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.lm`).
+        lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.core.lm`).
         layer: residual stream after this decoder block; -1 is the embedding output. Default: the
             middle layer.
         region: template region whose last token is the site (default: the label variable). The
@@ -63,7 +63,7 @@ class InterchangeModule(SiteModule):
             "balanced", "sequential", a device, or {module name: device}; the intervention trains
             on the Trainer's device in float32. quantization: "8bit" or "4bit" frozen weights
             (bitsandbytes). max_memory: {device: size} for the strategies; offload_folder: where
-            "disk" weights go. See `lit_interventions.sharding`.
+            "disk" weights go. See `lit_interventions.core.sharding`.
     """
 
     def __init__(

@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
-from datamodules.loaders import ResumableLoader
-from lit_interventions.cache import ActivationCache
+from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
+from lit_interventions.core.loaders import ResumableLoader
+from lit_interventions.core.optim import OptimizerArgs
+from lit_interventions.core.sites import final_logits, logits_at, read_layers, site_layer, stacked_hidden
 from lit_interventions.interventions import RotatedSpaceIntervention
-from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import cross_entropy_rows
-from lit_interventions.optim import OptimizerArgs
-from lit_interventions.sites import final_logits, logits_at, read_layers, site_layer, stacked_hidden
 
 
 def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +26,8 @@ from lightning import Callback, LightningModule
 from safetensors.torch import save_file
 from torch import nn
 from torchmetrics import Metric
+
+from lit_interventions.core.files import finite_values, write_atomically
 
 WEIGHTS, CARD = "sae.safetensors", "sae.json"
 
@@ -196,9 +197,9 @@ class ExportSAE(Callback):
         if not trainer.is_global_zero:
             return
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous().float() for k, v in pl_module.export_weights().items()}, directory / WEIGHTS)
+        tensors = {k: v.contiguous().float() for k, v in pl_module.export_weights().items()}
+        write_atomically(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp))
         data_hp = dict(trainer.datamodule.hparams) if trainer.datamodule is not None else {}
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
         card = {
             "method": "sae",
             "model": data_hp.get("lm"),
@@ -208,19 +209,6 @@ class ExportSAE(Callback):
             "hidden_size": pl_module.hparams.hidden_size,
             "latent_size": pl_module.sae.W1.shape[0],
             "l1_coefficient": pl_module.hparams.l1_coefficient,
-            "metrics": {k: v for k, v in sorted(metrics.items()) if math.isfinite(v)},
+            "metrics": dict(sorted(finite_values(trainer.callback_metrics).items())),
         }
-        (directory / CARD).write_text(json.dumps(card, indent=2) + "\n")
-
-
-def main(args=None):
-    """`python -m lit_interventions.modules.sae --config configs/sae.yaml`: the same as
-    `lit-interventions fit --config configs/sae.yaml` (the fit, then ExportSAE)."""
-    from lit_interventions.commands import train_main
-
-    args = list(sys.argv[1:] if args is None else args)
-    return train_main(args if args[:1] == ["fit"] else ["fit", *args])
-
-
-if __name__ == "__main__":
-    main()
+        write_atomically(directory / CARD, json.dumps(card, indent=2) + "\n")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from lightning import LightningModule
 
-from lit_interventions.cache import ActivationCache, input_keys
-from lit_interventions.lm import check_dtype, load_config, load_lm
-from lit_interventions.sharding import LoadOptions, is_dispatched
-from lit_interventions.sites import BLOCK_OUTPUT, logits_at, read_site, site_layer
+from lit_interventions.core.cache import ActivationCache, input_keys
+from lit_interventions.core.lm import check_dtype, load_config, load_lm
+from lit_interventions.core.sharding import LoadOptions, is_dispatched
+from lit_interventions.core.sites import BLOCK_OUTPUT, logits_at, read_site, site_layer
 
 LM_OPTIONS = ("device_map", "quantization", "max_memory", "offload_folder")  # hparams: `sharding.LoadOptions`
 

@@ -50,8 +50,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lit_interventions.artifacts.dictionary import RELU_METHODS, Dictionary
+from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
 from lit_interventions.callbacks.metrics import AUROCCallback
-from lit_interventions.dictionary import RELU_METHODS, Dictionary
+from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
+from lit_interventions.core.optim import OptimizerArgs
+from lit_interventions.core.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 from lit_interventions.interventions.additive import (
     ConceptDictionary,
     masked_token_mean,
@@ -60,10 +64,7 @@ from lit_interventions.interventions.additive import (
 )
 from lit_interventions.interventions.directions import METHODS as DIRECTIONS
 from lit_interventions.interventions.directions import LATDirection, PCADirection
-from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.modules.site import FrozenLMModule
-from lit_interventions.optim import OptimizerArgs
-from lit_interventions.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 
 TRAINED = ("reft_r1", "ssv")
 DETECT_ON = ("content", "response")
@@ -108,7 +109,7 @@ class SteeringModule(FrozenLMModule):
     """A concept dictionary (concepts × d) at one layer of a frozen LM, by one AxBench method.
 
     Args:
-        lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.lm`).
+        lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.core.lm`).
         layer: residual stream after this block (−1: embeddings). Default: the middle layer.
         method: reft_r1, ssv (trained) or diffmean, pca, lat, probe (closed form).
         concept_names: the concept names, one per row (concept_id indexes them). None: taken from
@@ -133,7 +134,7 @@ class SteeringModule(FrozenLMModule):
         direction_seed: initial directions (ReFT-r1) and the random pairs / solvers of the closed
             forms (not `seed`, the data module's shuffling seed).
         device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
-            one larger than a GPU (`lit_interventions.sharding`): e.g. device_map "auto" spreads
+            one larger than a GPU (`lit_interventions.core.sharding`): e.g. device_map "auto" spreads
             it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
     """
 
@@ -383,8 +384,6 @@ class SteeringModule(FrozenLMModule):
         labels = _gather(labels.to(self.device)).cpu()
         bad = ~torch.isfinite(hidden).all(-1)
         if bad.any():
-            from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
-
             raise NonFiniteError(
                 f"the LM's residual stream at layer {self.hparams.layer} is NaN/inf at {int(bad.sum())} "
                 f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "

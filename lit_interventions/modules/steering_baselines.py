@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.core.optim import OptimizerArgs
+from lit_interventions.core.sites import final_logits, residual_hook, run_body, site_layer
 from lit_interventions.interventions.base import CARD, read_tensors, save_intervention, write_tensors
 from lit_interventions.interventions.loreft import LoReFTIntervention
-from lit_interventions.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.modules.site import FrozenLMModule
-from lit_interventions.optim import OptimizerArgs
-from lit_interventions.sites import final_logits, residual_hook, run_body, site_layer
 
 # Attention output projections by architecture, in the order they are tried.
 ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
@@ -158,7 +158,7 @@ class LoReFTModule(_SteeringModule):
         lr, weight_decay, warmup_ratio: AdamW with linear warmup, then linear decay to 0.
         dtype: the LM's dtype.
         device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
-            one larger than a GPU (`lit_interventions.sharding`): e.g. device_map "auto" spreads
+            one larger than a GPU (`lit_interventions.core.sharding`): e.g. device_map "auto" spreads
             it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
     """
 
@@ -365,15 +365,3 @@ def load_steering_checkpoint(path: str | Path, lm: str | None = None) -> _Steeri
     raise ValueError(
         f"{path}: card method {card.get('method')!r} is not a steering checkpoint; expected loreft or lora"
     )
-
-
-def main(args=None):
-    """`python -m lit_interventions.modules.steering_baselines fit --config configs/loreft.yaml`:
-    the same as `lit-interventions fit --config configs/loreft.yaml`."""
-    from lit_interventions.commands import train_main
-
-    return train_main(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,380 @@
+"""Interventions and concept dictionaries as Hugging Face model repositories.
+
+A saved artifact is one directory, the same on disk and on the hub:
+
+    intervention.safetensors | dictionary.safetensors   the tensors (never the LM)
+    config.json                                         what it is: class path, config, model, site,
+                                                        data, metrics, the command that made it
+    README.md                                           a model card generated from config.json
+
+    d = Dictionary.from_pretrained("checkpoints/axbench/builtin-diffmean")   # a directory ...
+    d = Dictionary.from_pretrained("someone/smollm2-diffmean-l15")           # ... or a hub id
+    das = DASIntervention.from_pretrained("runs/das/.../version_0")          # any intervention class
+    x = from_pretrained("someone/repo")              # whichever config.json says (lit_interventions.from_pretrained)
+    d.push_to_hub("someone/smollm2-diffmean-l15")    # save_pretrained to a temporary dir + upload
+
+Downloads go through `huggingface_hub.snapshot_download`, uploads through `HfApi.upload_folder`
+and the card through `huggingface_hub.ModelCard`; nothing here speaks HTTP. Older directories
+holding `intervention.json` / `dictionary.json` (and no config.json) still load.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lit_interventions.core.files import finite_values, write_atomically
+
+LIBRARY = "lit-interventions"
+CONFIG, README = "config.json", "README.md"
+INTERVENTION_FORMAT = "lit-interventions/intervention/v1"
+# the embedded models' upstream repositories (the embedded copies are GGUF quantisations of these)
+BASE_MODELS = {
+    "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "gemma-3-270m": "google/gemma-3-270m",
+}
+# keys config.json adds to a card (removed again when a Dictionary is read back from it)
+HUB_KEYS = ("library_name", "kind", "weights", "class_path", "base_model", "site", "metrics")
+
+
+# --- what goes into config.json ------------------------------------------------------------------
+
+
+def class_path(obj_or_cls) -> str:
+    """The import path of a class (or of an object's class): ``package.module.Class``."""
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def base_model(lm: str | None) -> str | None:
+    """The hub id of the LM `lm` names, when known: an embedded name's upstream repository, a hub
+    id itself, or the `_name_or_path` of a local model directory when that is a hub id."""
+    if not isinstance(lm, str) or not lm:
+        return None
+    if lm in BASE_MODELS:
+        return BASE_MODELS[lm]
+    if lm.endswith(".gguf"):
+        return None
+    path = Path(lm).expanduser()
+    if path.is_dir():
+        try:
+            name = json.loads((path / "config.json").read_text()).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return name if isinstance(name, str) and _looks_like_hub_id(name) and not Path(name).exists() else None
+    return lm if _looks_like_hub_id(lm) else None
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and " " not in name
+
+
+def run_command(argv: list[str] | None = None) -> str:
+    """The command line of this process (`python train.py fit ...`, `lit-interventions fit ...`)."""
+    argv = list(sys.argv if argv is None else argv)
+    program = Path(argv[0]).name if argv else "python"
+    head = ["python", argv[0]] if program.endswith(".py") else [program]
+    return shlex.join([*head, *argv[1:]])
+
+
+def export_dir(trainer, log_dir: str | Path | None) -> Path:
+    """Where a fit's artifact goes: `trainer.log_dir` (the version directory) for TensorBoard and
+    CSV; for other loggers, whose log_dir is their shared save_dir (W&B: "." by default), the run's
+    own `save_dir/<name>/<version>`, the directory Lightning's checkpoints go under. `log_dir`:
+    `trainer.log_dir`, asked on every rank before (a collective under DDP)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    logger = getattr(trainer, "logger", None)
+    directory = log_dir or trainer.default_root_dir
+    if logger is None or isinstance(logger, (TensorBoardLogger, CSVLogger)):
+        return Path(directory)
+    version = logger.version
+    version = version if isinstance(version, str) else f"version_{version}"
+    return Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version
+
+
+def trainer_command(trainer, log_dir: str | Path | None = None) -> str:
+    """The command that ran this fit: the process's command line when it is `train.py` or
+    `lit-interventions`; otherwise (a fit started from Python) the equivalent command line
+    reading the resolved config LightningCLI saved in `log_dir` (`trainer.log_dir`, asked on
+    every rank before: a collective under DDP)."""
+    program = Path(sys.argv[0]).name if sys.argv else ""
+    if program in ("train.py", "lit-interventions", "lit-interventions.exe"):
+        return run_command()
+    stage = getattr(getattr(trainer, "state", None), "fn", None)
+    stage = getattr(stage, "value", stage) or "fit"
+    log_dir = log_dir or getattr(trainer, "default_root_dir", None) or "."
+    return shlex.join(["lit-interventions", str(stage), "--config", str(Path(log_dir) / "config.yaml")])
+
+
+def intervention_config(intervention, card: dict, weights: str = "intervention.safetensors") -> dict:
+    """config.json of an intervention: its class path and config, plus the card's model, site,
+    data, metrics and command (any further card field is kept)."""
+    card = dict(card)
+    site = card.pop("site", None) or {k: card[k] for k in ("layer", "component", "region") if card.get(k) is not None}
+    return {
+        "library_name": LIBRARY,
+        "kind": "intervention",
+        "format": INTERVENTION_FORMAT,
+        "weights": weights,
+        "class_path": class_path(intervention),
+        "config": intervention.config(),
+        "method": card.pop("method", None) or type(intervention).__name__,
+        "model": card.get("model"),
+        "base_model": base_model(card.get("model")),
+        "site": site,
+        **{k: v for k, v in card.items() if k not in ("class_path", "config")},
+        "metrics": finite_values(card.get("metrics")),
+        "command": card.get("command"),
+    }
+
+
+def dictionary_config(dictionary, weights: str = "dictionary.safetensors") -> dict:
+    """config.json of a concept dictionary: its card (`Dictionary.save` writes the same fields to
+    dictionary.json) plus the class path, base model, site, metrics and command."""
+    card = dictionary.card_dict()
+    auroc = dictionary.auroc or {}
+    metrics = {"val/auroc": auroc.get("mean")}
+    metrics.update({f"val/auroc/{name}": value for name, value in (auroc.get("per_concept") or {}).items()})
+    return {
+        "library_name": LIBRARY,
+        "kind": "dictionary",
+        "weights": weights,
+        "class_path": "lit_interventions.artifacts.dictionary.Dictionary",
+        "base_model": base_model(dictionary.model),
+        "site": {"layer": dictionary.layer, "component": "block_output"},
+        **card,
+        "metrics": finite_values(metrics),
+        "command": card.get("command") or card.get("training"),
+    }
+
+
+# --- the model card ------------------------------------------------------------------------------
+
+
+def _site_text(site) -> str:
+    if not isinstance(site, dict):
+        return str(site)
+    if "sites" in site:
+        return "; ".join(_site_text(s) for s in site["sites"])
+    component = site.get("component") or "block_output"
+    where = "the residual stream" if component == "block_output" else f"the {component}"
+    text = (
+        f"{where} after block {site.get('layer')}"
+        if component == "block_output"
+        else f"{where} of block {site.get('layer')}"
+    )
+    return text + (f", at the last token of the `{site['region']}` region" if site.get("region") else "")
+
+
+def _data_text(config: dict) -> str:
+    if config.get("training_data"):
+        return f"`{config['training_data']}`"
+    data = config.get("data")
+    if isinstance(data, dict) and data:
+        return ", ".join(f"{k}={json.dumps(v)}" for k, v in data.items() if v is not None)
+    return str(data) if data else "not recorded"
+
+
+def model_card(config: dict):
+    """A `huggingface_hub.ModelCard` for the artifact `config` (config.json) describes: YAML front
+    matter (library_name, tags, base_model) and the LM, site, data, metrics and command."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    kind = config.get("kind", "intervention")
+    method = config.get("method") or "intervention"
+    model, base = config.get("model"), config.get("base_model")
+    tags = [LIBRARY, "interpretability", "interventions", str(method).lower()]
+    tags += ["concept-dictionary", "axbench", "steering"] if kind == "dictionary" else []
+    tags += ["causalgym"] if config.get("task") else []
+    data = ModelCardData(library_name=LIBRARY, tags=list(dict.fromkeys(tags)), base_model=base)
+    noun = "concept dictionary" if kind == "dictionary" else "intervention"
+    layer = (config.get("site") or {}).get("layer") if isinstance(config.get("site"), dict) else None
+    layer = config.get("layer") if layer is None else layer
+    lm = f"`{model}`" + (f" ([{base}](https://huggingface.co/{base}))" if base else "")
+    rows = [
+        ("language model (frozen, not included)", lm),
+        ("site", _site_text(config.get("site"))),
+        ("method", f"`{method}`"),
+        ("data", _data_text(config)),
+    ]
+    if config.get("task"):
+        rows.append(("task", f"`{config['task']}`"))
+    if kind == "dictionary":
+        rows.append(("concepts", f"{config.get('num_concepts')} × hidden size {config.get('hidden_size')}"))
+    elif config.get("config"):
+        rows.append(("config", f"`{json.dumps(config['config'])}`"))
+    lines = [
+        f"# {method} {noun} for {model}" + (f", layer {layer}" if layer is not None else ""),
+        "",
+        f"{'An' if noun[0] in 'aeiou' else 'A'} {noun} (`{config.get('class_path')}`) trained with lit-interventions on a frozen language "
+        "model; this repository holds its tensors "
+        f"(`{config.get('weights')}`) and its settings (`config.json`), never the language model.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in rows),
+        "",
+    ]
+    metrics = config.get("metrics") or {}
+    if metrics:
+        lines += [
+            "## Metrics",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            *(f"| `{k}` | {v:.4g} |" for k, v in metrics.items()),
+            "",
+        ]
+    if kind == "dictionary" and config.get("concepts"):
+        lines += ["## Concepts", "", *(f"{i}. {c}" for i, c in enumerate(config["concepts"])), ""]
+    lines += ["## Command", "", "```bash", config.get("command") or "not recorded", "```", ""]
+    if config.get("training") and config.get("training") != config.get("command"):
+        lines += [f"How it was trained: {config['training']}", ""]
+    lines += ["## Use", "", "```python"]
+    if kind == "dictionary":
+        lines += [
+            "from lit_interventions.artifacts.dictionary import Dictionary",
+            "from lit_interventions.core.lm import load_lm",
+            "",
+            'd = Dictionary.from_pretrained("REPO_OR_DIRECTORY")',
+            'scores = d.detect(["some text"])              # (texts, concepts)',
+            "with d.steer(load_lm(d.model), d.concepts[0], factor=1.0) as lm: ...",
+        ]
+    else:
+        lines += [
+            "from lit_interventions import from_pretrained",
+            'intervention = from_pretrained("REPO_OR_DIRECTORY")   # the class named in config.json',
+        ]
+    lines += ["```", ""]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def _ours(directory: Path) -> bool:
+    try:
+        return json.loads((directory / CONFIG).read_text()).get("library_name") == LIBRARY
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_hub_files(directory: str | Path, config: dict) -> Path:
+    """config.json and the README.md card into `directory`, each written atomically. A config.json
+    or README.md already there that lit-interventions did not write (a project's README, a model's
+    config) is never replaced: FileExistsError."""
+    directory = Path(directory)
+    if not _ours(directory) and any((directory / name).exists() for name in (CONFIG, README)):
+        found = [name for name in (CONFIG, README) if (directory / name).exists()]
+        raise FileExistsError(
+            f"{directory} already holds {' and '.join(found)} not written by lit-interventions; "
+            "refusing to replace them (save into a directory of its own)"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config, indent=2) + "\n"  # fails before anything is written if not JSON-able
+    card = str(model_card(config))
+    write_atomically(directory / CONFIG, text)
+    write_atomically(directory / README, card)
+    return directory / CONFIG
+
+
+def read_config(directory: str | Path) -> dict:
+    """config.json of a saved artifact; a directory without one is a FileNotFoundError."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {Path(directory)} is not a saved lit-interventions artifact")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} is not readable JSON ({type(err).__name__}: {err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
+def local_directory(
+    directory_or_hub_id: str | Path,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+) -> Path:
+    """An existing local directory as it is; otherwise a hub id, downloaded (or taken from the
+    cache) with `huggingface_hub.snapshot_download`."""
+    path = Path(directory_or_hub_id).expanduser()
+    if path.is_dir():
+        return path
+    name = str(directory_or_hub_id)
+    if not _looks_like_hub_id(name):
+        raise FileNotFoundError(f"{name!r} is neither a directory nor a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                name,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                library_name=LIBRARY,
+            )
+        )
+    except Exception as err:  # RepositoryNotFoundError, offline, no cached copy, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise FileNotFoundError(
+            f"{name!r} is not a local directory, and as a hub id it could not be downloaded "
+            f"({type(err).__name__}: {first})"
+        ) from err
+
+
+def upload_files(config: dict | None) -> list[str]:
+    """The files of an artifact directory that go to the hub (not a run's logs or checkpoints)."""
+    weights = (config or {}).get("weights")
+    names = [CONFIG, README, "*.safetensors"] if not weights else [CONFIG, README, weights]
+    return [*names, "intervention.json", "dictionary.json", "config.yaml"]
+
+
+def push_to_hub(
+    directory: str | Path,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    commit_message: str | None = None,
+    revision: str | None = None,
+    create_pr: bool | None = None,
+):
+    """Upload a saved artifact directory (a `save_pretrained` directory or a run's log directory:
+    only the weights, config.json, README.md, the old JSON card and config.yaml go) to the model
+    repository `repo_id`, created if missing. Returns huggingface_hub's CommitInfo."""
+    from huggingface_hub import HfApi
+
+    directory = Path(directory)
+    config = read_config(directory)
+    api = HfApi(token=token, library_name=LIBRARY)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=directory,
+        repo_type="model",
+        revision=revision,
+        commit_message=commit_message
+        or f"Upload {config.get('method') or 'artifact'} ({config.get('kind', 'intervention')}) with lit-interventions",
+        allow_patterns=upload_files(config),
+        create_pr=create_pr,
+    )
+
+
+def push_object(obj, repo_id: str, **kwargs: Any):
+    """`obj.save_pretrained(tmp)` then `push_to_hub(tmp, repo_id, **kwargs)`."""
+    with tempfile.TemporaryDirectory(prefix="lit-interventions-push-") as tmp:
+        obj.save_pretrained(tmp)
+        return push_to_hub(tmp, repo_id, **kwargs)

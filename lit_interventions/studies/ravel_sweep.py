@@ -1,0 +1,213 @@
+"""The RAVEL study: train and evaluate each method for every attribute of an entity type.
+
+    lit-interventions sweep ravel --config configs/sweep_ravel.yaml --out DIR
+
+Each method is one config (`configs/ravel/<method>.yaml`: its model options and epochs); the sweep
+sets the model, layer, data and target attribute, fits on train, selects nothing on dev (the
+method configs are fixed) and scores the test split with the validation metric
+(`metrics.disentangle.Disentanglement`). It writes
+
+- `DIR/summary.csv`: method, attribute, cause, iso, disentangle (one row per target attribute,
+  plus an `average` row per method: RAVEL's Disentangle is averaged over attributes);
+- `DIR/changes.csv` and `DIR/<method>_changes.png`: how often intervening on attribute A (row)
+  changes the model's answer about attribute B (column), the paper's Figure 3a;
+
+and resumes: a rerun skips the (method, attribute) cells already done. Finished cells are kept in
+`DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it, whole, after each
+(`lit_interventions.artifacts.results`); one run at a time holds `DIR/.lock`.
+
+Under torchrun or srun each process takes the next cell left whenever it is free, and writes
+`DIR/ranks/rank-R/`, and rank 0 merges them into the files one process would have written
+(`lit_interventions.studies.distributed`), resuming what any earlier run finished, at any world size.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import warnings
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from lit_interventions.artifacts.plots import attribute_heatmap
+from lit_interventions.artifacts.results import Table, write_atomically
+from lit_interventions.cli.studies import choose_layers, choose_names, read_rows, run_cli
+from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
+from lit_interventions.datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
+from lit_interventions.studies import distributed
+from lit_interventions.studies.configs import build_module, model_section
+
+METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
+ALL = [m for m in METHODS if m != "sae"]  # `all`: sae needs a trained SAE named in its config
+SUMMARY_COLUMNS = ["method", "attribute", "cause", "iso", "disentangle"]
+CHANGE_COLUMNS = ["method", "intervened", "queried", "change_rate"]
+SUMMARY = Table("summary", tuple(SUMMARY_COLUMNS), key=("method", "attribute"), numeric=("cause", "iso", "disentangle"))
+CHANGES = Table("changes", tuple(CHANGE_COLUMNS), key=("method", "intervened", "queried"), numeric=("change_rate",))
+
+
+def method_config(configs: Path, method: str) -> tuple[dict, int]:
+    """The model options and epochs of `configs/<method>.yaml`."""
+    path = configs / f"{method}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"No config for method {method!r}: {path} does not exist")
+    config = yaml.safe_load(path.read_text())
+    return model_section(path), int(config.get("trainer", {}).get("max_epochs", 1) or 1)
+
+
+def run_cell(
+    method: str, attribute: str, options: tuple[dict, dict], epochs: int, data_options: dict, seed: int
+) -> dict:
+    """Fit one method for one target attribute and score it on the test split."""
+    L.seed_everything(seed, verbose=False)
+    section, overrides = options
+    model = build_module(section, **overrides)
+    data = RavelDataModule(target_attribute=attribute, multitask=model.objective.uses_iso, **data_options)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accelerator="auto",
+        devices=1,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. Lightning's "no optimizer" for the full swap
+        if model.trains or hasattr(model.intervention, "fit"):  # train, or fit the featurizer
+            trainer.fit(model, data)
+        trainer.test(model, data, verbose=False)
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    return metrics
+
+
+def run_ravel_sweep(
+    methods: str | list[str] = "all",
+    entity_type: str = "city",
+    attributes: str | list[str] = "all",
+    ravel_dir: str | None = None,
+    split: str = "entity",
+    source: str = "attribute",
+    lm: str = DEFAULT_LM,
+    layer: int | None = None,
+    k: int | None = None,
+    epochs: int | None = None,
+    configs: str = "configs/ravel",
+    train_size: int = 1000,
+    eval_size: int = 200,
+    max_candidates: int = 200,
+    out: str = "runs/sweep_ravel",
+    seed: int = 0,
+) -> list[dict]:
+    """Run (or resume) the RAVEL sweep; returns the summary rows.
+
+    Args:
+        methods: from das, mdas, dbm, mdbm, pca, sae, full_swap; or 'all' (sae needs a trained
+            SAE in its config).
+        entity_type: an entity type of the data (built-in: city, physical_object).
+        attributes: target attributes, or 'all' (every attribute but latitude/longitude).
+        ravel_dir: the published RAVEL directory (default: our built-in data).
+        split: entity or context.
+        source: attribute, wikipedia or mixed (where source prompts come from).
+        lm: the LM; layer: the site's layer (default: each method config's layer).
+        k: the DAS / MDAS rank; epochs: training epochs (default: the method configs').
+        configs: the directory of the method configs.
+        train_size, eval_size, max_candidates: as in RavelDataModule.
+        out: output directory. seed: data and training seed.
+    """
+    ranks = distributed.detect()
+    distributed.pin_device(ranks)  # before anything starts CUDA
+    methods = choose_names(ALL if methods in ("all", ["all"]) else methods, METHODS, "methods")
+    data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
+    valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
+    attributes = choose_names(attributes, valid, "attributes")
+    if layer is not None:
+        choose_layers([layer], num_layers(load_config(lm)))
+    configs = Path(configs)
+    method_options = {}
+    for method in methods:
+        section, config_epochs = method_config(configs, method)
+        overrides = {"lm": lm, **({"layer": layer} if layer is not None else {})}
+        if k is not None and "k" in section.get("init_args", {}):
+            overrides["k"] = k
+        method_options[method] = ((section, overrides), epochs or config_epochs)
+    out = Path(out)
+    data_options = {
+        "lm": lm,
+        "ravel_dir": ravel_dir,
+        "entity_type": entity_type,
+        "split": split,
+        "source": source,
+        "train_size": train_size,
+        "eval_size": eval_size,
+        "max_candidates": max_candidates,
+        "seed": seed,
+    }
+    meta = {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs}
+    cells = [(m, a) for m in methods for a in attributes]
+
+    def plan(store) -> tuple[list[tuple[str, str]], None]:
+        done = {(r["method"], r["attribute"]) for r in store.rows("summary")}
+        return [cell for cell in cells if cell not in done], None
+
+    with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
+        todo, _ = run.start(plan)
+        mine = run.take(
+            todo, cost=lambda cell: method_options[cell[0]][1]
+        )  # the trained methods' cells first (3 epochs)
+        for method, attribute in tqdm(mine, desc="RAVEL cells", unit="cell"):
+            options, n_epochs = method_options[method]
+            metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
+            changes = [
+                {"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
+                for b in data.attributes
+                if f"test/change/{b}" in metrics
+            ]
+            scores = {k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}
+            run.store.add(
+                {"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]}
+            )  # both or neither
+        return run.finish(_position(cells), lambda store: summarise(out, methods, attributes, data.attributes))
+
+
+def _position(cells: list[tuple[str, str]]):
+    """A row's cell's place in `cells` (-1: none of them), to merge the ranks' rows in that order."""
+    index = {cell: i for i, cell in enumerate(cells)}
+    return lambda table, row: index.get((row["method"], row["attribute" if table == "summary" else "intervened"]), -1)
+
+
+def summarise(out: Path, methods: list[str], attributes: list[str], all_attributes: list[str]) -> list[dict]:
+    """Per-method averages over the attributes, and one change heatmap per method."""
+    rows = [r for r in read_rows(out / "summary.csv") if r["method"] in methods and r["attribute"] in attributes]
+    changes = read_rows(out / "changes.csv")
+    lines = []
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method]
+        for r in mine:
+            lines.append({k: (float(v) if k in ("cause", "iso", "disentangle") else v) for k, v in r.items()})
+        if mine:
+            average = {k: float(np.mean([float(r[k]) for r in mine])) for k in ("cause", "iso", "disentangle")}
+            lines.append({"method": method, "attribute": "average", **average})
+        matrix = np.full((len(attributes), len(all_attributes)), np.nan)
+        for c in changes:
+            if c["method"] == method and c["intervened"] in attributes and c["queried"] in all_attributes:
+                matrix[attributes.index(c["intervened"]), all_attributes.index(c["queried"])] = float(c["change_rate"])
+        if not np.isnan(matrix).all():
+            attribute_heatmap(
+                matrix, attributes, all_attributes, f"{method}: P(answer changes)", out / f"{method}_changes.png"
+            )
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=SUMMARY_COLUMNS)
+    writer.writeheader()
+    writer.writerows([r for r in lines if r["attribute"] == "average"])
+    write_atomically(out / "table.csv", table.getvalue())
+    return lines
+
+
+def main(args=None) -> None:
+    """`lit-interventions sweep ravel`."""
+    run_cli(distributed.printed_by_rank_zero(run_ravel_sweep), __doc__, args)

@@ -1,0 +1,222 @@
+"""Every site × method of a sweep unit scored in a few no-grad stacked forwards.
+
+The rows of a unit's scoring are (site, method or the clean forward, eval example): each one
+enters the frozen LM at its site's layer from its cached state there, with its method's
+f*(f(b), f(s)) written at the site (`sites.stacked_hidden`), and only the two label rows of the
+LM head are computed. Rows are packed `rows` at a time whatever site or method they belong to,
+shortest runs first (a forward is as wide as its longest row), so every block's weights are read
+once per forward for many sites, instead of once per site, method and eval batch. Each site's
+clean rows are computed at its own layer, as `InterchangeModule.score` does, and every row goes
+through the same `InterchangeOdds` (AvgOdds and IIA are sums over rows): the scores equal the
+per-site ones to float rounding. A row its method leaves unchanged (f* = f(b) bit for bit: a site
+before the pair's first difference) is its clean row: it is not run, its odds are exactly 0. The control task's
+rows that equal the task's but for their labels (the clean rows and every fitted direction: only
+DAS is retrained on the control labels) are not run again: the same rows give both tasks' labels.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.sites import final_logits, stacked_hidden
+from lit_interventions.metrics import InterchangeOdds
+from lit_interventions.modules.multisite import stack_batches
+
+CLEAN = None  # the job of a site's unintervened rows, p(· | b)
+TASK, CONTROL = "task", "control"  # whose labels a job's logits are
+LABELS = ("base_label", "source_label", "label")  # what a control batch may change
+
+
+def _rows_of(batch: dict, rows: list[int]) -> dict:
+    """The rows `rows` of a collated batch: what `stack_batches` reads of each side."""
+    part, index = {}, torch.tensor(rows, device=batch["base_input_ids"].device)
+    for side in ("base", "source"):
+        for name in ("input_ids", "attention_mask", "pos", "last", "label"):
+            part[f"{side}_{name}"] = batch[f"{side}_{name}"][index]
+        keys, starts = batch[f"{side}_keys"]
+        part[f"{side}_keys"] = ([keys[i] for i in rows], [starts[i] for i in rows])
+        if batch.get(f"{side}_pos_list"):
+            part[f"{side}_pos_list"] = [batch[f"{side}_pos_list"][i] for i in rows]
+    return part
+
+
+def _runs(cache: ActivationCache, batch: dict) -> list[int]:
+    """The columns each base row runs in `stacked_hidden`: from after its cached ones to its logits."""
+    sites = batch.get("base_pos_list") or batch["base_pos"].tolist()
+    starts = cache.run_starts(batch["base_keys"], sites)
+    return [last - start for last, start in zip(batch["base_last"].tolist(), starts)]
+
+
+def _pieces(runs: dict[object, dict[int, int]], rows: int):
+    """The jobs' rows (`runs`: {job: {row: its run, in columns}}) in forwards of at most `rows`
+    rows, shortest runs first: a forward is as wide as its longest run, so rows of equal runs
+    share forwards and few columns are padding. [[(job, its rows in this forward)]]."""
+    jobs = list(runs)
+    order = sorted((run, n, i) for n, job in enumerate(jobs) for i, run in runs[job].items())
+    for a in range(0, len(order), rows):
+        chunk: dict[object, list[int]] = {}
+        for _, n, i in order[a : a + rows]:
+            chunk.setdefault(jobs[n], []).append(i)
+        yield list(chunk.items())
+
+
+@torch.no_grad()
+def score_stacked(
+    model: torch.nn.Module,
+    cache: ActivationCache,
+    found: dict[tuple[int, str], dict[str, torch.nn.Module]],
+    evals: dict[str, list[dict]],
+    rows: int = 64,
+    control: tuple[dict, dict] | None = None,
+):
+    """AvgOdds and IIA of each site's interventions on its region's eval batches, in stacked
+    forwards of at most `rows` rows: {(layer, region): {method: {odds, iia}}}.
+
+    `found` is {(layer, region): {method: intervention (f(b), f(s)) -> f*}}; `evals` {region:
+    collated eval batches}; `cache` holds every site's layer and every eval sentence.
+
+    `control` = (its `found`, its `evals`) scores the control task as well and returns
+    (scores, control scores). A control batch that is the task's batch with other labels (the
+    dog/give control) shares the task's forwards wherever the intervention is the same object (the
+    clean rows and every fitted direction): its two labels' logits are read off the same rows.
+    Only what differs (DAS, retrained on the control labels) gets rows of its own."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows={rows!r} must be a positive integer")
+    device = next(model.parameters()).device
+    tasks = {TASK: (found, evals)} | ({CONTROL: control} if control is not None else {})
+    jobs, read_from = _jobs(tasks, device)
+    width = cache.longest_prefix()
+    runs = {id(batch): _runs(cache, batch) for batch, _, _ in jobs.values()}  # jobs share their eval batches
+    # a row its method leaves unchanged is its clean row: not run again, its logits are the clean ones
+    edited, unchanged = _edits(cache, jobs)
+    todo = {}  # job -> {row: its run} of the rows to run
+    for key, (batch, _, _) in jobs.items():
+        same = unchanged[key].tolist() if key in unchanged else [False] * len(runs[id(batch)])
+        todo[key] = {i: run for i, (run, skip) in enumerate(zip(runs[id(batch)], same)) if not skip}
+    logits = {}  # job -> its rows' label logits, (n, columns), in row order (unchanged rows: not filled)
+    for chunk in _pieces(todo, rows):
+        parts = [_rows_of(jobs[key][0], index) for key, index in chunk]
+        stacked = stack_batches(parts)
+        layers = [key[1][0] for key, index in chunk for _ in index]
+        base = cache.states(layers, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_keys"])
+        bounds = [0]
+        for _, index in chunk:
+            bounds.append(bounds[-1] + len(index))
+
+        def edit(h, chunk=chunk, bounds=bounds):  # each row's f*, or f(b) in a clean row
+            return torch.cat(
+                [
+                    h[s:e] if jobs[key][2] is None else edited[key][index].to(h.dtype)
+                    for (key, index), s, e in zip(chunk, bounds, bounds[1:])
+                ]
+            )
+
+        vocab = torch.cat([jobs[key][1][index] for key, index in chunk])
+        # a fixed prefix width: a row's key length does not depend on the rows beside it (exact resumes)
+        prefix = cache.row_prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"], width)
+        hidden = stacked_hidden(
+            model,
+            stacked["base_input_ids"],
+            stacked["base_attention_mask"],
+            stacked["base_last"],
+            layers,
+            stacked["base_pos"],
+            edit,
+            base,
+            prefix,
+        )
+        out = final_logits(model, hidden, vocab)
+        for (key, index), s, e in zip(chunk, bounds, bounds[1:]):
+            if key not in logits:
+                logits[key] = out.new_full((len(jobs[key][1]), out.shape[1]), float("nan"))
+            logits[key][index] = out[s:e]
+    scores = {}
+    for task, (task_found, task_evals) in tasks.items():
+        scores[task] = {}
+        for site, methods in task_found.items():
+            scores[task][site] = {}
+            for name in methods:
+                metric = InterchangeOdds().to(device)
+                for i in range(len(task_evals[site[1]])):
+                    (clean, c), (job, k) = (read_from[(task, site, n, i)] for n in (CLEAN, name))
+                    clean = logits[clean][:, c : c + 2]
+                    intervened = clean if job not in logits else logits[job][:, k : k + 2]
+                    if job in unchanged:
+                        intervened = torch.where(unchanged[job][:, None], clean, intervened)
+                    columns = torch.arange(2, device=device).expand(len(clean), 2)
+                    metric.update(clean, intervened, columns[:, 0], columns[:, 1])
+                scores[task][site][name] = {k: v.item() for k, v in metric.compute().items()}
+    return scores[TASK] if control is None else (scores[TASK], scores[CONTROL])
+
+
+def _edits(cache: ActivationCache, jobs: dict) -> tuple[dict, dict]:
+    """Each method job's f*(f(b), f(s)) at its site, (n, d), and which of its rows it leaves as
+    they are (f* = f(b) bit for bit: a site before the pair's first difference, under causal
+    attention). f* is computed on the job's whole eval batch at once, as `InterchangeModule.score`
+    does, so a row's f* does not depend on the rows that share its forward (a matrix product's bits
+    can depend on its row count)."""
+    states, edited, unchanged = {}, {}, {}
+    for key, (batch, _, f) in jobs.items():
+        if f is None:
+            continue
+        layer = key[1][0]
+        if (layer, id(batch)) not in states:  # f(b), f(s) at the site, shared by the site's methods
+            states[(layer, id(batch))] = [cache.at_site(layer, batch, side) for side in ("base", "source")]
+        base, source = states[(layer, id(batch))]
+        edited[key] = f(base, source).to(base.dtype)
+        unchanged[key] = (edited[key] == base).all(dim=-1)
+    return edited, unchanged
+
+
+def _jobs(tasks: dict, device) -> tuple[dict, dict]:
+    """The forwards' jobs and where each task's logits are read.
+
+    jobs: {(task, site, method or CLEAN, batch index): (batch, label ids (n, columns), intervention
+    or None)}; read_from: {(task, site, method, i): (job, first column)}. A control job whose batch
+    inputs and intervention equal a task job's is not a job: its labels become that job's columns
+    2 and 3. Every job has as many columns (the first two repeated where there is nothing to add)."""
+    jobs, read_from, evals = {}, {}, {}
+    for task, (task_found, task_evals) in tasks.items():
+        evals[task] = {
+            region: [move_data_to_device(batch, device) for batch in task_evals[region]] for _, region in task_found
+        }
+        shared = {
+            (region, i): task == CONTROL
+            and i < len(evals[TASK].get(region, ()))
+            and _same_inputs(evals[TASK][region][i], batch)
+            for region, batches in evals[task].items()
+            for i, batch in enumerate(batches)
+        }
+        for site, methods in task_found.items():
+            for i, batch in enumerate(evals[task][site[1]]):
+                labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)
+                for name in (CLEAN, *methods):
+                    f = None if name is CLEAN else methods[name].to(device)
+                    twin = jobs.get((TASK, site, name, i)) if shared[(site[1], i)] else None
+                    if twin is not None and twin[2] is f:  # the task's rows give this task's labels too
+                        jobs[(TASK, site, name, i)] = (twin[0], torch.cat([twin[1], labels], dim=1), f)
+                        read_from[(task, site, name, i)] = ((TASK, site, name, i), 2)
+                    else:
+                        jobs[(task, site, name, i)] = (batch, labels, f)
+                        read_from[(task, site, name, i)] = ((task, site, name, i), 0)
+    width = max((labels.shape[1] for _, labels, _ in jobs.values()), default=2)
+    return {
+        key: (batch, labels.repeat(1, width // labels.shape[1]), f) for key, (batch, labels, f) in jobs.items()
+    }, read_from
+
+
+def _same_inputs(a: dict, b: dict) -> bool:
+    """Whether two collated eval batches differ at most in their labels."""
+    return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a if k not in LABELS)
+
+
+def _equal(x, y) -> bool:
+    if torch.is_tensor(x):
+        return torch.is_tensor(y) and x.shape == y.shape and torch.equal(x, y)
+    if isinstance(x, (list, tuple)):
+        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    return type(x) is type(y) and x == y

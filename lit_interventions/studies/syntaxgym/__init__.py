@@ -1,0 +1,75 @@
+"""SyntaxGym evaluation: region surprisal of a frozen LM against each suite's predictions.
+
+    lit-interventions syntaxgym --suites DIR_OR_FILES --lm NAME --out FILE
+
+A suite (SyntaxGym JSON: `meta`, `predictions`, `items`) has items; an item has conditions; a
+condition is a list of regions with `content`. A prediction is a formula over region
+surprisals, e.g. `[(5;%reduced_ambig%) > (5;%unreduced_ambig%)] & [...]`, where
+`(5;%reduced_ambig%)` is S(region 5 | condition reduced_ambig) in bits (see
+`lit_interventions.core.surprisal` for how S is computed: `meta.metric` sum or mean).
+
+    item correct    = 1 if every prediction holds for the item
+    suite accuracy  = mean over the suite's items
+    SG score        = mean over suites of the suite accuracy
+
+One job a module:
+
+    formulas.py   parse a prediction formula into a syntax tree and evaluate it (grammar there)
+    suites.py     read and check a suite's JSON; find the suite files
+    score.py      score items by region surprisal, suite accuracy, SG score, the CSV
+    cli.py        the command line (`lit-interventions syntaxgym`, `lit-interventions syntaxgym`)
+
+Every name is re-exported here: `from lit_interventions.studies.syntaxgym import parse_formula, main`.
+"""
+
+from lit_interventions.studies.syntaxgym.cli import main
+from lit_interventions.studies.syntaxgym.formulas import (
+    ARITHMETIC,
+    COMPARISONS,
+    EQUALITY_ATOL,
+    EQUALITY_RTOL,
+    LOGICAL,
+    BinaryOp,
+    FormulaError,
+    Negative,
+    Node,
+    Number,
+    RegionRef,
+    RegionValues,
+    Token,
+    parse_formula,
+    region_refs,
+    tokenize_formula,
+)
+from lit_interventions.studies.syntaxgym.score import SG_SCORE_ROW, SuiteResult, evaluate_suite, sg_score, write_csv
+from lit_interventions.studies.syntaxgym.suites import Prediction, Suite, load_suite, suite_from_json, suite_paths
+
+__all__ = [
+    "ARITHMETIC",
+    "COMPARISONS",
+    "EQUALITY_ATOL",
+    "EQUALITY_RTOL",
+    "LOGICAL",
+    "SG_SCORE_ROW",
+    "BinaryOp",
+    "FormulaError",
+    "Negative",
+    "Node",
+    "Number",
+    "Prediction",
+    "RegionRef",
+    "RegionValues",
+    "Suite",
+    "SuiteResult",
+    "Token",
+    "evaluate_suite",
+    "load_suite",
+    "main",
+    "parse_formula",
+    "region_refs",
+    "sg_score",
+    "suite_from_json",
+    "suite_paths",
+    "tokenize_formula",
+    "write_csv",
+]

@@ -1,0 +1,94 @@
+"""SyntaxGym scoring: region surprisals of each item, its predictions checked, suite accuracy,
+the SG score and the CSV.
+
+    item correct    = 1 if every prediction holds for the item
+    suite accuracy  = mean over the suite's items
+    SG score        = mean over suites of the suite accuracy
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_interventions.core.surprisal import region_surprisals
+from lit_interventions.studies.syntaxgym.formulas import RegionValues, region_refs
+from lit_interventions.studies.syntaxgym.suites import Suite
+
+SG_SCORE_ROW = "SG score"
+
+
+@dataclass(frozen=True)
+class SuiteResult:
+    name: str
+    item_correct: list[bool]
+    # per item: (condition, region number) -> S in bits
+    item_values: list[RegionValues]
+
+    @property
+    def items(self) -> int:
+        return len(self.item_correct)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.item_correct) / len(self.item_correct)
+
+
+def _wanted_regions(suite: Suite, condition: str, numbers: list[int]) -> set[int]:
+    """Indices (0-based) of the condition's regions that some prediction reads."""
+    refs = [ref for prediction in suite.predictions for ref in region_refs(prediction.tree)]
+    refs = [ref for ref in refs if ref.condition == condition]
+    if any(ref.region is None for ref in refs):
+        return set(range(len(numbers)))
+    read = {ref.region for ref in refs}
+    return {index for index, number in enumerate(numbers) if number in read}
+
+
+def evaluate_suite(
+    suite: Suite, model, tokenizer, batch_size: int = 16, all_regions: bool = False, attach_punctuation: bool = False
+) -> SuiteResult:
+    """Score every condition of every item, then check each item's predictions.
+
+    Only the regions the predictions read are scored (their (condition, region) keys fill
+    `item_values`), unless `all_regions` asks for every region. Regions are joined with spaces as
+    syntaxgym-core joins them, unless attach_punctuation (`surprisal.join_regions`).
+    """
+    keys, sentences, wanted = [], [], []
+    for item_index, item in enumerate(suite.items):
+        for condition in item["conditions"]:
+            name, numbers = condition["condition_name"], [region["region_number"] for region in condition["regions"]]
+            keys.append((item_index, name, numbers))
+            sentences.append([region["content"] for region in condition["regions"]])
+            wanted.append(set(range(len(numbers))) if all_regions else _wanted_regions(suite, name, numbers))
+    surprisals = region_surprisals(
+        model,
+        tokenizer,
+        sentences,
+        metric=suite.metric,
+        batch_size=batch_size,
+        wanted_regions=wanted,
+        attach_punctuation=attach_punctuation,
+    )
+    item_values: list[RegionValues] = [{} for _ in suite.items]
+    for (item_index, condition, numbers), values, indices in zip(keys, surprisals, wanted):
+        for index in indices:
+            item_values[item_index][condition, numbers[index]] = values[index]
+    correct = [all(prediction.holds(values) for prediction in suite.predictions) for values in item_values]
+    return SuiteResult(suite.name, correct, item_values)
+
+
+def sg_score(results: list[SuiteResult]) -> float:
+    """Mean over suites of the suite accuracy."""
+    return sum(result.accuracy for result in results) / len(results)
+
+
+def write_csv(results: list[SuiteResult], out: Path) -> None:
+    """suite,items,accuracy per suite, then the `SG score` row (total items, mean accuracy)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["suite", "items", "accuracy"])
+        for result in results:
+            writer.writerow([result.name, result.items, f"{result.accuracy:.6f}"])
+        writer.writerow([SG_SCORE_ROW, sum(result.items for result in results), f"{sg_score(results):.6f}"])

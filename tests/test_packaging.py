@@ -1,0 +1,151 @@
+"""The package's shape: one top-level package in site-packages, every package listed for the
+build, an import graph without circles and without project imports inside functions, and the
+public API a notebook imports."""
+
+import ast
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+
+import lit_interventions
+
+ROOT = Path(__file__).resolve().parents[1]
+# the repository's directory for each installed package prefix (pyproject's package-dir)
+SOURCES = {"lit_interventions.datamodules": ROOT / "datamodules", "lit_interventions": ROOT / "lit_interventions"}
+
+
+def _modules() -> dict[str, Path]:
+    """{dotted module name: file} for every module the package installs."""
+    found = {}
+    for prefix, directory in SOURCES.items():
+        for path in directory.rglob("*.py"):
+            parts = path.relative_to(directory).with_suffix("").parts
+            if "data" in parts[:-1] or (prefix == "lit_interventions" and parts[0] == "datamodules"):
+                continue
+            name = ".".join([prefix, *parts])
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(path: Path, package: str) -> list[tuple[str, bool]]:
+    """(imported module name, inside a function?) for each import of `path`."""
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, inner) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - child.level + 1] + [base]).strip(".")
+                found.append((base, inner))
+                found.extend((f"{base}.{alias.name}", inner) for alias in child.names)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    modules = _modules()
+    edges, inside = {}, []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for imported, in_function in _imports(path, package):
+            if imported in modules and imported != name:
+                targets.add(imported)
+                if in_function:
+                    inside.append(f"{name} imports {imported} inside a function")
+        edges[name] = targets
+    return edges, inside
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_the_import_graph_has_no_circles_and_no_imports_inside_functions():
+    edges, inside = _graph()
+    assert len(edges) > 60  # every module was read, the data modules under their installed name
+    assert "lit_interventions.core.sites" in edges["lit_interventions.datamodules.ravel"]
+    assert _circles(edges) == []
+    assert inside == []
+
+
+def test_the_circle_finder_finds_a_planted_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_package_in_the_tree_is_listed_for_the_build():
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    in_tree = sorted(name for name, path in _modules().items() if path.name == "__init__.py")
+    assert sorted(listed) == in_tree
+
+
+def test_the_public_api_imports_from_the_package():
+    for name in lit_interventions.__all__:
+        assert getattr(lit_interventions, name) is not None, name
+    assert lit_interventions.Site.__module__ == "lit_interventions.core.sites"
+    assert lit_interventions.CausalGymDataModule.__module__ == "lit_interventions.datamodules.causalgym"
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_package(tmp_path):
+    """A wheel built from the tree holds `lit_interventions` (the data modules and their data
+    inside it) and its metadata: no generically named `datamodules` in site-packages."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("lit_interventions", "datamodules"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"lit_interventions", "lit_interventions-0.1.0.dist-info"}
+    assert "lit_interventions/datamodules/causalgym.py" in names
+    assert "lit_interventions/datamodules/data/causalgym.json" in names
