@@ -273,3 +273,37 @@ def test_a_readme_or_config_of_someone_else_is_never_replaced(tmp_path):
     out = _das().save_pretrained(tmp_path / "own", CARD)
     _das().save_pretrained(out, {**CARD, "layer": 4})
     assert json.loads((out / "config.json").read_text())["layer"] == 4
+
+
+def test_from_pretrained_loads_an_sae_directory_by_its_files(tmp_path):
+    """A directory ExportSAE wrote (sae.safetensors + sae.json, no config.json) loads as the SAE
+    featurizer: encode and decode as the trained SAE on raw activations."""
+    from safetensors.torch import save_file
+
+    from lit_interventions.interventions.featurizers import SAEFeaturizer
+    from lit_interventions.modules.sae import SparseAutoencoder
+
+    torch.manual_seed(0)
+    sae = SparseAutoencoder(8, 16)
+    sae.initialize(torch.randn(8), 2.0)
+    save_file({k: v.contiguous() for k, v in sae.export_weights().items()}, tmp_path / "sae.safetensors")
+    (tmp_path / "sae.json").write_text(json.dumps({"method": "sae", "hidden_size": 8}))
+    loaded = from_pretrained(tmp_path)
+    x = torch.randn(5, 8)
+    assert type(loaded) is SAEFeaturizer
+    torch.testing.assert_close(loaded.encode(x), sae.encode(x).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        loaded.decode(loaded.encode(x)), sae.decode(sae.encode(x)).detach(), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_from_pretrained_refuses_an_unknown_kind_and_an_empty_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"library_name": "lit-interventions", "kind": "pickle"}))
+    with pytest.raises(
+        ValueError, match=r"kind='pickle' is not one of \['dictionary', 'intervention', 'sae', 'steering'\]"
+    ):
+        from_pretrained(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no lit-interventions artifact"):
+        from_pretrained(empty)

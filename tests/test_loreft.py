@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.sites import final_logits
 from lit_interventions.interventions.loreft import LoReFTIntervention, loreft
@@ -149,6 +150,10 @@ def test_loreft_training_lowers_lm_loss_and_saves_only_the_intervention(tiny_lm_
     loaded = load_steering_checkpoint(tmp_path)
     assert loaded.hparams.layer == 2 and loaded.hparams.concept == "dogs"
     assert abs(_loss(loaded, loader) - after) < 1e-4
+    intervention = from_pretrained(tmp_path)  # the pure intervention, as for any other method
+    assert type(intervention) is LoReFTIntervention
+    hidden = torch.randn(3, 32)
+    torch.testing.assert_close(intervention(hidden), module.intervention(hidden).detach(), rtol=1e-5, atol=1e-5)
     # the shared frozen LM is unchanged outside the steering block
     assert abs(float(lm_loss(load_lm(lm), next(iter(loader)))) - clean) < 1e-6
 
@@ -171,6 +176,8 @@ def test_lora_adapter_on_o_proj_changes_output_and_saves_only_adapter(tiny_lm_di
     assert len(tensors) == 6 and all("lora_" in k and "o_proj" in k for k in tensors)
     loaded = load_steering_checkpoint(tmp_path)
     assert abs(_loss(loaded, loader) - after) < 1e-4
+    by_kind = from_pretrained(tmp_path)  # an adapter needs its LM: the module, as load_steering_checkpoint
+    assert type(by_kind) is LoRAModule and abs(_loss(by_kind, loader) - after) < 1e-4
     assert abs(float(lm_loss(load_lm(lm), next(iter(loader)))) - clean) < 1e-6  # shared LM untouched
 
 

@@ -1,23 +1,81 @@
-"""`from_pretrained`: any saved artifact (an intervention or a concept dictionary), from a local
-directory or a hub repository, as its config.json (or an older intervention.json /
-dictionary.json) says. The layout itself is `lit_interventions.artifacts.hub`."""
+"""`from_pretrained`: any saved artifact, from a local directory or a hub repository.
+
+What a directory holds is read from its files, never from a class path they name: config.json's
+`kind`, or for a directory written without one, the files it has. Each kind has one loader:
+
+    kind          files                                        loads as
+    intervention  intervention.safetensors + intervention.json  the intervention (DAS, DBM, LoReFT, ...)
+    dictionary    dictionary.safetensors + dictionary.json      `Dictionary` (AxBench concepts)
+    steering      intervention.json with method lora            `LoRAModule` (the frozen LM with its adapter)
+    sae           sae.safetensors + sae.json                    `SAEFeaturizer` (encode / decode)
+
+The layout itself (config.json, the model card, downloads and uploads) is
+`lit_interventions.artifacts.hub`.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
-from lit_interventions.interventions.base import load_pretrained
+from lit_interventions.interventions.base import CARD, load_pretrained
+from lit_interventions.interventions.featurizers import SAEFeaturizer
+from lit_interventions.modules.steering_baselines import load_steering_checkpoint
+
+SAE_WEIGHTS, SAE_CARD = "sae.safetensors", "sae.json"
+
+
+def _load_sae(directory: Path) -> SAEFeaturizer:
+    return SAEFeaturizer.load(directory / SAE_WEIGHTS)
+
+
+LOADERS: dict[str, Callable[[Path], Any]] = {
+    "intervention": load_pretrained,
+    "dictionary": Dictionary.load,
+    "steering": load_steering_checkpoint,
+    "sae": _load_sae,
+}
+
+
+def artifact_kind(directory: str | Path) -> str:
+    """The kind of artifact `directory` holds (a key of `LOADERS`): config.json's `kind`, or, in
+    a directory without config.json, the kind its files are; FileNotFoundError when it holds
+    none, ValueError for a kind this version does not know."""
+    directory = Path(directory)
+    if (directory / CONFIG).is_file():
+        kind = read_config(directory).get("kind")
+        if kind is not None:
+            if kind not in LOADERS:
+                raise ValueError(f"{directory / CONFIG}: kind={kind!r} is not one of {sorted(LOADERS)}")
+            return kind
+    if (directory / "dictionary.safetensors").is_file() or (directory / "dictionary.json").is_file():
+        return "dictionary"
+    if (directory / SAE_WEIGHTS).is_file():
+        return "sae"
+    if (directory / CARD).is_file():
+        return "steering" if _card_method(directory / CARD) == "lora" else "intervention"
+    if (directory / CONFIG).is_file():
+        return "intervention"  # a config.json of ours without a kind: load_pretrained says what is wrong
+    raise FileNotFoundError(
+        f"{directory} holds no lit-interventions artifact (config.json, intervention.json, dictionary.json "
+        f"or {SAE_WEIGHTS})"
+    )
+
+
+def _card_method(path: Path) -> str | None:
+    try:
+        card = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # unreadable: the intervention loader reports it
+    return card.get("method") if isinstance(card, dict) else None
 
 
 def from_pretrained(directory_or_hub_id: str | Path, **download: Any):
-    """The intervention or dictionary saved in a directory or hub repository (whichever its
-    config.json, or an older intervention.json / dictionary.json, says). `download`:
-    revision, token, cache_dir, local_files_only (passed to snapshot_download)."""
+    """The artifact saved in a directory or hub repository, loaded by its kind (see the module
+    doc). `download`: revision, token, cache_dir, local_files_only (passed to snapshot_download)."""
     directory = local_directory(directory_or_hub_id, **download)
-    kind = read_config(directory).get("kind") if (directory / CONFIG).is_file() else None
-    if kind == "dictionary" or (kind is None and (directory / "dictionary.safetensors").is_file()):
-        return Dictionary.load(directory)
-    return load_pretrained(directory)
+    return LOADERS[artifact_kind(directory)](directory)
