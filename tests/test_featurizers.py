@@ -394,6 +394,10 @@ def test_sae_cli_writes_weights(tiny_lm_dir, tmp_path):
     assert featurizer.W1.shape == (128, 32)
     card = json.loads((weights.parent / CARD).read_text())
     assert card["model"] == lm and card["layer"] == 1
+    config = json.loads((weights.parent / "config.json").read_text())  # the one artifact format
+    assert config["kind"] == "sae" and config["weights"] == WEIGHTS and config["site"] == {"layer": 1}
+    assert config["class_path"] == "lit_interventions.modules.sae.SparseAutoencoder"
+    assert (weights.parent / "README.md").read_text().count("sparse autoencoder") >= 1
 
 
 # ---------------------------------------------------------------------------------- with RavelDataModule

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import lightning as L
 import pytest
 import torch
@@ -176,6 +178,9 @@ def test_lora_adapter_on_o_proj_changes_output_and_saves_only_adapter(tiny_lm_di
     assert len(tensors) == 6 and all("lora_" in k and "o_proj" in k for k in tensors)
     loaded = load_steering_checkpoint(tmp_path)
     assert abs(_loss(loaded, loader) - after) < 1e-4
+    config = json.loads((tmp_path / "config.json").read_text())  # the one artifact format
+    assert config["kind"] == "steering" and config["class_path"].endswith("LoRAModule") and config["rank"] == 2
+    assert "o_proj" in config["site"] and (tmp_path / "README.md").is_file()
     by_kind = from_pretrained(tmp_path)  # an adapter needs its LM: the module, as load_steering_checkpoint
     assert type(by_kind) is LoRAModule and abs(_loss(by_kind, loader) - after) < 1e-4
     assert abs(float(lm_loss(load_lm(lm), next(iter(loader)))) - clean) < 1e-6  # shared LM untouched

@@ -24,6 +24,7 @@ import json
 import shlex
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,13 @@ INTERVENTION_FORMAT = "lit-interventions/intervention/v1"
 BASE_MODELS = {
     "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "gemma-3-270m": "google/gemma-3-270m",
+}
+# what the model card calls each kind of artifact
+NOUNS = {
+    "intervention": "intervention",
+    "dictionary": "concept dictionary",
+    "sae": "sparse autoencoder",
+    "steering": "steering adapter",
 }
 # keys config.json adds to a card (removed again when a Dictionary is read back from it)
 HUB_KEYS = ("library_name", "kind", "weights", "class_path", "base_model", "site", "metrics")
@@ -112,19 +120,21 @@ def trainer_command(trainer, log_dir: str | Path | None = None) -> str:
     return shlex.join(["lit-interventions", str(stage), "--config", str(Path(log_dir) / "config.yaml")])
 
 
-def intervention_config(intervention, card: dict, weights: str = "intervention.safetensors") -> dict:
-    """config.json of an intervention: its class path and config, plus the card's model, site,
-    data, metrics and command (any further card field is kept)."""
-    card = dict(card)
-    site = card.pop("site", None) or {k: card[k] for k in ("layer", "component", "region") if card.get(k) is not None}
+def artifact_config(kind: str, cls, card: dict, weights: str, **fields) -> dict:
+    """config.json of an artifact of `kind` (a key of `artifacts.pretrained.LOADERS`): what it is
+    (`cls`'s class path, `fields` such as its config), plus the card's method, model, site, data,
+    metrics and command (any further card field is kept)."""
+    card, fields = dict(card), dict(fields)
+    site = card.pop("site", None) or fields.pop("site", None)
+    site = site or {k: card[k] for k in ("layer", "component", "region") if card.get(k) is not None}
     return {
         "library_name": LIBRARY,
-        "kind": "intervention",
-        "format": INTERVENTION_FORMAT,
+        "kind": kind,
+        **{k: v for k, v in fields.items() if k == "format"},
         "weights": weights,
-        "class_path": class_path(intervention),
-        "config": intervention.config(),
-        "method": card.pop("method", None) or type(intervention).__name__,
+        "class_path": class_path(cls),
+        **{k: v for k, v in fields.items() if k != "format"},
+        "method": card.pop("method", None) or getattr(cls, "__name__", type(cls).__name__),
         "model": card.get("model"),
         "base_model": base_model(card.get("model")),
         "site": site,
@@ -132,6 +142,14 @@ def intervention_config(intervention, card: dict, weights: str = "intervention.s
         "metrics": finite_values(card.get("metrics")),
         "command": card.get("command"),
     }
+
+
+def intervention_config(intervention, card: dict, weights: str = "intervention.safetensors") -> dict:
+    """config.json of an intervention: its class path and config, plus the card's model, site,
+    data, metrics and command (any further card field is kept)."""
+    return artifact_config(
+        "intervention", intervention, card, weights, format=INTERVENTION_FORMAT, config=intervention.config()
+    )
 
 
 def dictionary_config(dictionary, weights: str = "dictionary.safetensors") -> dict:
@@ -191,9 +209,10 @@ def model_card(config: dict):
     model, base = config.get("model"), config.get("base_model")
     tags = [LIBRARY, "interpretability", "interventions", str(method).lower()]
     tags += ["concept-dictionary", "axbench", "steering"] if kind == "dictionary" else []
+    tags += ["sparse-autoencoder"] if kind == "sae" else ["axbench", "steering"] if kind == "steering" else []
     tags += ["causalgym"] if config.get("task") else []
     data = ModelCardData(library_name=LIBRARY, tags=list(dict.fromkeys(tags)), base_model=base)
-    noun = "concept dictionary" if kind == "dictionary" else "intervention"
+    noun = NOUNS.get(kind, "intervention")
     layer = (config.get("site") or {}).get("layer") if isinstance(config.get("site"), dict) else None
     layer = config.get("layer") if layer is None else layer
     lm = f"`{model}`" + (f" ([{base}](https://huggingface.co/{base}))" if base else "")
@@ -249,7 +268,7 @@ def model_card(config: dict):
     else:
         lines += [
             "from lit_interventions import from_pretrained",
-            'intervention = from_pretrained("REPO_OR_DIRECTORY")   # the class named in config.json',
+            f'{kind} = from_pretrained("REPO_OR_DIRECTORY")   # loaded by config.json\'s kind',
         ]
     lines += ["```", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
@@ -282,6 +301,15 @@ def write_hub_files(directory: str | Path, config: dict) -> Path:
     write_atomically(directory / CONFIG, text)
     write_atomically(directory / README, card)
     return directory / CONFIG
+
+
+def write_hub_files_beside(directory: str | Path, config: dict, written: str) -> None:
+    """`write_hub_files` after a run's export wrote its tensors (`written` names them): a
+    README.md or config.json of someone else's already in `directory` is kept, with a warning."""
+    try:
+        write_hub_files(directory, config)
+    except FileExistsError as err:
+        warnings.warn(f"{written} written, but not the model card: {err}", stacklevel=2)
 
 
 def read_config(directory: str | Path) -> dict:

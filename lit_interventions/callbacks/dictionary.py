@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 from lightning import Callback
 
-from lit_interventions.artifacts.hub import dictionary_config, export_dir, trainer_command, write_hub_files
+from lit_interventions.artifacts.hub import dictionary_config, export_dir, trainer_command, write_hub_files_beside
 
 WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
 
@@ -35,9 +33,6 @@ class ExportDictionary(Callback):
         dictionary.card.setdefault("command", trainer_command(trainer, log_dir))
         directory = export_dir(trainer, log_dir)
         dictionary.save(directory / WEIGHTS)
-        try:
-            write_hub_files(directory, dictionary_config(dictionary, WEIGHTS))
-        except FileExistsError as err:  # a README.md / config.json of someone else's: keep it
-            warnings.warn(
-                f"ExportDictionary wrote {WEIGHTS} and dictionary.json but not the model card: {err}", stacklevel=1
-            )
+        write_hub_files_beside(
+            directory, dictionary_config(dictionary, WEIGHTS), f"ExportDictionary: {WEIGHTS} and dictionary.json"
+        )

@@ -4,11 +4,9 @@ layout: the log directory loads with `from_pretrained` and uploads with `push_to
 
 from __future__ import annotations
 
-import warnings
-
 from lightning import Callback
 
-from lit_interventions.artifacts.hub import export_dir, intervention_config, trainer_command, write_hub_files
+from lit_interventions.artifacts.hub import export_dir, intervention_config, trainer_command, write_hub_files_beside
 from lit_interventions.core.files import finite_values
 from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: older imports)
     CARD,
@@ -62,7 +60,6 @@ class ExportIntervention(Callback):
             )
         directory = export_dir(trainer, log_dir)
         save_intervention(directory, intervention, card)
-        try:
-            write_hub_files(directory, intervention_config(intervention, card))
-        except FileExistsError as err:  # a README.md / config.json of someone else's: keep it
-            warnings.warn(f"ExportIntervention wrote {WEIGHTS} and {CARD} but not the model card: {err}", stacklevel=1)
+        write_hub_files_beside(
+            directory, intervention_config(intervention, card), f"ExportIntervention: {WEIGHTS} and {CARD}"
+        )

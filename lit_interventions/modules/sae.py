@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torchmetrics import Metric
 
+from lit_interventions.artifacts.hub import artifact_config, trainer_command, write_hub_files_beside
 from lit_interventions.core.files import finite_values, write_atomically
 
 WEIGHTS, CARD = "sae.safetensors", "sae.json"
@@ -190,7 +191,8 @@ class SAEModule(LightningModule):
 
 
 class ExportSAE(Callback):
-    """After fit, rank 0 writes `sae.safetensors` (W1, b1, W2, b2 on raw activations) and `sae.json`."""
+    """After fit, rank 0 writes `sae.safetensors` (W1, b1, W2, b2 on raw activations) and `sae.json`,
+    and the same as config.json + a README.md model card (loads with `from_pretrained`)."""
 
     def on_fit_end(self, trainer, pl_module):
         directory = Path(trainer.log_dir or trainer.default_root_dir)
@@ -210,5 +212,8 @@ class ExportSAE(Callback):
             "latent_size": pl_module.sae.W1.shape[0],
             "l1_coefficient": pl_module.hparams.l1_coefficient,
             "metrics": dict(sorted(finite_values(trainer.callback_metrics).items())),
+            "command": trainer_command(trainer, directory),
         }
         write_atomically(directory / CARD, json.dumps(card, indent=2) + "\n")
+        config = artifact_config("sae", SparseAutoencoder, card, WEIGHTS)
+        write_hub_files_beside(directory, config, f"ExportSAE: {WEIGHTS} and {CARD}")

@@ -13,8 +13,9 @@ stays frozen; only the intervention (LoReFT) or the adapter (LoRA) is trained an
   `attention.dense` (GPT-NeoX), `attn.c_proj` (GPT-2).
 
 After fit, rank 0 writes `intervention.safetensors` + `intervention.json` (card: method, model,
-layer, rank, concept...) to the run's log directory; `load_steering_checkpoint` rebuilds a module
-from that directory or from a Lightning `.ckpt`.
+layer, rank, concept...) and config.json + a README.md model card to the run's log directory;
+`load_steering_checkpoint` (or `lit_interventions.from_pretrained`) rebuilds a module from that
+directory, and `load_steering_checkpoint` also from a Lightning `.ckpt`.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_interventions.artifacts.hub import artifact_config, intervention_config, write_hub_files
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, residual_hook, run_body, site_layer
-from lit_interventions.interventions.base import CARD, read_tensors, save_intervention, write_tensors
+from lit_interventions.interventions.base import CARD, WEIGHTS, read_tensors, save_intervention, write_tensors
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.site import FrozenLMModule
 
@@ -115,10 +117,17 @@ class _SteeringModule(FrozenLMModule):
     def export(self) -> tuple[dict[str, torch.Tensor], dict]:
         raise NotImplementedError
 
+    def site_text(self) -> str:
+        """Where the module edits the LM, in words (the model card's site)."""
+        raise NotImplementedError
+
     def save(self, directory: str | Path) -> Path:
-        """Write intervention.safetensors (trainable weights only) and intervention.json."""
+        """Write intervention.safetensors (trainable weights only) and intervention.json, and the
+        same as config.json (kind "steering") + a README.md model card."""
         tensors, card = self.export()
-        return write_tensors(directory, tensors, card)
+        path = write_tensors(directory, tensors, card)
+        write_hub_files(directory, artifact_config("steering", self, card, WEIGHTS, site=self.site_text()))
+        return path
 
     def on_fit_end(self):
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP
@@ -212,9 +221,12 @@ class LoReFTModule(_SteeringModule):
         return self.intervention.export(), card
 
     def save(self, directory: str | Path) -> Path:
-        """Through the intervention protocol: the card also gets class_path and config."""
+        """Through the intervention protocol: the card also gets class_path and config; config.json
+        and the model card describe the intervention (it loads with `from_pretrained`)."""
         _, card = self.export()
-        return save_intervention(directory, self.intervention, card)
+        path = save_intervention(directory, self.intervention, card)
+        write_hub_files(directory, intervention_config(self.intervention, card))
+        return path
 
 
 def attention_output_modules(model: nn.Module) -> list[str]:
@@ -321,6 +333,10 @@ class LoRAModule(_SteeringModule):
             "dropout": self.hparams.dropout,
         }
         return tensors, card
+
+    def site_text(self) -> str:
+        where = "every layer" if self.hparams.layers is None else f"layers {list(self.hparams.layers)}"
+        return f"the attention output projections ({', '.join(self.hparams.target_modules)}) of {where}"
 
     def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict
