@@ -42,6 +42,7 @@ from lit_interventions.core.sites import read_site
 from lit_interventions.interventions.directions import fit_direction
 from lit_interventions.metrics import log_odds_ratio
 from lit_interventions.studies import causalgym_sweep as sweep
+from lit_interventions.studies import causalgym_training as training
 
 
 def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str]) -> None:
@@ -108,8 +109,8 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
 
 def our_sweep(args, one_loop: bool = True) -> float:
     """Seconds of our sweep of the task (DAS in one loop, or one loop per layer)."""
-    train_das = sweep.train_das
-    sweep.train_das = partial(train_das, one_loop=one_loop)
+    train_das = training.train_das
+    training.train_das = partial(train_das, one_loop=one_loop)
     start = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as out:
@@ -124,7 +125,7 @@ def our_sweep(args, one_loop: bool = True) -> float:
                 eval_pairs=args.eval_pairs,
             )
     finally:
-        sweep.train_das = train_das
+        training.train_das = train_das
     return time.perf_counter() - start
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from lightning import LightningDataModule
+from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from torch.utils.data import DataLoader
 
@@ -140,7 +140,7 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
     return batch
 
 
-class CausalGymDataModule(LightningDataModule):
+class CausalGymDataModule(BenchmarkDataModule):
     """Minimal pairs for one CausalGym task at one region.
 
     Args:
@@ -159,6 +159,8 @@ class CausalGymDataModule(LightningDataModule):
             variable sampled apart: the base's answer must not change) for the multi-task loss of
             MDAS / MDBM (`objectives.CauseIsoLoss(multitask=True)`). Dev and eval stay Cause pairs.
     """
+
+    SPLITS = {"train": "train", "val": "dev", "test": "eval"}
 
     def __init__(
         self,
@@ -258,12 +260,3 @@ class CausalGymDataModule(LightningDataModule):
     def site_labels(self, batch: dict, side: str) -> list[int]:
         """The class of each site state a closed-form intervention is fitted on: its own label."""
         return batch[f"{side}_label"].tolist()
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader("train", self.hparams.batch_size, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader("dev", self.hparams.eval_batch_size, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.loader("eval", self.hparams.eval_batch_size, shuffle=False)

@@ -1,20 +1,24 @@
 """RAVEL DataModule: (entity, template) pairs the model answers correctly, turned into Cause and
 Iso interchange examples (Huang et al. 2024, §3-4). Reading the published files and encoding a
-prompt: `datamodules/ravel_files.py` (its names are re-exported here)."""
+prompt: `datamodules/ravel_files.py`; the example records and their collate function:
+`ravel_examples.py`; the model's cached answers: `ravel_answers.py` (their names are re-exported
+here)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
-from dataclasses import dataclass
-from functools import lru_cache, partial
-from pathlib import Path
+from functools import partial
 
 import torch
-from lightning import LightningDataModule
-from lit_interventions.datamodules.causalgym import collate as causalgym_collate
+from lit_interventions.datamodules.base import BenchmarkDataModule
+from lit_interventions.datamodules.ravel_answers import AnswerCache, _first_token, _right_pad
+from lit_interventions.datamodules.ravel_examples import (  # noqa: F401  (re-exported: the records and collate)
+    CAUSE,
+    ISO,
+    Query,
+    RavelExample,
+    collate,
+)
 from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's reader and prompt encoding)
     BUILTIN_RAVEL,
     FILES,
@@ -28,11 +32,10 @@ from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (re-expor
 from torch.utils.data import DataLoader
 
 from lit_interventions.callbacks.metrics import DisentangleCallback
-from lit_interventions.core.lm import DEFAULT_LM, cache_dir, load_lm, load_tokenizer
+from lit_interventions.core.lm import DEFAULT_LM, load_lm, load_tokenizer
 from lit_interventions.core.loaders import split_loader
 from lit_interventions.core.sites import logits_at
 from lit_interventions.core.surprisal import bos_prefix
-from lit_interventions.core.tokens import pad_batch
 from lit_interventions.metrics.disentangle import DevDisentangle
 
 # ---------------------------------------------------------------------------------------------
@@ -43,50 +46,10 @@ from lit_interventions.metrics.disentangle import DevDisentangle
 SPLIT_SETTINGS = ("entity", "context")
 SOURCES = ("attribute", "wikipedia", "mixed")
 CAUSE_LABELS = ("model", "gold")
-CAUSE, ISO = 0, 1
 SKIPPED_ATTRIBUTES = ("Latitude", "Longitude")  # numeric: RAVEL scores them within ±2, not by first token
 
 
-@dataclass
-class Query:
-    """One (entity, template) pair: the prompt, its token ids and the entity's last token."""
-
-    entity: str
-    template: str
-    attribute: str | None  # None for a Wikipedia prompt (it queries nothing)
-    ids: list[int]
-    entity_pos: int  # index in ids of the entity's last token
-
-
-@dataclass
-class RavelExample:
-    """Fields named as `lit_interventions.datamodules.causalgym.Example`, so its collate function applies."""
-
-    base_ids: list[int]
-    source_ids: list[int]
-    base_positions: dict[str, int]  # {"entity": last token of the entity}
-    source_positions: dict[str, int]
-    base_label: int  # A(E): the base's own answer for the attribute it queries
-    source_label: int  # the label the intervened model should predict (collated as `label`)
-    attribute: int  # index in data.attributes of the attribute the base queries
-    kind: int  # CAUSE or ISO
-    base_entity: int
-    source_entity: int
-    base_template: str
-    source_template: str
-
-
-def collate(examples: list[RavelExample], pad_id: int, padding_side: str = "right") -> dict:
-    """CausalGym's collate (base/source padded apart, `*_pos`, `*_last`, `*_keys`), plus the
-    RAVEL fields: label, attribute, kind, base_entity, source_entity."""
-    batch = causalgym_collate(examples, region="entity", pad_id=pad_id, padding_side=padding_side)
-    batch["label"] = batch.pop("source_label")
-    for field in ("attribute", "kind", "base_entity", "source_entity"):
-        batch[field] = torch.tensor([getattr(e, field) for e in examples])
-    return batch
-
-
-class RavelDataModule(LightningDataModule):
+class RavelDataModule(BenchmarkDataModule):
     """RAVEL Cause / Iso interchange examples for one entity type and target attribute A*.
 
     Cause: base = a template of A* filled with E, source mentions E' with A*(E') ≠ A*(E) in its
@@ -309,6 +272,43 @@ class RavelDataModule(LightningDataModule):
                 f"(entity, template) pairs were dropped because the model {self.lm!r} answers them wrongly"
             )
         sources = [q for pool in pools.values() for q in pool]
+        usable = self._usable_bases(bases, sources, queried)
+        if not usable:
+            raise ValueError(
+                f"No {what} examples for attribute {queried!r} in the {split} split: of {checked} candidate pairs "
+                f"{checked - len(bases)} were dropped because the model answers them wrongly, and the other "
+                f"{len(bases)} have no informative source (an entity whose {queried!r} value differs in its "
+                f"first token) among {len(sources)} source prompts"
+            )
+        out, order, tried = [], [], 0
+        own_answer = kind == CAUSE and self.hparams.cause_label == "model"
+        while len(out) < n:
+            drawn = self._draw(usable, pools, sources, n - len(out), order, rng)
+            if own_answer:  # y = what the model says for the base template with E' (official `inv_label`)
+                labels = self.model_answers([self.encode(src.entity, base.template, queried) for base, src in drawn])
+            else:
+                labels = [
+                    self.value_token(base.template, d.entities[(src if kind == CAUSE else base).entity][queried])
+                    for base, src in drawn
+                ]
+            for (base, src), label in zip(drawn, labels):
+                base_label = self.value_token(base.template, d.entities[base.entity][queried])
+                if own_answer and label == base_label:
+                    continue  # the model's answer would not change: no Cause example
+                out.append(self._example(base, src, base_label, label, queried, kind))
+            tried += len(drawn)
+            if len(out) < n and tried >= 20 * n + 200:
+                raise ValueError(
+                    f"No {what} examples for attribute {queried!r} in the {split} split: {len(out)} of {tried} drawn "
+                    f"(base, source) pairs change the model's answer for the base template with the source entity "
+                    f"(cause_label='model'); try cause_label='gold' or more max_candidates"
+                )
+        return out
+
+    def _usable_bases(self, bases: list[Query], sources: list[Query], queried: str) -> list[tuple[Query, set]]:
+        """(base, its informative source entities) for each base that has any: the source entities
+        whose value of `queried` differs from the base entity's in its first token."""
+        d = self.data
         source_entities = sorted({q.entity for q in sources if d.entities[q.entity].get(queried)})
         by_token = {}  # (separator, token) -> source entities whose value starts with that token
 
@@ -324,60 +324,39 @@ class RavelDataModule(LightningDataModule):
             ok = set(source_entities) - by_token.get((sep, token(sep, b.entity)), set())
             if ok:
                 usable.append((b, ok))
-        if not usable:
-            raise ValueError(
-                f"No {what} examples for attribute {queried!r} in the {split} split: of {checked} candidate pairs "
-                f"{checked - len(bases)} were dropped because the model answers them wrongly, and the other "
-                f"{len(bases)} have no informative source (an entity whose {queried!r} value differs in its "
-                f"first token) among {len(sources)} source prompts"
-            )
-        out, order, tried = [], [], 0
-        own_answer = kind == CAUSE and self.hparams.cause_label == "model"
-        while len(out) < n:
-            drawn = []
-            for _ in range(n - len(out)):
-                if not order:
-                    order = list(range(len(usable)))
-                    rng.shuffle(order)  # every base once before any repeats
-                base, ok = usable[order.pop()]
-                pool = pools[rng.choice(sorted(pools))]  # `mixed`: each source kind half the time
-                choices = [q for q in pool if q.entity in ok] or [q for q in sources if q.entity in ok]
-                drawn.append((base, rng.choice(choices)))
-            if own_answer:  # y = what the model says for the base template with E' (official `inv_label`)
-                labels = self.model_answers([self.encode(src.entity, base.template, queried) for base, src in drawn])
-            else:
-                labels = [
-                    self.value_token(base.template, d.entities[(src if kind == CAUSE else base).entity][queried])
-                    for base, src in drawn
-                ]
-            for (base, src), label in zip(drawn, labels):
-                base_label = self.value_token(base.template, d.entities[base.entity][queried])
-                if own_answer and label == base_label:
-                    continue  # the model's answer would not change: no Cause example
-                out.append(
-                    RavelExample(
-                        base.ids,
-                        src.ids,
-                        {"entity": base.entity_pos},
-                        {"entity": src.entity_pos},
-                        base_label=base_label,
-                        source_label=label,
-                        attribute=self.attributes.index(queried),
-                        kind=kind,
-                        base_entity=self.entity_index[base.entity],
-                        source_entity=self.entity_index[src.entity],
-                        base_template=base.template,
-                        source_template=src.template,
-                    )
-                )
-            tried += len(drawn)
-            if len(out) < n and tried >= 20 * n + 200:
-                raise ValueError(
-                    f"No {what} examples for attribute {queried!r} in the {split} split: {len(out)} of {tried} drawn "
-                    f"(base, source) pairs change the model's answer for the base template with the source entity "
-                    f"(cause_label='model'); try cause_label='gold' or more max_candidates"
-                )
-        return out
+        return usable
+
+    @staticmethod
+    def _draw(usable, pools, sources, n: int, order: list[int], rng) -> list[tuple[Query, Query]]:
+        """n (base, source) pairs: every usable base once before any repeats (`order`, the bases
+        still to draw, is refilled in place), each with a random informative source."""
+        drawn = []
+        for _ in range(n):
+            if not order:
+                order.extend(range(len(usable)))
+                rng.shuffle(order)  # every base once before any repeats
+            base, ok = usable[order.pop()]
+            pool = pools[rng.choice(sorted(pools))]  # `mixed`: each source kind half the time
+            choices = [q for q in pool if q.entity in ok] or [q for q in sources if q.entity in ok]
+            drawn.append((base, rng.choice(choices)))
+        return drawn
+
+    def _example(self, base: Query, src: Query, base_label: int, label: int, queried: str, kind: int) -> RavelExample:
+        """The interchange example of base and source, with their labels."""
+        return RavelExample(
+            base.ids,
+            src.ids,
+            {"entity": base.entity_pos},
+            {"entity": src.entity_pos},
+            base_label=base_label,
+            source_label=label,
+            attribute=self.attributes.index(queried),
+            kind=kind,
+            base_entity=self.entity_index[base.entity],
+            source_entity=self.entity_index[src.entity],
+            base_template=base.template,
+            source_template=src.template,
+        )
 
     # -- loaders ------------------------------------------------------------------------------
 
@@ -399,55 +378,3 @@ class RavelDataModule(LightningDataModule):
         attribute's value of its entity."""
         values = self.values(self.hparams.target_attribute)
         return [values[e] for e in batch[f"{side}_entity"].tolist()]
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader("train", self.hparams.batch_size, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader("val", self.hparams.eval_batch_size)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.loader("test", self.hparams.eval_batch_size)
-
-
-class AnswerCache:
-    """A frozen LM's argmax next token for each prompt (by token ids), in a JSON file under
-    `$LIT_INTERVENTIONS_CACHE/ravel_answers/`: filtering is done once per model, not per run.
-    A local model directory is keyed by its path and the time its config was written."""
-
-    def __init__(self, lm: str):
-        key = lm
-        config = Path(lm) / "config.json"
-        if config.exists():
-            key = f"{Path(lm).resolve()}@{config.stat().st_mtime_ns}"
-        self.path = cache_dir() / "ravel_answers" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-        self.answers: dict[str, int] = json.loads(self.path.read_text()) if self.path.exists() else {}
-        self.dirty = False
-
-    def get(self, ids: list[int]) -> int | None:
-        return self.answers.get(",".join(map(str, ids)))
-
-    def put(self, ids: list[int], token: int) -> None:
-        self.answers[",".join(map(str, ids))] = int(token)
-        self.dirty = True
-
-    def save(self) -> None:
-        if self.dirty:  # atomic: a concurrent reader (another DDP rank) sees the old or the new file
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.answers))
-            os.replace(tmp, self.path)
-            self.dirty = False
-
-
-@lru_cache(maxsize=65536)
-def _first_token(tokenizer, text: str) -> int:
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    if not ids:
-        raise ValueError(f"Value {text!r} tokenises to nothing")
-    return ids[0]
-
-
-def _right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids, mask, _ = pad_batch(seqs, pad_id)
-    return ids.to(device), mask.to(device)

@@ -5,7 +5,7 @@ intervened logits at the base's last token, the objective turns them into a loss
 - `CauseIsoLoss` (RAVEL §4): L_Cause on the Cause examples; with `multitask` (MDAS / MDBM) plus
   the mean over the queried attributes of L_Iso on the Iso examples (the answer must not change).
 
-Both add `sparsity`·penalty() of an intervention that has one (DBM: λ‖σ(m/T)‖₁).
+Both add `sparsity`·penalty() of a `Penalised` intervention (DBM: λ‖σ(m/T)‖₁).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_interventions.interventions.capabilities import Penalised
 from lit_interventions.metrics.disentangle import CAUSE, ISO  # the `kind` of an example
 
 ROWS_AT_ONCE = 4  # rows of each float32 chunk: 1 and 4 rows measured alike on 262k logits, 16 and 64 slower
@@ -76,7 +77,7 @@ class Objective:
     def __call__(self, logits: torch.Tensor, batch: dict, intervention: nn.Module | None = None) -> torch.Tensor:
         loss = self.task_loss(logits, batch)  # in float32 (`cross_entropy_rows`)
         if self.sparsity:
-            if not hasattr(intervention, "penalty"):
+            if not isinstance(intervention, Penalised):
                 raise ValueError(
                     f"sparsity={self.sparsity} needs an intervention with a penalty() (a mask); "
                     f"got {type(intervention).__name__}"

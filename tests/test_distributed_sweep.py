@@ -25,8 +25,8 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
-def _launch(tmp_path, nproc, *args, env=None):
-    """`lit-interventions sweep causalgym ARGS` under torchrun with `nproc` processes (as test_ddp
+def _launch(tmp_path, nproc, *args, env=None, benchmark="causalgym"):
+    """`lit-interventions sweep BENCHMARK ARGS` under torchrun with `nproc` processes (as test_ddp
     runs its DDP fits: a subprocess from the repository root)."""
     command = [
         sys.executable,
@@ -37,7 +37,7 @@ def _launch(tmp_path, nproc, *args, env=None):
         "-m",
         "lit_interventions",
         "sweep",
-        "causalgym",
+        benchmark,
         *args,
     ]
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -199,7 +199,9 @@ def test_an_out_dir_of_another_config_stops_every_rank_before_any_work(tmp_path,
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "lit_interventions.studies.causalgym_sweep",
+        "lit_interventions",
+        "sweep",
+        "causalgym",
         *_causalgym(lm_dir, out, train_pairs=6),
     ]
     done = subprocess.run(
@@ -249,7 +251,7 @@ def test_ravel_two_ranks_resume_and_equal_one_process(tmp_path, tiny_lm_dir, mon
         "--methods=[full_swap, das]",
         f"--out={two}",
     ]
-    _launch(tmp_path, 2, *args, env=cache)
+    _launch(tmp_path, 2, *args, env=cache, benchmark="ravel")
 
     def marked(rows, **marks):
         return [{**r, **marks} if r["method"] == "full_swap" else r for r in rows]

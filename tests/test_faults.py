@@ -13,6 +13,7 @@ from lit_interventions.datamodules.templates import load_task, sample_pairs
 
 from lit_interventions.artifacts import results
 from lit_interventions.artifacts.results import OutDirBusy, OutDirLock, ResultsStore, Table
+from lit_interventions.studies import causalgym_scoring as scoring
 from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import csv_rows as _rows
 
@@ -88,7 +89,7 @@ def test_a_csv_with_nothing_usable_is_recomputed(reference, tmp_path, tiny_lm_di
 
 def test_an_intact_old_csv_is_imported_and_nothing_recomputed(reference, tmp_path, tiny_lm_dir, monkeypatch):
     out = _old_run(reference, tmp_path, reference[1])
-    monkeypatch.setattr(sweep, "fit_site", lambda *a, **k: pytest.fail("finished sites must be skipped"))
+    monkeypatch.setattr(scoring, "fit_site", lambda *a, **k: pytest.fail("finished sites must be skipped"))
     _run(out, tiny_lm_dir("llama"))
     assert (out / "results.csv").read_bytes() == reference[1]
     (out / "results.csv").write_bytes(b"garbage")  # the database, not the export, is the record now
@@ -157,7 +158,7 @@ def test_the_lock_is_released_when_the_run_fails(tmp_path, tiny_lm_dir, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(sweep, "fit_site", broken)  # both scoring paths fit every site first
+    monkeypatch.setattr(scoring, "fit_site", broken)  # both scoring paths fit every site first
     with pytest.raises(RuntimeError, match="out of memory"):
         _run(tmp_path / "out", tiny_lm_dir("llama"), stacked_scoring=stacked_scoring)
     OutDirLock(tmp_path / "out").acquire().release()

@@ -8,7 +8,9 @@ import pytest
 import torch
 from lit_interventions.datamodules.templates import load_task
 
+from lit_interventions.studies import causalgym_scoring as scoring
 from lit_interventions.studies import causalgym_sweep as sweep
+from lit_interventions.studies import causalgym_training as training
 
 
 def _rows(path):
@@ -197,7 +199,7 @@ def test_trained_das_is_saved_and_reused_after_an_interruption(tmp_path, tiny_lm
     first = _rows(out / "results.csv")
     for name in ("results.csv", "results.sqlite"):  # as if interrupted after training, before any site was scored
         (out / name).unlink()
-    monkeypatch.setattr(sweep, "train_das", lambda *a, **k: pytest.fail("the saved subspaces must be reused"))
+    monkeypatch.setattr(training, "train_das", lambda *a, **k: pytest.fail("the saved subspaces must be reused"))
     _run(tmp_path, lm_dir, methods=["das"], layers=[1])
     again = _rows(out / "results.csv")
     assert [r["region"] for r in again] == [r["region"] for r in first]
@@ -242,7 +244,7 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
         calls.append(1)
         return scores
 
-    monkeypatch.setattr(sweep, "score_stacked", counted)
+    monkeypatch.setattr(scoring, "score_stacked", counted)
     lm_dir = tiny_lm_dir(arch)
     methods = ["das", "diffmean", "probe", "vanilla"]
     options = dict(methods=methods, layers=[0, 1, 2], control=True, batch_size=7)
@@ -287,7 +289,7 @@ def test_a_failed_stacked_scoring_falls_back_to_site_by_site_with_a_warning(tmp_
     def unsupported(*args, **kwargs):
         raise NotImplementedError("rows entering at different layers")
 
-    monkeypatch.setattr(sweep, "score_stacked", unsupported)
+    monkeypatch.setattr(scoring, "score_stacked", unsupported)
     with pytest.warns(
         UserWarning,
         match=r"stacked scoring failed on .*NotImplementedError: rows entering at different "
@@ -305,7 +307,7 @@ def test_a_failed_fit_is_raised_not_retried_site_by_site(tmp_path, tiny_lm_dir, 
         calls.append(1)
         raise ValueError("singular covariance")
 
-    monkeypatch.setattr(sweep, "fit_site", broken)
+    monkeypatch.setattr(scoring, "fit_site", broken)
     with pytest.raises(ValueError, match="singular covariance"):
         _run(tmp_path, tiny_lm_dir("llama"), methods=["lda"], layers=[0])
     assert calls == [1]
@@ -367,13 +369,13 @@ def test_das_of_every_layer_in_one_loop_equals_one_loop_per_layer(tmp_path, tiny
     calls = []
     train_das = sweep.train_das
     monkeypatch.setattr(
-        sweep, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k)
+        training, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k)
     )
     _run(tmp_path / "one", lm_dir, **options)
     regions = ["The", "subject", "prep", "the", "object"]
     every_site = sorted((layer, region) for layer in (-1, 0, 2) for region in regions)
     assert calls == [every_site, every_site]  # one loop for the task, one for its control task
-    monkeypatch.setattr(sweep, "train_das", partial(train_das, one_loop=False))
+    monkeypatch.setattr(training, "train_das", partial(train_das, one_loop=False))
     _run(tmp_path / "per_layer", lm_dir, **options)
     one, per_layer = (
         _rows(tmp_path / "one" / "out" / "results.csv"),
@@ -403,7 +405,7 @@ def test_a_rerun_trains_only_the_missing_das_sites(tmp_path, tiny_lm_dir, monkey
         (out / name).unlink()
     calls, progress, train_das = [], [], sweep.train_das
     monkeypatch.setattr(
-        sweep,
+        training,
         "train_das",
         lambda datas, *a, **k: (
             calls.append(sorted(datas)) or progress.append(k["progress"]) or train_das(datas, *a, **k)

@@ -9,14 +9,13 @@
 
 GGUF weights are dequantized by transformers, which takes 30-70 s; the result is cached once as
 safetensors under `$LIT_INTERVENTIONS_CACHE` (default `~/.cache/lit_interventions`), so later
-loads take seconds.
+loads take seconds. The cache's layout, manifests and integrity checks are `model_cache.py` (its
+names are re-exported here); `convert_gguf` writes one entry.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -29,6 +28,17 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from lit_interventions.core.model_cache import (  # noqa: F401  (re-exported: the cache's layout and checks)
+    LOCK,
+    MANIFEST,
+    STAGING,
+    cache_dir,
+    check_converted,
+    clean_stale_staging,
+    converted_dir,
+    discard,
+    write_manifest,
+)
 from lit_interventions.core.sharding import LoadOptions, check_module_names, keep_4bit_differentiable
 
 DEFAULT_LM = "gemma-3-270m"
@@ -67,11 +77,8 @@ EMBEDDED = {
 }
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("LIT_INTERVENTIONS_CACHE", Path.home() / ".cache" / "lit_interventions"))
-
-
 def _embedded_gguf(name: str) -> Path:
+    """The .gguf file of the embedded model `name`; an error saying how to install it when missing."""
     locate, install = EMBEDDED[name]
     try:
         path = locate()
@@ -80,153 +87,6 @@ def _embedded_gguf(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"The embedded model '{name}' has no weights file at {path}. Reinstall it: {install}")
     return path
-
-
-def _converted_dir(gguf: Path) -> Path:
-    """Where the safetensors copy of a GGUF file lives (keyed by file name, size and mtime)."""
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / f"{gguf.stem}-{key}"
-
-
-MANIFEST = "manifest.json"  # in a converted directory: size, mtime and sha256 of every file written
-STAGING = ".converting-"  # prefix of a conversion in progress (renamed to its target when complete)
-LOCK = ".lock"  # inside a staging directory: flock-ed by the converting process while it lives
-STALE_UNLOCKED_S = 3600  # a staging directory without a lock file (older versions) is stale after this
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _file_record(path: Path) -> dict:
-    stat = path.stat()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
-
-
-def write_manifest(directory: Path) -> Path:
-    """Record size, mtime and sha256 of every file in `directory` (its manifest.json)."""
-    files = {
-        p.name: _file_record(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in (MANIFEST, LOCK)
-    }
-    path = directory / MANIFEST
-    tmp = directory / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"format": "lit-interventions/model-cache/v1", "files": files}, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def _safetensors_intact(path: Path) -> str | None:
-    """Why a .safetensors file is unreadable (its header does not parse, or its data is shorter
-    than the header says), or None. Reads the header only."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return f"{path.name} is {size} bytes, too short for a safetensors header"
-            n = int.from_bytes(head, "little")
-            if n > size - 8:
-                return f"{path.name} declares a {n}-byte header but is {size} bytes"
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end != size:
-            return f"{path.name} is {size} bytes but its header describes {8 + n + end}"
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
-        return f"{path.name} is unreadable ({type(err).__name__}: {err})"
-    return None
-
-
-def check_converted(directory: Path) -> str | None:
-    """Why a converted directory is damaged, or None when it is whole. Against its manifest:
-    every file present with its size; a file whose mtime changed is hashed again (sha256). A
-    directory without a manifest (made by an older version) has its safetensors headers checked
-    and then gets one."""
-    if not (directory / "config.json").is_file():
-        return "config.json is missing"
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        weights = sorted(directory.glob("*.safetensors"))
-        if not weights:
-            return "it holds no .safetensors weights"
-        for path in weights:
-            reason = _safetensors_intact(path)
-            if reason:
-                return reason
-        try:
-            write_manifest(directory)  # trust on first use: from now on, changes are caught
-        except OSError:
-            pass
-        return None
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-        assert isinstance(files, dict) and files
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
-        return f"{MANIFEST} is unreadable"
-    touched = False
-    for name, record in files.items():
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        stat = path.stat()
-        if stat.st_size != record.get("size"):
-            return f"{name} is {stat.st_size} bytes, not the {record.get('size')} written"
-        if stat.st_mtime_ns != record.get("mtime_ns"):
-            if _sha256(path) != record.get("sha256"):
-                return f"{name} was modified after conversion (its sha256 differs)"
-            touched = True  # same content (copied, touched): record the new mtime below
-    if touched:
-        try:
-            write_manifest(directory)
-        except OSError:
-            pass
-    return None
-
-
-def _lock_is_held(lock: Path) -> bool:
-    """Whether a live process holds the flock on `lock`."""
-    import fcntl
-
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # closing releases the lock we may have taken
-    return False
-
-
-def clean_stale_staging(parent: Path) -> list[Path]:
-    """Remove `.converting-*` directories left by killed conversions: those whose lock no live
-    process holds (or, without a lock file, older than an hour). Returns what was removed."""
-    removed = []
-    if not parent.is_dir():
-        return removed
-    for staging in parent.glob(f"{STAGING}*"):
-        if not staging.is_dir():
-            continue
-        lock = staging / LOCK
-        try:
-            if lock.exists():
-                stale = not _lock_is_held(lock)
-            else:
-                stale = time.time() - staging.stat().st_mtime > STALE_UNLOCKED_S
-        except OSError:
-            continue
-        if stale:
-            shutil.rmtree(staging, ignore_errors=True)
-            if not staging.exists():
-                removed.append(staging)
-                warnings.warn(f"removed {staging}: a model conversion that did not finish", stacklevel=3)
-    return removed
 
 
 def _dequantize(gguf: Path):
@@ -240,16 +100,6 @@ def _dequantize(gguf: Path):
     return model, tokenizer
 
 
-def _discard(directory: Path) -> None:
-    """Move a damaged directory aside (atomic, so concurrent processes agree) and delete it."""
-    trash = directory.with_name(f".damaged-{directory.name}-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        directory.rename(trash)
-    except OSError:
-        return  # another process moved it first (or it is gone)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a `save_pretrained` directory (safetensors) and return it.
 
@@ -258,13 +108,13 @@ def convert_gguf(gguf: Path) -> Path:
     Staging directories of killed conversions are removed."""
     import fcntl
 
-    target = _converted_dir(gguf)
+    target = converted_dir(gguf)
     if target.is_dir():
         damage = check_converted(target)
         if damage is None:
             return target
         warnings.warn(f"the model cache {target} is damaged ({damage}); converting {gguf} again", stacklevel=2)
-        _discard(target)
+        discard(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(target.parent)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=STAGING))

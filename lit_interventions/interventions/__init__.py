@@ -6,6 +6,14 @@ from lit_interventions.interventions.base import (
     load_intervention,
     save_intervention,
 )
+from lit_interventions.interventions.capabilities import (
+    Annealed,
+    DirectionEstimator,
+    Fitted,
+    Penalised,
+    SourceFree,
+    Trained,
+)
 from lit_interventions.interventions.directions import (
     METHODS,
     DiffMeanDirection,
@@ -20,6 +28,7 @@ from lit_interventions.interventions.directions import (
 )
 from lit_interventions.interventions.rotation import (
     FixedSubspaceIntervention,
+    FullSubspaceSwap,
     RotatedSpaceIntervention,
     subspace_interchange,
 )
@@ -31,6 +40,13 @@ __all__ = [
     "save_intervention",
     "fit_intervention",
     "FixedSubspaceIntervention",
+    "FullSubspaceSwap",
+    "Annealed",
+    "DirectionEstimator",
+    "Fitted",
+    "Penalised",
+    "SourceFree",
+    "Trained",
     "RotatedSpaceIntervention",
     "subspace_interchange",
     "METHODS",

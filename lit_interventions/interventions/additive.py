@@ -32,6 +32,8 @@ class ConceptDictionary(Intervention):
     = base + α·w_c at every token.
     """
 
+    edits_base_alone = True  # f* = forward(f(b)): a source state is refused
+
     trains = True
 
     def __init__(self, num_concepts: int, hidden_size: int, unit_norm: bool = True, seed: int = 0):

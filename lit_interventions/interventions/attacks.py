@@ -164,6 +164,8 @@ class GradientAttack(Intervention):
     `from_tensors` rebuilds it. A probe object may also be passed to `from_tensors` directly.
     """
 
+    edits_base_alone = True  # f* = forward(f(b)): a source state is refused
+
     def __init__(
         self,
         probe: nn.Module,
@@ -222,6 +224,8 @@ class GradientAttack(Intervention):
 class RandomSignIntervention(Intervention):
     """The control: f* = h + ε·s, s uniform in {−1, +1}^d per row. With a `seed`, every call draws
     from a generator seeded afresh (the same signs for the same shape); None: torch's global RNG."""
+
+    edits_base_alone = True  # f* = forward(f(b)): a source state is refused
 
     def __init__(self, epsilon: float = 0.1, seed: int | None = None):
         super().__init__()

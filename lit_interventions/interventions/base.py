@@ -8,6 +8,8 @@ An intervention is a torch module with
   keyword-only and drawn from one small vocabulary: ``concept_id`` ((batch,) dictionary rows),
   ``factor`` (steering strength α, a number or (batch,)) and ``target`` ((batch,) attack classes).
 - ``trains: bool``: whether its parameters are learned by gradient descent.
+- optional capabilities, declared as types in `capabilities` (fitted in closed form, annealed,
+  penalised, source-free).
 - ``export() -> dict[str, Tensor]`` (the tensors that define it) and ``config() -> dict`` (its
   JSON-able settings), so that ``type(x).from_tensors(x.export(), **x.config())`` equals ``x``.
 
@@ -58,9 +60,13 @@ class InterventionProtocol(Protocol):
 
 
 class Intervention(nn.Module):
-    """Defaults for the protocol: not trained, no tensors, no settings."""
+    """Defaults for the protocol: not trained, an interchange (it reads a source), no tensors, no
+    settings. `frozen_class` is the class whose `from_tensors` rebuilds `export()` as the fixed
+    intervention it acts as once trained (None: its own class; DAS: `FixedSubspaceIntervention`)."""
 
     trains: bool = False
+    edits_base_alone: bool = False
+    frozen_class: type | None = None
 
     def export(self) -> dict[str, torch.Tensor]:
         return {}

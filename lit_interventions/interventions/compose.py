@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lit_interventions.interventions.base import Intervention, class_path, import_class
+from lit_interventions.interventions.capabilities import Annealed, Penalised
 
 
 class Composition(Intervention):
@@ -36,11 +37,11 @@ class Composition(Intervention):
 
     def penalty(self) -> torch.Tensor:
         """The sum of the parts' penalties (a mask's ‖σ(m/T)‖₁); parts without one add nothing."""
-        return sum((part.penalty() for part in self.parts if hasattr(part, "penalty")), torch.zeros(()))
+        return sum((part.penalty() for part in self.parts if isinstance(part, Penalised)), torch.zeros(()))
 
     def anneal(self, step: int, total: int) -> None:
         for part in self.parts:
-            if hasattr(part, "anneal"):
+            if isinstance(part, Annealed):
                 part.anneal(step, total)
 
     def export(self) -> dict[str, torch.Tensor]:

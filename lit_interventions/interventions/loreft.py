@@ -29,6 +29,8 @@ class LoReFTIntervention(Intervention):
     edit is not the identity at initialisation. It edits base alone: `source` must be None.
     """
 
+    edits_base_alone = True  # f* = forward(f(b)): a source state is refused
+
     trains = True
 
     def __init__(self, hidden_size: int, rank: int = 4):

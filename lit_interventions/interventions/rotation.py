@@ -21,7 +21,8 @@ def subspace_interchange(base: torch.Tensor, source: torch.Tensor, basis: torch.
 
 
 class RotatedSpaceIntervention(Intervention):
-    """DAS: a learned rank-k subspace with orthonormal rows (torch's orthogonal parametrization)."""
+    """DAS: a learned rank-k subspace with orthonormal rows (torch's orthogonal parametrization).
+    Once trained it acts as `FixedSubspaceIntervention` on its exported basis (`frozen_class`)."""
 
     trains = True
 
@@ -75,3 +76,20 @@ class FixedSubspaceIntervention(Intervention):
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> FixedSubspaceIntervention:
         return cls(tensors["basis"])
+
+
+class FullSubspaceSwap(FixedSubspaceIntervention):
+    """The vanilla interchange (CausalGym's full swap): the subspace is all of R^d, W = I_d, so
+    f* = f(b) + (f(s) − f(b)) I I = f(s), computed as every subspace interchange is."""
+
+    def __init__(self, hidden_size: int):
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size={hidden_size!r} must be a positive integer")
+        super().__init__(torch.eye(hidden_size))
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> FixedSubspaceIntervention:
+        return FixedSubspaceIntervention(tensors["basis"])
+
+
+RotatedSpaceIntervention.frozen_class = FixedSubspaceIntervention  # a trained W, scored as fixed

@@ -7,10 +7,11 @@ PCA/SAE feature interchange, a closed-form direction, the full swap, ...), the o
 component (CausalGym's counterfactual loss, RAVEL's Cause + Iso); validation and test return the
 standard output that the data's metric callbacks score (`callbacks/metrics.py`).
 
-Interventions with a `fit(states, labels)` method (closed-form directions, PCA/SAE featurizers)
-are fitted when `fit` starts, on the site's states of the train split (base and source sides)
+Interventions are dispatched on their declared capabilities (`interventions.capabilities`). A
+`Fitted` one (closed-form directions, PCA/SAE featurizers: `fit(states, labels)`) is fitted when
+`fit` starts, on the site's states of the train split (base and source sides)
 and the labels the data module gives them (`site_labels`); they take no optimizer step. One that
-then offers `dev_candidates()` (RAVEL's PCA/SAE: one per L1 strength C) has each scored on the
+is also `DevCandidates` (RAVEL's PCA/SAE: one per L1 strength C) has each scored on the
 val split with the data's `dev_metric()` (RAVEL: Disentangle) and keeps the best (`choose`); on
 data without one (CausalGym) it keeps its default.
 """
@@ -27,7 +28,17 @@ from torch import nn
 from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import BLOCK_OUTPUT, Site, final_logits, read_site, run_body, site_hook
+from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.interventions import RotatedSpaceIntervention
+from lit_interventions.interventions.capabilities import (
+    Annealed,
+    DevCandidates,
+    Fitted,
+    NeedsFit,
+    Penalised,
+    Summarised,
+    Tempered,
+)
 from lit_interventions.interventions.compose import Composition
 from lit_interventions.metrics import InterchangeOdds
 from lit_interventions.modules.site import SiteModule
@@ -113,7 +124,7 @@ class InterchangeModule(SiteModule):
         """The metric callbacks the data module lists (`metric_callbacks()`), unless the Trainer
         already has one of that type."""
         data = self.trainer.datamodule if self._trainer is not None else None
-        if data is None or not hasattr(data, "metric_callbacks"):
+        if not isinstance(data, BenchmarkDataModule):
             return []
         present = {type(callback) for callback in self.trainer.callbacks}
         return [callback for callback in data.metric_callbacks() if type(callback) not in present]
@@ -190,7 +201,7 @@ class InterchangeModule(SiteModule):
         return any(p.requires_grad for p in self.intervention.parameters())
 
     def on_fit_start(self) -> None:
-        if hasattr(self.intervention, "fit"):
+        if isinstance(self.intervention, Fitted):
             self.fit_intervention(self.trainer.datamodule)
 
     @torch.no_grad()
@@ -205,17 +216,16 @@ class InterchangeModule(SiteModule):
                 labels += data.site_labels(batch, side)
         self.intervention.fit(torch.cat(states), labels)
         self.intervention.to(self.device)
-        candidates = self.intervention.dev_candidates() if hasattr(self.intervention, "dev_candidates") else {}
-        if candidates and hasattr(data, "dev_metric"):
+        candidates = self.intervention.dev_candidates() if isinstance(self.intervention, DevCandidates) else {}
+        if candidates and isinstance(data, BenchmarkDataModule) and data.dev_metric() is not None:
             self.intervention.choose(self.dev_scores(data, candidates))
         elif candidates:  # e.g. CausalGym: no Disentangle to choose by; the intervention's default stays
             self.print(
                 f"{type(data).__name__} has no dev_metric: {type(self.intervention).__name__} keeps its "
                 "default among its candidates"
             )
-        summary = getattr(self.intervention, "summary", None)
-        if summary:
-            self.print(summary())
+        if isinstance(self.intervention, Summarised):
+            self.print(self.intervention.summary())
 
     @torch.no_grad()
     def dev_scores(self, data, candidates: dict[str, nn.Module]) -> dict[str, dict]:
@@ -233,9 +243,8 @@ class InterchangeModule(SiteModule):
         return {name: metric.compute() for name, metric in metrics.items()}
 
     def on_train_batch_start(self, batch, batch_idx):
-        anneal = getattr(self.intervention, "anneal", None)  # e.g. DBM's temperature schedule
-        if anneal is not None:
-            anneal(self.global_step, max(1, int(self.trainer.estimated_stepping_batches)))
+        if isinstance(self.intervention, Annealed):  # e.g. DBM's temperature schedule
+            self.intervention.anneal(self.global_step, max(1, int(self.trainer.estimated_stepping_batches)))
 
     def training_step(self, batch, batch_idx):
         if not self.trains:
@@ -243,10 +252,9 @@ class InterchangeModule(SiteModule):
         logits = self.intervened_logits(batch)
         loss = self.objective(logits, batch, self.intervention)
         size = len(batch["base_input_ids"])
-        penalty = getattr(self.intervention, "penalty", None)
-        if penalty is not None:
-            self.log("train/mask_size", penalty(), batch_size=size)
-        if torch.is_tensor(getattr(self.intervention, "temperature", None)):  # DBM's annealed T
+        if isinstance(self.intervention, Penalised):
+            self.log("train/mask_size", self.intervention.penalty(), batch_size=size)
+        if isinstance(self.intervention, Tempered) and torch.is_tensor(self.intervention.temperature):  # DBM's T
             self.log("train/temperature", self.intervention.temperature, batch_size=size)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         return loss
@@ -260,7 +268,7 @@ class InterchangeModule(SiteModule):
 
     def _evaluate(self, batch, stage: str) -> dict:
         """The standard output the metric callbacks read: intervened (and if asked, clean) logits."""
-        if getattr(self.intervention, "needs_fit", False):
+        if isinstance(self.intervention, NeedsFit) and self.intervention.needs_fit:
             raise ValueError(
                 f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
                 "`validate` or `test` alone"

@@ -1,7 +1,10 @@
-"""DAS at many sites (layer, region) trained together: the sweep's whole layer × region grid
-of a task in one loop.
+"""A trained intervention at many sites (layer, region) trained together: the sweep's whole
+layer × region grid of a task in one loop. DAS by default; any `trains` intervention built from
+the hidden size, with its capabilities as `InterchangeModule` gives them: an `Annealed` one (DBM's
+temperature) is annealed at each of its site's steps, and the objective's sparsity λ adds λ·penalty()
+of a `Penalised` one (DBM: λ‖σ(m/T)‖₁) to its site's loss.
 
-Each site keeps its own subspace, Adam optimiser and linear schedule, and sees exactly its own
+Each site keeps its own intervention, Adam optimiser and linear schedule, and sees exactly its own
 batches. One step stacks the sites' batches into one forward per region (`sites.stacked_hidden`,
 each row from its own site's column): each row enters at its own site's layer from its cached state
 there, block j runs only the rows whose site is below it, so every frozen block's weights are read
@@ -30,8 +33,9 @@ from lit_interventions.core.loaders import ResumableLoader
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, logits_at, read_layers, site_layer, stacked_hidden
 from lit_interventions.interventions import RotatedSpaceIntervention
+from lit_interventions.interventions.capabilities import Annealed, Penalised, is_trained
 from lit_interventions.modules.site import SiteModule
-from lit_interventions.objectives import cross_entropy_rows
+from lit_interventions.objectives import CounterfactualLoss, Objective, cross_entropy_rows
 
 
 def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
@@ -94,7 +98,8 @@ class MultiSiteInterchangeModule(SiteModule):
     Give it the regions' data with `attach(datas)`, then `Trainer.fit(module)`. `trained()`
     returns the interventions, {(layer, region): intervention}: `intervention(d)` (default: DAS
     of rank `k`), each initialised from `seed`, as `InterchangeModule` is after
-    `seed_everything(seed)`. With `cache=False` (or a model whose blocks cannot run on a subset
+    `seed_everything(seed)`; `objective` (a `CounterfactualLoss`; its sparsity λ adds λ·penalty()
+    of each site's intervention). With `cache=False` (or a model whose blocks cannot run on a subset
     of rows, with a warning), each layer's sites run in their own forward instead: same results.
     """
 
@@ -112,6 +117,7 @@ class MultiSiteInterchangeModule(SiteModule):
         seed: int = 0,
         padding_side: str = "right",
         intervention: Callable[[int], nn.Module] | None = None,
+        objective: Objective | None = None,
     ):
         super().__init__()
         check_dtype(dtype)
@@ -127,7 +133,8 @@ class MultiSiteInterchangeModule(SiteModule):
         if len(set(sites)) != len(sites):
             raise ValueError(f"sites {sites} name a site twice: each (layer, region) once")
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validated before any load
-        self.save_hyperparameters(ignore=["layer", "regions"])
+        self.objective = _check_objective(objective)
+        self.save_hyperparameters(ignore=["layer", "regions", "intervention", "objective"])  # plain values only
         self.hparams.sites = self.sites = sorted(sites, key=lambda site: site[0])  # stacked by layer
         self.hparams.layer = min(layer for layer, _ in self.sites)
         self.automatic_optimization = False  # one optimiser and schedule per site
@@ -138,7 +145,14 @@ class MultiSiteInterchangeModule(SiteModule):
         self.interventions = nn.ModuleDict()
         for layer, region in self.sites:
             torch.manual_seed(seed)
-            self.interventions[site_name(layer, region)] = build(d)
+            self.interventions[site_name(layer, region)] = built = build(d)
+            if not is_trained(built):
+                raise ValueError(f"{type(built).__name__} has no parameters to train (trains is not True)")
+            if self.objective.sparsity and not isinstance(built, Penalised):
+                raise ValueError(
+                    f"sparsity={self.objective.sparsity} needs an intervention with a penalty() (a mask); "
+                    f"got {type(built).__name__}"
+                )
 
     def trained(self) -> dict[SiteKey, nn.Module]:
         """{(layer, region): intervention}."""
@@ -295,6 +309,9 @@ class MultiSiteInterchangeModule(SiteModule):
         layers = [layer for (layer, _), size in zip(present, sizes) for _ in range(size)]
         source = self._site_states(stacked, layers, "source")
         interventions = [self.interventions[site_name(*site)] for site in present]
+        for site, intervention in zip(present, interventions):
+            if isinstance(intervention, Annealed):  # at its own step of its own loader's batches
+                intervention.anneal(self._steps, max(1, len(self._frozen["loaders"][site_name(*site)])))
 
         def edit(base):  # each site's rows through its own subspace
             return torch.cat(
@@ -309,6 +326,8 @@ class MultiSiteInterchangeModule(SiteModule):
         # vocabulary-wide zero-filled gradient per site in the backward (sites² × rows × vocab)
         per_row = cross_entropy_rows(logits, stacked["source_label"])
         losses = [per_row[a:b].mean() for a, b in zip(bounds, bounds[1:])]
+        if self.objective.sparsity:  # + λ·penalty() of each site's own intervention
+            losses = [loss + self.objective.sparsity * f.penalty() for loss, f in zip(losses, interventions)]
         optimizers, schedules = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedules = schedules if isinstance(schedules, list) else [schedules]
@@ -329,3 +348,16 @@ class MultiSiteInterchangeModule(SiteModule):
             for site in self.sites
         ]
         return [optimizer for optimizer, _ in built], [schedule for _, schedule in built]
+
+
+def _check_objective(objective: Objective | None) -> CounterfactualLoss:
+    """The loop's objective: −log p*(y_s) per site (`CounterfactualLoss` on the source label),
+    with its sparsity λ; None is λ = 0."""
+    if objective is None:
+        return CounterfactualLoss()
+    if not isinstance(objective, CounterfactualLoss) or objective.label_key != "source_label":
+        raise ValueError(
+            f"objective={objective!r}: the multi-site loop trains on −log p*(y_s), "
+            "CounterfactualLoss(label_key='source_label', sparsity=λ)"
+        )
+    return objective

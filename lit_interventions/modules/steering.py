@@ -3,38 +3,25 @@
 Every concept of the dataset is a row of one `ConceptDictionary` (concepts × d), trained in one
 run; an example only updates the row of its own concept.
 
-Trained by gradient (automatic optimization, AdamW + linear schedule):
-- `reft_r1`: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at every token after the chat prefix
-  (`content_mask`: BOS, the template's system turn and user header get no intervention and never
-  enter the TopK; AxBench's `exclude_bos`), loss −log p(response) + λ·Σ_{non-top-k}|latent|
-  (AxBench eqs. 9–10). The L1 term is a per-sequence mean over the same tokens (AxBench's code;
-  λ is on that scale), λ ramped up linearly from 0 over training (`l1_ramp`, AxBench's code).
-  By default (`train_on_negative: true`, AxBench's sweeps) each concept also trains on the
-  negatives of its genre — the same intervention with its own w_c, the same LM loss — which
-  needs the data module's `genre_negatives: true` (the negatives then carry concept ids);
-  `train_on_negative: false` is positives only. `exclude_prefix: false` intervenes on every
-  token. With `negative_l1: true` pool negatives (concept_id −1) get the L1 term on *every*
-  concept's latents at all their tokens, pushing latents towards 0 off-concept; on smollm2 that
-  killed 5 of 10 rows (ReLU(h·w) = 0 on every token, so no gradient again), hence off.
-  w_c stays unit norm: the gradient component parallel to w_c is removed before each step and
-  the rows are renormalised after it.
+Trained by gradient (automatic optimization, AdamW + linear schedule; `steering_objective.py`
+gives the formulas and the loss):
+- `reft_r1`: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at every token after the chat prefix,
+  loss −log p(response) + λ·Σ_{non-top-k}|latent| (AxBench eqs. 9–10), λ ramped up from 0
+  (`l1_ramp`); by default (`train_on_negative: true`) each concept also trains on the negatives
+  of its genre. w_c stays unit norm: the gradient component parallel to w_c is removed before
+  each step and the rows are renormalised after it.
 - `ssv`: Φ(h_i) = h_i + w_c at every token after the chat prefix of a positive example; loss
-  −log p(response); w free norm (AxBench eqs. 6–7; its sweeps: no negatives).
+  −log p(response); w free norm (AxBench eqs. 6–7).
 
 Closed form (no optimizer): `diffmean`, `pca`, `lat`, `probe`. `trainer.fit` runs one pass
-over the training data; each step reads the residual stream at the layer (the LM is frozen) and
-keeps the response tokens: a positive's tokens for its concept (token_labels), the negatives'
-tokens as the shared pool H⁻. Each concept's row is then fitted with scikit-learn
-(`lit_interventions.interventions.directions`): DiffMean mean(H⁺_c) − mean(H⁻); PCA top PC of
-H⁺_c; LAT top PC of normalised differences of random pairs of H⁺_c (AxBench's code; `lat_pairs:
-all` draws them from H⁺_c ∪ H⁻); probe a logistic regression of token labels on H⁺_c ∪ H⁻
-(sklearn SAGA, L2 `probe_l2` on the mean log-loss, the weight decay of AxBench's trained probe). All unit norm, oriented so that
-H⁺_c projects higher than H⁻. This is a Lightning-native fit because Lightning still owns the
-loop: DDP sharding of the data (the kept tokens of all ranks are gathered before the fit),
-device placement, validation, logging, checkpointing and the export callback are the same as for
-the trained methods, and `python train.py fit` serves all six. The fit happens when the collected
-data is first needed: at the start of validation (Lightning validates *before*
-`on_train_epoch_end`) or at the end of the epoch; use `max_epochs: 1`.
+over the training data, keeping the response tokens at the layer; each concept's row is then
+fitted in closed form (`steering_closed_form.py`, which gives the formulas). This is a
+Lightning-native fit because Lightning still owns the loop: DDP sharding of the data (the kept
+tokens of all ranks are gathered before the fit), device placement, validation, logging,
+checkpointing and the export callback are the same as for the trained methods, and
+`python train.py fit` serves all six. The fit happens when the collected data is first needed:
+at the start of validation (Lightning validates *before* `on_train_epoch_end`) or at the end of
+the epoch; use `max_epochs: 1`.
 
 Validation scores every row of the eval set for the concept it is evaluated for: token latents
 Ψ(h_i) (h·w, or ReLU(h·w) for ReFT-r1 and SSV) max-pooled over every token after the chat prefix
@@ -46,7 +33,6 @@ unit of the released dictionary).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -56,53 +42,26 @@ from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, read_layers, residual_hook, run_body, site_layer
-from lit_interventions.interventions.additive import (
-    ConceptDictionary,
-    masked_token_mean,
-    non_topk_l1,
-    reft_r1_intervention,
-)
-from lit_interventions.interventions.directions import METHODS as DIRECTIONS
-from lit_interventions.interventions.directions import LATDirection, PCADirection
+from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.modules.site import FrozenLMModule
+from lit_interventions.modules.steering_closed_form import (  # noqa: F401  (re-exported: the closed-form fit)
+    CLOSED_FORM,
+    concept_directions,
+    fit_concept_direction,
+    gathered_tokens,
+    response_tokens,
+)
+from lit_interventions.modules.steering_objective import (
+    intervention_mask,
+    l1_term,
+    steering_intervention,
+    trained_rows,
+)
 
 TRAINED = ("reft_r1", "ssv")
 DETECT_ON = ("content", "response")
 LAT_PAIRS = ("positives", "all")
-CLOSED_FORM = ("diffmean", "pca", "lat", "probe")
 STEERING_METHODS = TRAINED + CLOSED_FORM
-
-
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate a (n, ...) tensor of every process along dim 0 (sizes may differ)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return tensor
-    from torchmetrics.utilities.distributed import gather_all_tensors
-
-    return torch.cat(gather_all_tensors(tensor))
-
-
-def fit_concept_direction(
-    method: str, positives: torch.Tensor, negatives: torch.Tensor, seed: int = 0, **kwargs
-) -> torch.Tensor:
-    """One concept's unit direction from its positive tokens H⁺_c (n⁺, d) and the negative pool
-    H⁻ (n⁻, d), oriented so that mean(H⁺_c)·w ≥ mean(H⁻)·w. float32 (d,)."""
-    if method not in CLOSED_FORM:
-        raise ValueError(f"unknown closed-form method {method!r}; valid: {', '.join(CLOSED_FORM)}")
-    lat_pairs = kwargs.pop("lat_pairs", "positives")
-    if method == "pca" or (method == "lat" and lat_pairs == "positives"):
-        # PCA: the top PC of the positives alone; LAT: of normalised differences of random pairs of
-        # the positives (AxBench's code); oriented by the negatives
-        estimator = PCADirection(random_state=seed) if method == "pca" else LATDirection(random_state=seed)
-        w = estimator.fit(positives.float()).direction_
-        return w if w @ (positives.float().mean(0) - negatives.float().mean(0)) >= 0 else -w
-    if method == "probe" and kwargs.get("l2") is not None:  # λ on the mean log-loss -> sklearn's sum scale
-        kwargs["strength"] = kwargs.pop("l2") * (len(positives) + len(negatives))
-    kwargs.pop("l2", None)
-    X = torch.cat([positives, negatives]).float()
-    y = np.r_[np.ones(len(positives)), np.zeros(len(negatives))]
-    seeded = {"random_state": seed} if "random_state" in DIRECTIONS[method]().get_params() else {}
-    return DIRECTIONS[method](**seeded, **kwargs).fit(X, y).direction_
 
 
 class SteeringModule(FrozenLMModule):
@@ -236,25 +195,12 @@ class SteeringModule(FrozenLMModule):
     # --- trained methods ----------------------------------------------------------------------
 
     def intervention_mask(self, batch) -> torch.Tensor:
-        """Where the trained methods intervene, run the TopK and sum the L1 term, (batch, seq): every
-        token after the chat prefix (AxBench's `exclude_bos`, `intervention_positions: all`), or
-        every real token with `exclude_prefix: false`."""
-        if self.hparams.exclude_prefix:
-            if "content_mask" not in batch:
-                raise ValueError(
-                    "exclude_prefix=True needs the batch's content_mask (AxBenchDataModule); "
-                    "pass exclude_prefix=False to intervene on every token"
-                )
-            return batch["content_mask"].bool() & batch["attention_mask"].bool()
-        return batch["attention_mask"].bool()
+        """Where the trained methods intervene, (batch, seq): see `steering_objective.intervention_mask`."""
+        return intervention_mask(batch, self.hparams.exclude_prefix)
 
     def trained_rows(self, batch) -> torch.Tensor:
-        """The rows that get the intervention and the LM loss, (batch,): a concept's positives and,
-        with `train_on_negative` (ReFT-r1), its genre-matched negatives."""
-        own = batch["concept_id"] >= 0
-        if self.hparams.method == "reft_r1" and self.hparams.train_on_negative:
-            return own
-        return own & (batch["label"] == 1)
+        """The rows that get the intervention and the LM loss, (batch,): see `steering_objective.trained_rows`."""
+        return trained_rows(batch, self.hparams.method, self.hparams.train_on_negative)
 
     def _steered_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(−log p(response) of the trained rows under the intervention, the L1 term) for a batch."""
@@ -263,15 +209,7 @@ class SteeringModule(FrozenLMModule):
         trained = self.trained_rows(batch)  # (batch,)
         w = self.dictionary.weight[batch["concept_id"].clamp(min=0)]  # (batch, d); unused on untrained rows
         seen: dict[str, torch.Tensor] = {}
-
-        def intervene(hidden):  # (batch, seq, d) -> the same, at the layer
-            if self.hparams.method == "ssv":
-                steered = hidden + w.to(hidden.dtype)[:, None, :]
-            else:
-                steered, seen["latents"], seen["chosen"] = reft_r1_intervention(hidden, w, where, self.hparams.topk)
-                seen["hidden"] = hidden
-            return torch.where(trained[:, None, None] & where[:, :, None], steered, hidden)
-
+        intervene = steering_intervention(self.hparams.method, w, where, trained, self.hparams.topk, seen)
         targets = batch["response_mask"][:, 1:].bool() & trained[:, None]  # token t+1 is predicted at t
         if targets.any():
             with residual_hook(self.lm, self.hparams.layer, intervene, self.device):
@@ -284,21 +222,7 @@ class SteeringModule(FrozenLMModule):
                 intervene(self.states(batch))  # the L1 term needs only the states at the layer
         if self.hparams.method != "reft_r1":
             return lm_loss, lm_loss.detach() * 0.0
-        return lm_loss, self._l1(seen, trained, where)
-
-    def _l1(self, seen: dict, trained: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Mean over the batch of each row's L1 term: a trained row's non-top-k latents of its
-        concept; a pool negative's latents of every concept at all tokens (if negative_l1)."""
-        per_row = torch.where(
-            trained, non_topk_l1(seen["latents"], seen["chosen"], mask), torch.zeros_like(seen["latents"][:, 0])
-        )
-        negative = ~trained
-        if self.hparams.negative_l1 and negative.any():
-            every = torch.relu(seen["hidden"][negative].float() @ self.dictionary.weight.T)  # (neg, seq, C)
-            extra = torch.zeros_like(per_row)
-            extra[negative] = masked_token_mean(every, mask[negative]).sum(-1)
-            per_row = per_row + extra
-        return per_row.mean()
+        return lm_loss, l1_term(seen, trained, where, self.dictionary.weight, self.hparams.negative_l1)
 
     def on_fit_start(self):
         """ReFT-r1 with `train_on_negative` needs negatives carrying their concept's id."""
@@ -352,24 +276,7 @@ class SteeringModule(FrozenLMModule):
     @torch.no_grad()
     def _collect(self, batch) -> None:
         """Keep the response tokens of this batch: positives with their concept, negatives as −1."""
-        hidden = self.states(batch)
-        response = batch["response_mask"].bool()
-        positive = response & (batch["token_labels"] >= 0)
-        negative = response & (batch["label"] == 0)[:, None]
-        if ((batch["label"] == 0) & (batch["concept_id"] >= 0)).any():
-            raise ValueError(
-                f"{self.hparams.method} is fitted against the shared negative pool (concept_id -1); "
-                "these negatives carry concept ids: set the data module's genre_negatives: false"
-            )
-        keep = positive | negative
-        self._frozen["tokens"].append(
-            (
-                hidden[keep].float().cpu(),
-                batch["token_labels"][keep]
-                .where(positive[keep], torch.full_like(batch["token_labels"][keep], -1))
-                .cpu(),
-            )
-        )
+        self._frozen["tokens"].append(response_tokens(self.states(batch), batch, self.hparams.method))
         self._frozen["pending"] = True
 
     @torch.no_grad()
@@ -377,11 +284,7 @@ class SteeringModule(FrozenLMModule):
         """Fit every concept's row from the tokens collected so far (all processes)."""
         if not self._frozen.pop("pending", False):
             return
-        pieces = self._frozen["tokens"]
-        hidden = torch.cat([p[0] for p in pieces]) if pieces else torch.zeros(0, self._hidden_size)
-        labels = torch.cat([p[1] for p in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
-        hidden = _gather(hidden.to(self.device)).cpu()
-        labels = _gather(labels.to(self.device)).cpu()
+        hidden, labels = gathered_tokens(self._frozen["tokens"], self._hidden_size, self.device)
         bad = ~torch.isfinite(hidden).all(-1)
         if bad.any():
             raise NonFiniteError(
@@ -389,24 +292,12 @@ class SteeringModule(FrozenLMModule):
                 f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "
                 "Nothing was fitted or exported."
             )
-        negatives = hidden[labels == -1]
-        if len(negatives) == 0:
-            raise ValueError("the training data has no negative tokens: the closed-form methods need negatives")
-        for c, name in enumerate(self.concepts):
-            positives = hidden[labels == c]
-            if len(positives) < 2:
-                raise ValueError(
-                    f"concept {name!r} has {len(positives)} positive response token(s) in the "
-                    "training data; at least 2 are needed"
-                )
-            options = {"lat": {"lat_pairs": self.hparams.lat_pairs}, "probe": {"l2": self.hparams.probe_l2}}
-            w = fit_concept_direction(
-                self.hparams.method,
-                positives,
-                negatives,
-                seed=self.hparams.direction_seed,
-                **options.get(self.hparams.method, {}),
-            )
+        options = {"lat": {"lat_pairs": self.hparams.lat_pairs}, "probe": {"l2": self.hparams.probe_l2}}
+        method = self.hparams.method
+        rows = concept_directions(
+            method, hidden, labels, self.concepts, self.hparams.direction_seed, **options.get(method, {})
+        )
+        for c, w in rows:
             self.dictionary.weight.data[c] = w.to(self.dictionary.weight)
 
     def on_train_epoch_start(self):

@@ -28,9 +28,6 @@ task × method) and DIR/summary.json (both, plus probes, ε and the config); pro
 
 from __future__ import annotations
 
-import csv
-import json
-import math
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -39,181 +36,156 @@ from pathlib import Path
 import torch
 
 from lit_interventions.cli.studies import run_cli
-from lit_interventions.core.lm import DEFAULT_LM, check_device, hidden_size, load_config, load_lm, load_tokenizer
-from lit_interventions.core.sharding import LoadOptions, is_dispatched
-from lit_interventions.core.sites import logits_at, site_layer
-from lit_interventions.datamodules.ravel import load_ravel
-from lit_interventions.interventions.attacks import ATTACKS, add, attack, epsilon_scale, random_sign
-from lit_interventions.metrics.competence import Competence, competence_scores
-from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
+from lit_interventions.core.lm import DEFAULT_LM, load_lm, load_tokenizer
+from lit_interventions.core.sharding import is_dispatched
+from lit_interventions.interventions.attacks import attack, epsilon_scale, random_sign
+from lit_interventions.metrics.competence import Competence
+from lit_interventions.studies.calm_batch import make_batch, record
 from lit_interventions.studies.calm_data import (
-    SPLITS,
+    POSITION,
     Prompt,
     _batches,
-    _check_names,
     _first_tokens,
-    _labels,
     _other_class,
-    _pad,
     answer_vocabulary,
-    choose_templates,
-    property_classes,
-    read_states,
-    split_entities,
-    tokenize_prompt,
+    site_states,
+    tokenize_splits,
 )
+from lit_interventions.studies.calm_plan import CalmArgs, CalmPlan, plan_calm
+from lit_interventions.studies.calm_probes import fit_probes
+from lit_interventions.studies.calm_report import result_row, run_config, summary_row, write_results
+
+__all__ = ["POSITION", "RANDOM", "fit_probes", "main", "run_calm"]
 
 RANDOM = "random"  # the control: ±ε per coordinate, same size as the attacks
-POSITION = "entity_last"
 
 
 @dataclass
-class _Batch:
-    """Test prompts of one task, padded, with their site states and the probes' view of them."""
+class SiteInputs:
+    """The frozen LM, every split's prompts and the states it computes at the site (read once),
+    and ε in absolute units."""
 
-    prompts: list[Prompt]
-    ids: torch.Tensor  # (batch, seq)
-    mask: torch.Tensor  # (batch, seq)
-    start: torch.Tensor  # (batch, seq, d): the residual stream at the layer, read once
-    sites: torch.Tensor  # (batch,)
-    last: torch.Tensor  # (batch,)
-    h: torch.Tensor  # (batch, d): f(x) at the site, on the CPU
-    truth: dict[str, torch.Tensor]  # property -> class ids (batch,), −1 where the value is not kept
-    before: dict[str, torch.Tensor]  # property -> the probe's prediction on h (batch,)
+    tokenizer: object
+    model: torch.nn.Module
+    prompts: dict[str, list[Prompt]]
+    states: dict[str, list[torch.Tensor]]  # split -> the residual stream of each prompt, (seq, d)
+    site: dict[str, torch.Tensor]  # split -> its rows at the site, (n, d)
+    scale: float  # the site's coordinate scale (`epsilon_scale` of the train states)
+    eps: float  # the L∞ radius in absolute units
 
-    @torch.no_grad()
-    def logits(self, model, layer: int, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits (batch, vocab) of the LM, with h + δ written at the site if δ is given."""
-        edit = None if delta is None else add(delta.to(self.ids.device))
-        return (
-            logits_at(
-                model,
-                self.ids,
-                self.mask,
-                self.last,
-                layer=layer,
-                site_positions=self.sites,
-                intervention=edit,
-                start_states=self.start,
+
+@dataclass
+class _Run:
+    """What the interventions of every task share: the plan, the inputs, the probes and the draws
+    (z′ from `rng`, the random control's signs from `noise`)."""
+
+    args: CalmArgs
+    plan: CalmPlan
+    inputs: SiteInputs
+    probes: dict  # property -> g_Z
+    rng: random.Random
+    noise: torch.Generator
+
+    @property
+    def names(self) -> list[str]:
+        """The methods: the attacks, then the random control."""
+        return [*self.plan.methods, RANDOM]
+
+
+def read_inputs(args: CalmArgs, plan: CalmPlan) -> SiteInputs:
+    """Tokenise every split's prompts, load the LM (onto `device` unless it is dispatched), read
+    the states at the site once, and ε = epsilon × the site's scale if relative, else epsilon."""
+    tokenizer = load_tokenizer(args.lm)
+    prompts = tokenize_splits(tokenizer, plan.split_of, plan.properties, plan.templates, args.max_tokens)
+    model = load_lm(args.lm, args.dtype, plan.placement.device_map, plan.placement.quantization)
+    if not is_dispatched(model):
+        model.to(args.device)
+    states, site = site_states(model, plan.layer, prompts, tokenizer.pad_token_id, args.batch_size, args.device)
+    scale = epsilon_scale(site["train"])
+    eps = args.epsilon * scale if args.epsilon_relative else float(args.epsilon)
+    return SiteInputs(tokenizer, model, prompts, states, site, scale, eps)
+
+
+def _intervene(run: _Run, task: str, chunk: list[int], vocabulary, metric: dict, tally: dict) -> int:
+    """One batch of the task's test prompts: per property Z, a target z′ ≠ z per example, δ of
+    each attack toward it and of the random control, h + δ written into the forward; updates the
+    Competence `metric` and the (method, property) `tally`; returns how many clean top-1
+    predictions are a first token of the right answer."""
+    args, plan, inputs, g = run.args, run.plan, run.inputs, run.probes
+    batch = make_batch(
+        [inputs.prompts["test"][i] for i in chunk],
+        [inputs.states["test"][i] for i in chunk],
+        inputs.site["test"][chunk],
+        plan.data,
+        plan.classes,
+        g,
+        inputs.tokenizer.pad_token_id,
+        args.device,
+    )
+    clean = batch.logits(inputs.model, plan.layer)
+    answers = [_first_tokens(inputs.tokenizer, plan.data.entities[p.entity][task]) for p in batch.prompts]
+    correct = sum(t in ids for t, ids in zip(clean.argmax(-1).tolist(), answers))
+    for prop in plan.properties:
+        n_classes = len(plan.classes[prop])
+        target = torch.tensor([_other_class(int(y), n_classes, run.rng) for y in batch.truth[prop]])  # z′ ≠ z
+        deltas = {m: attack(m, g[prop], batch.h, target, inputs.eps, args.alpha, args.steps) for m in plan.methods}
+        deltas[RANDOM] = random_sign(batch.h, inputs.eps, run.noise)
+        causal = torch.full((len(chunk),), prop == task)
+        for m, delta in deltas.items():
+            edited = batch.logits(inputs.model, plan.layer, delta)
+            metric[m].update(clean, edited, causal)
+            record(tally[(m, prop)], batch, g, prop, target, delta, clean, edited, args.k_max, vocabulary)
+    return correct
+
+
+def _run_task(run: _Run, task: str) -> tuple[list[dict], list[dict]]:
+    """The results rows (method × property) and summary rows (per method) of one task: its test
+    prompts, in batches, under every method; competence ranks within the task's answer vocabulary."""
+    args, plan, inputs = run.args, run.plan, run.inputs
+    rows = [i for i, p in enumerate(inputs.prompts["test"]) if p.attribute == task]
+    if not rows:
+        raise ValueError(f"task {task!r} has no test prompt within max_tokens={args.max_tokens}")
+    vocabulary = answer_vocabulary(inputs.tokenizer, plan.data, task, plan.templates[task])
+    metric = {m: Competence(args.k_max, candidates=vocabulary) for m in run.names}
+    tally = {(m, prop): Counter() for m in run.names for prop in plan.properties}
+    lm_correct = 0
+    for chunk in _batches(rows, args.batch_size):
+        lm_correct += _intervene(run, task, chunk, vocabulary, metric, tally)
+    results, summary = [], []
+    for m in run.names:
+        mine = [result_row(task, m, prop, tally[(m, prop)]) for prop in plan.properties]
+        results.extend(mine)
+        scores = {k: v.item() for k, v in metric[m].compute().items()}
+        summary.append(
+            summary_row(
+                task,
+                m,
+                scores,
+                mine,
+                n_properties=len(plan.properties),
+                lm_correct=lm_correct,
+                n_examples=len(rows),
+                answer_vocabulary=len(vocabulary),
+                epsilon=args.epsilon,
+                epsilon_abs=inputs.eps,
             )
-            .float()
-            .cpu()
         )
+    return results, summary
 
 
-@torch.no_grad()
-def _make_batch(prompts, states, h, data, classes, probes, pad_id, device) -> _Batch:
-    ids, mask = _pad(prompts, pad_id)
-    width = ids.shape[1]
-    start = torch.stack([torch.nn.functional.pad(s, (0, 0, 0, width - len(s))) for s in states])
-    return _Batch(
-        prompts,
-        ids.to(device),
-        mask.to(device),
-        start.to(device),
-        torch.tensor([p.site for p in prompts], device=device),
-        torch.tensor([p.last for p in prompts], device=device),
-        h,
-        {p: _labels(data, prompts, p, c) for p, c in classes.items()},
-        {p: probe.predict(h) for p, probe in probes.items()},
-    )
+def run_tasks(args: CalmArgs, plan: CalmPlan, inputs: SiteInputs, probes: dict) -> tuple[list[dict], list[dict]]:
+    """Every task's results and summary rows, in task order (one draw of z′ and of the random
+    control's signs, seeded, runs through them all)."""
+    run = _Run(args, plan, inputs, probes, random.Random(args.seed), torch.Generator().manual_seed(args.seed))
+    results, summary = [], []
+    for task in plan.tasks:
+        mine, rows = _run_task(run, task)
+        results.extend(mine)
+        summary.extend(rows)
+    return results, summary
 
 
-@torch.no_grad()
-def _record(
-    t: Counter,
-    batch: _Batch,
-    probes,
-    prop: str,
-    target,
-    delta,
-    clean,
-    edited,
-    k_max: int,
-    candidates: torch.Tensor | None = None,
-) -> None:
-    """Add one batch of do(prop = target) to the counts of a (method, property); the top-k overlap
-    and the top-1 change are taken within `candidates` (the task's answer vocabulary) if given."""
-    t["n"] += len(target)
-    t["overlap"] += (
-        competence_scores(clean, edited, torch.zeros(len(target), dtype=torch.bool), k_max, candidates).sum().item()
-    )
-    if candidates is not None:
-        clean, edited = clean[:, candidates], edited[:, candidates]
-    t["top1_changed"] += (edited.argmax(-1) != clean.argmax(-1)).sum().item()
-    moved = batch.h + delta
-    for other, probe in probes.items():
-        truth, after = batch.truth[other], probe.predict(moved)
-        known = truth >= 0
-        if other == prop:
-            t["target_success"] += (after == target).sum().item()
-            t["known"] += known.sum().item()
-            t["acc_before"] += (batch.before[other] == truth)[known].sum().item()
-            t["acc_after"] += (after == truth)[known].sum().item()
-        else:  # collateral damage: the other properties' probes
-            t["collateral_n"] += known.sum().item()
-            t["collateral_before"] += (batch.before[other] == truth)[known].sum().item()
-            t["collateral_after"] += (after == truth)[known].sum().item()
-
-
-def _result_row(task: str, method: str, prop: str, t: Counter) -> dict:
-    return {
-        "task": task,
-        "method": method,
-        "property": prop,
-        "causal": prop == task,
-        "n": t["n"],
-        "target_success": t["target_success"] / t["n"],
-        "probe_acc_before": t["acc_before"] / max(1, t["known"]),
-        "probe_acc_after": t["acc_after"] / max(1, t["known"]),
-        "collateral_acc_before": t["collateral_before"] / max(1, t["collateral_n"]),
-        "collateral_acc_after": t["collateral_after"] / max(1, t["collateral_n"]),
-        "top1_changed": t["top1_changed"] / t["n"],
-        "mean_topk_overlap": t["overlap"] / t["n"],
-    }
-
-
-def fit_probes(data, prompts, site, classes, loaded, where, args: dict, seed: int, save_dir: Path):
-    """A probe per property (trained on train entities with a kept value, best val epoch kept, or
-    `loaded`), and its accuracy per split: ({property: probe}, {property: info})."""
-    lm, layer, d = where
-    probes, info = {}, {}
-    for prop in classes:
-        labels = {s: _labels(data, prompts[s], prop, classes[prop]) for s in SPLITS}
-        known = {s: labels[s] >= 0 for s in SPLITS}  # entities whose value is a kept class
-        if prop in loaded:
-            probes[prop] = loaded[prop]
-        else:
-            module = ProbeModule(
-                classes[prop],
-                lm,
-                layer,
-                d,
-                POSITION,
-                kind=args["kind"],
-                hidden=args["hidden"],
-                lr=args["lr"],
-                property_name=prop,
-            )
-            train = (site["train"][known["train"]], labels["train"][known["train"]])
-            val = (site["val"][known["val"]], labels["val"][known["val"]])
-            probes[prop] = train_probe(
-                module, train, val, args["epochs"], args["batch_size"], seed, save_to=save_dir / f"{prop}.ckpt"
-            )
-        with torch.no_grad():
-            accs = {f"{s}_acc": _accuracy(probes[prop].predict(site[s]), labels[s]) for s in SPLITS}
-        test_known = labels["test"][known["test"]].tolist()
-        majority = max(Counter(test_known).values()) / len(test_known) if test_known else math.nan
-        info[prop] = {
-            "classes": classes[prop],
-            **accs,
-            "test_majority": majority,
-            **{f"n_{s}": int(known[s].sum()) for s in SPLITS},
-        }
-    return probes, info
-
-
-# --- the study ------------------------------------------------------------------------------------
+# --- the study: plan, run, report ------------------------------------------------------------------
 def run_calm(
     lm: str = DEFAULT_LM,
     dtype: str = "float32",
@@ -269,188 +241,22 @@ def run_calm(
         device_map, quantization: a frozen LM larger than one device (`lit_interventions.core.sharding`):
             e.g. "auto" and "4bit"; `device` is then where the inputs and probes go.
     """
-    # -- validate everything before the LM's weights are read
-    methods = _check_names(methods, list(ATTACKS), "methods") if methods is not None else list(ATTACKS)
-    if not (isinstance(epsilon, (int, float)) and epsilon > 0):
-        raise ValueError(f"epsilon={epsilon!r} must be > 0 (the L∞ radius of the interventions)")
-    if probe not in KINDS:
-        raise ValueError(f"probe={probe!r}; choose one of {', '.join(KINDS)}")
-    if not isinstance(k_max, int) or k_max < 1:
-        raise ValueError(f"k_max={k_max!r} must be an int >= 1")
-    if max_classes < 2:
-        raise ValueError(f"max_classes={max_classes!r} must be >= 2")
-    if alpha is not None and not alpha > 0:
-        raise ValueError(f"alpha={alpha!r} must be > 0 (the PGD step), or null for ε/10")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1")
-    check_device(device)
-    placement = LoadOptions(device_map, quantization)
-    sizes = {"train": 200, "val": 50, "test": 50} | dict(entities or {})
-    if set(sizes) != set(SPLITS) or any(not isinstance(n, int) or n < 1 for n in sizes.values()):
-        raise ValueError(f"entities={entities!r}: give positive ints for {', '.join(SPLITS)}")
-    data = load_ravel(ravel_dir, entity_type)
-    properties = _check_names(properties, data.attributes, f"properties of entity type {entity_type!r}:")
-    tasks = _check_names(tasks, properties, "tasks (must be among the properties)")
-    config = load_config(lm)
-    layer = site_layer(config, layer)
-    d = hidden_size(config)
-    loaded = {}
-    if probes is not None:
-        for prop in properties:
-            path = Path(probes) / f"{prop}.ckpt"
-            if not path.is_file():
-                raise ValueError(f"no probe for property {prop!r} at {path}")
-            loaded[prop] = load_probe(path)
-            loaded[prop].check_site(lm, layer, d, POSITION)
-    classes = property_classes(data, properties, max_classes)
-    for prop, g in loaded.items():
-        if g.classes != classes[prop]:
-            raise ValueError(f"the saved probe of {prop!r} has classes {g.classes}; this run keeps {classes[prop]}")
-    split_of = split_entities(data, properties, sizes, seed)
-    templates = choose_templates(data, properties, templates_per_property, seed)
-
-    # -- tokenise, read the site states once
-    tokenizer = load_tokenizer(lm)
-    prompts: dict[str, list[Prompt]] = {}
-    for split in SPLITS:
-        prompts[split] = [
-            p
-            for entity in split_of[split]
-            for attr in properties
-            for t in templates[attr]
-            if len((p := tokenize_prompt(tokenizer, t, entity, attr)).ids) <= max_tokens
-        ]
-        if not prompts[split]:
-            raise ValueError(f"every {split} prompt is longer than max_tokens={max_tokens}")
-    model = load_lm(lm, dtype, placement.device_map, placement.quantization)
-    if not is_dispatched(model):
-        model.to(device)
-    pad_id = tokenizer.pad_token_id
-    states = {s: read_states(model, layer, prompts[s], pad_id, batch_size, device) for s in SPLITS}
-    site = {s: torch.stack([st[p.site] for st, p in zip(states[s], prompts[s])]) for s in SPLITS}  # (n, d)
-    scale = epsilon_scale(site["train"])
-    eps = epsilon * scale if epsilon_relative else float(epsilon)
-
-    # -- probes
+    args = CalmArgs(**locals())  # the arguments as given: nothing else is defined yet
+    plan = plan_calm(args)  # every check, before the LM's weights are read
+    inputs = read_inputs(args, plan)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     probe_args = dict(kind=probe, hidden=probe_hidden, lr=probe_lr, epochs=probe_epochs, batch_size=probe_batch_size)
-    where = (lm, layer, d)
-    g, probe_info = fit_probes(data, prompts, site, classes, loaded, where, probe_args, seed, out_dir / "probes")
-
-    # -- interventions per task
-    rng = random.Random(seed)
-    noise = torch.Generator().manual_seed(seed)
-    names = [*methods, RANDOM]
-    results, summary = [], []
-    for task in tasks:
-        rows = [i for i, p in enumerate(prompts["test"]) if p.attribute == task]
-        if not rows:
-            raise ValueError(f"task {task!r} has no test prompt within max_tokens={max_tokens}")
-        vocabulary = answer_vocabulary(tokenizer, data, task, templates[task])  # competence ranks within it
-        metric = {m: Competence(k_max, candidates=vocabulary) for m in names}
-        tally = {(m, prop): Counter() for m in names for prop in properties}
-        lm_correct = 0
-        for chunk in _batches(rows, batch_size):
-            batch = _make_batch(
-                [prompts["test"][i] for i in chunk],
-                [states["test"][i] for i in chunk],
-                site["test"][chunk],
-                data,
-                classes,
-                g,
-                pad_id,
-                device,
-            )
-            clean = batch.logits(model, layer)
-            answers = [_first_tokens(tokenizer, data.entities[p.entity][task]) for p in batch.prompts]
-            lm_correct += sum(t in ids for t, ids in zip(clean.argmax(-1).tolist(), answers))
-            for prop in properties:
-                n_classes = len(classes[prop])
-                target = torch.tensor([_other_class(int(y), n_classes, rng) for y in batch.truth[prop]])  # z′ ≠ z
-                deltas = {m: attack(m, g[prop], batch.h, target, eps, alpha, steps) for m in methods}
-                deltas[RANDOM] = random_sign(batch.h, eps, noise)
-                causal = torch.full((len(chunk),), prop == task)
-                for m, delta in deltas.items():
-                    edited = batch.logits(model, layer, delta)
-                    metric[m].update(clean, edited, causal)
-                    _record(tally[(m, prop)], batch, g, prop, target, delta, clean, edited, k_max, vocabulary)
-        for m in names:
-            mine = [_result_row(task, m, prop, tally[(m, prop)]) for prop in properties]
-            results.extend(mine)
-            scores = {k: v.item() for k, v in metric[m].compute().items()}
-            summary.append(
-                {
-                    "task": task,
-                    "method": m,
-                    "competence": scores["competence"],
-                    "competence_causal": scores["causal"],
-                    "competence_environmental": scores["environmental"],
-                    "random_model": 1 / len(properties),
-                    "do_nothing": (len(properties) - 1) / len(properties),
-                    "target_success": _mean(r["target_success"] for r in mine),
-                    "collateral_acc_before": _mean(r["collateral_acc_before"] for r in mine),
-                    "collateral_acc_after": _mean(r["collateral_acc_after"] for r in mine),
-                    "lm_accuracy": lm_correct / len(rows),
-                    "n_examples": len(rows),
-                    "answer_vocabulary": len(vocabulary),
-                    "epsilon": epsilon,
-                    "epsilon_abs": eps,
-                }
-            )
-    _write(
-        out_dir,
-        results,
-        summary,
-        {
-            "lm": lm,
-            "layer": layer,
-            "hidden_size": d,
-            "site": POSITION,
-            "entity_type": entity_type,
-            "ravel_dir": ravel_dir,
-            "properties": properties,
-            "tasks": tasks,
-            "methods": methods,
-            "epsilon": epsilon,
-            "epsilon_relative": epsilon_relative,
-            "epsilon_abs": eps,
-            "site_scale": scale,
-            "alpha": (alpha if alpha is not None else eps / 10),
-            "steps": steps,
-            "k_max": k_max,
-            "probe": probe,
-            "probe_epochs": probe_epochs,
-            "entities": {s: len(v) for s, v in split_of.items()},
-            "prompts": {s: len(v) for s, v in prompts.items()},
-            "templates": templates,
-            "seed": seed,
-        },
-        probe_info,
+    where = (lm, plan.layer, plan.d)
+    g, probe_info = fit_probes(
+        plan.data, inputs.prompts, inputs.site, plan.classes, plan.loaded, where, probe_args, seed, out_dir / "probes"
     )
+    results, summary = run_tasks(args, plan, inputs, g)
+    config = run_config(args, plan, inputs.prompts, inputs.eps, inputs.scale)
+    write_results(out_dir, results, summary, config, probe_info)
     return summary
 
 
-def _accuracy(predicted: torch.Tensor, labels: torch.Tensor) -> float:
-    """Accuracy over the examples with a kept class (label >= 0)."""
-    known = labels >= 0
-    return (predicted[known] == labels[known]).float().mean().item() if known.any() else math.nan
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else math.nan
-
-
-def _write(out_dir: Path, results: list[dict], summary: list[dict], config: dict, probes: dict) -> None:
-    for name, rows in (("results.csv", results), ("summary.csv", summary)):
-        with open(out_dir / name, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    payload = {"config": config, "probes": probes, "summary": summary, "results": results}
-    (out_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
-
-
 def main(args=None) -> None:
+    """`lit-interventions calm`: the study from the command line."""
     run_cli(run_calm, __doc__, args)

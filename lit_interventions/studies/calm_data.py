@@ -16,6 +16,7 @@ from lit_interventions.core.tokens import pad_batch, token_covering
 from lit_interventions.datamodules.ravel import RavelData, _first_token, value_separator
 
 SPLITS = ("train", "val", "test")
+POSITION = "entity_last"  # the site's position: the entity's last token
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Prompt:
 
 # --- data ---------------------------------------------------------------------------------------
 def _check_names(names: list[str] | None, valid: list[str], what: str) -> list[str]:
+    """The names (default: every valid one), all of them among `valid` and at least one."""
     names = list(valid) if names is None else list(names)
     unknown = [n for n in names if n not in valid]
     if unknown or not names:
@@ -68,6 +70,7 @@ def split_entities(data: RavelData, properties: list[str], sizes: dict[str, int]
 
 
 def choose_templates(data: RavelData, properties: list[str], per_property: int, seed: int) -> dict[str, list[str]]:
+    """At most `per_property` prompt templates of each property, sampled (seeded) and sorted."""
     rng = random.Random(seed)
     chosen = {}
     for prop in properties:
@@ -87,12 +90,33 @@ def tokenize_prompt(tokenizer, template: str, entity: str, attribute: str) -> Pr
     return Prompt(entity, attribute, template, enc["input_ids"], site, len(enc["input_ids"]) - 1)
 
 
+def tokenize_splits(
+    tokenizer, split_of: dict[str, list[str]], properties: list[str], templates: dict[str, list[str]], max_tokens: int
+) -> dict[str, list[Prompt]]:
+    """Every split's prompts: each entity in each template of each property, those longer than
+    `max_tokens` dropped; a split left without one is an error."""
+    prompts: dict[str, list[Prompt]] = {}
+    for split in SPLITS:
+        prompts[split] = [
+            p
+            for entity in split_of[split]
+            for attr in properties
+            for t in templates[attr]
+            if len((p := tokenize_prompt(tokenizer, t, entity, attr)).ids) <= max_tokens
+        ]
+        if not prompts[split]:
+            raise ValueError(f"every {split} prompt is longer than max_tokens={max_tokens}")
+    return prompts
+
+
 def _pad(prompts: list[Prompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts' ids right-padded with `pad_id`, and their attention mask: (batch, seq) each."""
     ids, mask, _ = pad_batch([p.ids for p in prompts], pad_id)
     return ids, mask
 
 
 def _batches(items: list, size: int):
+    """Consecutive slices of `items`, `size` long (the last one shorter)."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
 
@@ -106,6 +130,16 @@ def read_states(model, layer: int, prompts: list[Prompt], pad_id: int, batch_siz
         states = read_layers(model, [layer], ids.to(device), mask.to(device))[layer].float().cpu()
         out.extend(states[i, : len(p.ids)] for i, p in enumerate(batch))
     return out
+
+
+def site_states(
+    model, layer: int, prompts: dict[str, list[Prompt]], pad_id: int, batch_size: int, device
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """Each split's states at `layer` ([(seq, d)] per prompt, `read_states`) and their rows at the
+    site, stacked: ({split: states}, {split: (n, d)})."""
+    states = {s: read_states(model, layer, prompts[s], pad_id, batch_size, device) for s in SPLITS}
+    site = {s: torch.stack([st[p.site] for st, p in zip(states[s], prompts[s])]) for s in SPLITS}  # (n, d)
+    return states, site
 
 
 def _labels(data: RavelData, prompts: list[Prompt], prop: str, classes: list[str]) -> torch.Tensor:
@@ -129,4 +163,5 @@ def answer_vocabulary(tokenizer, data: RavelData, task: str, templates: list[str
 
 
 def _first_tokens(tokenizer, value: str) -> set[int]:
+    """The first token of the value, with and without a leading space (either counts as the answer)."""
     return {ids[0] for ids in (tokenizer(w, add_special_tokens=False).input_ids for w in (value, " " + value)) if ids}

@@ -2,7 +2,8 @@
 
     lit-interventions sweep ravel --config configs/sweep_ravel.yaml --out DIR
 
-Each method is one config (`configs/ravel/<method>.yaml`: its model options and epochs); the sweep
+Each method is one config: a registered name (`configs/ravel/<method>.yaml`: its model options
+and epochs) or, in the sweep's own config, {name, model: {class_path, init_args}, epochs}; the sweep
 sets the model, layer, data and target attribute, fits on train, selects nothing on dev (the
 method configs are fixed) and scores the test split with the validation metric
 (`metrics.disentangle.Disentanglement`). It writes
@@ -38,6 +39,7 @@ from lit_interventions.artifacts.results import Table, write_atomically
 from lit_interventions.cli.studies import choose_layers, choose_names, read_rows, run_cli
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
+from lit_interventions.interventions.capabilities import Fitted
 from lit_interventions.studies import distributed
 from lit_interventions.studies.configs import build_module, model_section
 
@@ -78,15 +80,60 @@ def run_cell(
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. Lightning's "no optimizer" for the full swap
-        if model.trains or hasattr(model.intervention, "fit"):  # train, or fit the featurizer
+        if model.trains or isinstance(model.intervention, Fitted):  # train, or fit the featurizer
             trainer.fit(model, data)
         trainer.test(model, data, verbose=False)
     metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
     return metrics
 
 
+def inline_method(method: dict) -> tuple[str, dict, int]:
+    """(name, `model:` section, epochs) of a method given in the sweep's config:
+    {name, model: {class_path, init_args}, [epochs]}, what a method's config file holds."""
+    section = method.get("model")
+    unknown = sorted(set(method) - {"name", "model", "epochs"})
+    if (
+        unknown
+        or not isinstance(method.get("name"), str)
+        or not isinstance(section, dict)
+        or "class_path" not in section
+    ):
+        raise ValueError(
+            f"a RAVEL method config is {{name, model: {{class_path, init_args}}, epochs}}; got {sorted(method)}"
+        )
+    return method["name"], section, int(method.get("epochs") or 1)
+
+
+def choose_methods(methods: str | dict | list[str | dict]) -> list[str | dict]:
+    """The methods asked for: names of `METHODS` (each one config, `configs/<name>.yaml`),
+    method configs (`inline_method`), a list of both, or 'all' (`ALL`)."""
+    if methods in ("all", ["all"]):
+        return list(ALL)
+    items = [methods] if isinstance(methods, (str, dict)) else list(methods)
+    choose_names([m for m in items if isinstance(m, str)], METHODS, "methods")
+    names = [m if isinstance(m, str) else inline_method(m)[0] for m in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods {names} name a method twice: give each name once")
+    return items
+
+
+def _method_options(configs: Path, methods: list[str | dict], lm: str, layer, k, epochs) -> dict:
+    """{name: ((its `model:` section, the sweep's overrides: lm, layer, k), epochs)}."""
+    options = {}
+    for method in methods:
+        if isinstance(method, str):
+            name, (section, config_epochs) = method, method_config(configs, method)
+        else:
+            name, section, config_epochs = inline_method(method)
+        overrides = {"lm": lm, **({"layer": layer} if layer is not None else {})}
+        if k is not None and "k" in section.get("init_args", {}):
+            overrides["k"] = k
+        options[name] = ((section, overrides), epochs or config_epochs)
+    return options
+
+
 def run_ravel_sweep(
-    methods: str | list[str] = "all",
+    methods: str | list[str | dict] = "all",
     entity_type: str = "city",
     attributes: str | list[str] = "all",
     ravel_dir: str | None = None,
@@ -106,8 +153,8 @@ def run_ravel_sweep(
     """Run (or resume) the RAVEL sweep; returns the summary rows.
 
     Args:
-        methods: from das, mdas, dbm, mdbm, pca, sae, full_swap; or 'all' (sae needs a trained
-            SAE in its config).
+        methods: das, mdas, dbm, mdbm, pca, sae, full_swap, method configs (`inline_method`),
+            or 'all' (sae needs a trained SAE in its config).
         entity_type: an entity type of the data (built-in: city, physical_object).
         attributes: target attributes, or 'all' (every attribute but latitude/longitude).
         ravel_dir: the published RAVEL directory (default: our built-in data).
@@ -121,20 +168,13 @@ def run_ravel_sweep(
     """
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
-    methods = choose_names(ALL if methods in ("all", ["all"]) else methods, METHODS, "methods")
+    chosen = choose_methods(methods)
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
     attributes = choose_names(attributes, valid, "attributes")
     if layer is not None:
         choose_layers([layer], num_layers(load_config(lm)))
-    configs = Path(configs)
-    method_options = {}
-    for method in methods:
-        section, config_epochs = method_config(configs, method)
-        overrides = {"lm": lm, **({"layer": layer} if layer is not None else {})}
-        if k is not None and "k" in section.get("init_args", {}):
-            overrides["k"] = k
-        method_options[method] = ((section, overrides), epochs or config_epochs)
+    methods = list(method_options := _method_options(Path(configs), chosen, lm, layer, k, epochs))
     out = Path(out)
     data_options = {
         "lm": lm,

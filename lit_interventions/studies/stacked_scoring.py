@@ -11,7 +11,7 @@ through the same `InterchangeOdds` (AvgOdds and IIA are sums over rows): the sco
 per-site ones to float rounding. A row its method leaves unchanged (f* = f(b) bit for bit: a site
 before the pair's first difference) is its clean row: it is not run, its odds are exactly 0. The control task's
 rows that equal the task's but for their labels (the clean rows and every fitted direction: only
-DAS is retrained on the control labels) are not run again: the same rows give both tasks' labels.
+the trained methods are retrained on the control labels) are not run again: the same rows give both tasks' labels.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def score_stacked(
     (scores, control scores). A control batch that is the task's batch with other labels (the
     dog/give control) shares the task's forwards wherever the intervention is the same object (the
     clean rows and every fitted direction): its two labels' logits are read off the same rows.
-    Only what differs (DAS, retrained on the control labels) gets rows of its own."""
+    Only what differs (a trained method, retrained on the control labels) gets rows of its own."""
     if not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows={rows!r} must be a positive integer")
     device = next(model.parameters()).device
@@ -132,6 +132,14 @@ def score_stacked(
             if key not in logits:
                 logits[key] = out.new_full((len(jobs[key][1]), out.shape[1]), float("nan"))
             logits[key][index] = out[s:e]
+    scores = _scores(tasks, read_from, logits, unchanged, device)
+    return scores[TASK] if control is None else (scores[TASK], scores[CONTROL])
+
+
+def _scores(tasks: dict, read_from: dict, logits: dict, unchanged: dict, device) -> dict:
+    """{task: {site: {method: {odds, iia}}}} from the jobs' label logits: each method's rows
+    against its site's clean rows, through `InterchangeOdds` (a row its method leaves unchanged
+    is its clean row)."""
     scores = {}
     for task, (task_found, task_evals) in tasks.items():
         scores[task] = {}
@@ -148,7 +156,7 @@ def score_stacked(
                     columns = torch.arange(2, device=device).expand(len(clean), 2)
                     metric.update(clean, intervened, columns[:, 0], columns[:, 1])
                 scores[task][site][name] = {k: v.item() for k, v in metric.compute().items()}
-    return scores[TASK] if control is None else (scores[TASK], scores[CONTROL])
+    return scores
 
 
 def _edits(cache: ActivationCache, jobs: dict) -> tuple[dict, dict]:

@@ -1,0 +1,108 @@
+"""What an intervention can do beyond f* = forward(f(b), f(s)), as declared types.
+
+Each capability is a small runtime-checkable Protocol: `isinstance(x, Annealed)` says whether x
+offers it, and the modules and studies dispatch on these types.
+
+- `Trained`: `trains` (True: its parameters are learned by gradient descent; `is_trained`).
+- `Fitted`: `fit(states, labels)` in closed form on a site's states (closed-form directions,
+  PCA/SAE featurizers); `DirectionEstimator` is the scikit-learn kind, whose `fit(X, y)` gives a
+  direction and `to_intervention()` the interchange on it. `NeedsFit` says whether a fitted one
+  has been fitted yet, `DevCandidates` that it offers several fits to choose from on dev data.
+- `Annealed`: `anneal(step, total)`, a schedule set before each training step (DBM's temperature
+  T); `Tempered`: a `temperature` to log.
+- `Penalised`: `penalty()`, a term the objective adds, weighted (DBM: ‖σ(m/T)‖₁).
+- `SourceFree`: `edits_base_alone` (True: f* = forward(f(b)), no source; steering, LoReFT,
+  attacks).
+- `Summarised`: `summary()`, one line on what a fit found.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Trained(Protocol):
+    """Says whether its parameters are learned by gradient descent."""
+
+    trains: bool
+
+
+@runtime_checkable
+class Fitted(Protocol):
+    """Fitted in closed form on a site's states (n, d) and one label per row."""
+
+    def fit(self, states: Any, labels: Any) -> Any: ...
+
+
+@runtime_checkable
+class DirectionEstimator(Protocol):
+    """A closed-form direction, scikit-learn style: `fit(X, y)` sets it, `to_intervention()` is the
+    interchange on its span, f* = f(b) + (a·f(s) − a·f(b)) a (`directions.py`)."""
+
+    def fit(self, X: Any, y: Any = None) -> Any: ...
+
+    def to_intervention(self) -> torch.nn.Module: ...
+
+
+@runtime_checkable
+class NeedsFit(Protocol):
+    """True until `fit` has run."""
+
+    needs_fit: bool
+
+
+@runtime_checkable
+class DevCandidates(Protocol):
+    """Several fits (one per setting) to score on dev data; `choose(scores)` keeps the best."""
+
+    def dev_candidates(self) -> dict[str, torch.nn.Module]: ...
+
+    def choose(self, scores: dict[str, dict]) -> None: ...
+
+
+@runtime_checkable
+class Annealed(Protocol):
+    """A schedule set at training `step` of `total` (DBM: T from its start towards its end)."""
+
+    def anneal(self, step: int, total: int) -> None: ...
+
+
+@runtime_checkable
+class Tempered(Protocol):
+    """A temperature (DBM's T)."""
+
+    temperature: torch.Tensor
+
+
+@runtime_checkable
+class Penalised(Protocol):
+    """A loss term the objective adds with its weight (DBM: ‖σ(m/T)‖₁)."""
+
+    def penalty(self) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SourceFree(Protocol):
+    """Says whether it edits the base alone (no source state)."""
+
+    edits_base_alone: bool
+
+
+@runtime_checkable
+class Summarised(Protocol):
+    """One line on what a fit found."""
+
+    def summary(self) -> str: ...
+
+
+def is_trained(intervention: object) -> bool:
+    """Whether `intervention` declares parameters learned by gradient descent (`trains` True)."""
+    return isinstance(intervention, Trained) and bool(intervention.trains)
+
+
+def is_source_free(intervention: object) -> bool:
+    """Whether `intervention` declares that it edits the base alone."""
+    return isinstance(intervention, SourceFree) and bool(intervention.edits_base_alone)
