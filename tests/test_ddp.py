@@ -188,7 +188,7 @@ def test_ddp_sae_validation_equals_single_process(tmp_path, tiny_lm_dir):
         tmp_path,
         "fit",
         lm_dir,
-        None,
+        "fit",
         2,
         setup=setup,
         program=("-m", "lit_interventions"),
