@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning import Trainer
 from lit_interventions.datamodules.activations import ActivationsDataModule, RavelActivationsDataModule
+from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.ravel import encode_prompt
 from safetensors.torch import load_file
 from sklearn.linear_model import LogisticRegression
@@ -466,16 +467,16 @@ def _planted_ravel(n_entities=200, seed=0):
     return torch.tensor(x, dtype=torch.float32), a, b
 
 
-class _PlantedRavel:
+class _PlantedRavel(BenchmarkDataModule):
     """A stand-in RAVEL data module over planted states: Cause (query a, label a(E')) and Iso
     (query b, label b(E)) examples; answers are tokens a: {0, 1}, b: {2, 3}."""
 
     attributes = ["A", "B"]
 
     def __init__(self, x, a, b, seed=0):
-        from types import SimpleNamespace
-
-        self.x, self.a, self.b, self.hparams = x, a, b, SimpleNamespace(eval_batch_size=64)
+        super().__init__()
+        self.hparams.update(eval_batch_size=64)
+        self.x, self.a, self.b = x, a, b
         rng, n = np.random.default_rng(seed), len(a)
         entities = {"train": np.arange(0, n // 2), "val": np.arange(n // 2, n)}
         self.batches = {}
