@@ -113,20 +113,30 @@ def trainer_command(trainer, log_dir: str | Path | None = None) -> str:
     return shlex.join(["lit-interventions", str(stage), "--config", str(Path(log_dir) / "config.yaml")])
 
 
-def artifact_config(kind: str, cls, card: dict, weights: str, **fields) -> dict:
+def artifact_config(
+    kind: str,
+    cls,
+    card: dict,
+    weights: str,
+    *,
+    file_format: str | None = None,
+    config: dict | None = None,
+    site: dict | str | None = None,
+) -> dict:
     """config.json of an artifact of `kind` (a key of `artifacts.pretrained.LOADERS`): what it is
-    (`cls`'s class path, `fields` such as its config), plus the card's method, model, site, data,
-    metrics and command (any further card field is kept)."""
-    card, fields = dict(card), dict(fields)
-    site = card.pop("site", None) or fields.pop("site", None)
+    (`cls`'s class path; an intervention's `file_format` and `config`), plus the card's method,
+    model, site (the card's, else `site`, else its layer / component / region), data, metrics and
+    command (any further card field is kept)."""
+    card = dict(card)
+    site = card.pop("site", None) or site
     site = site or {k: card[k] for k in ("layer", "component", "region") if card.get(k) is not None}
     return {
         "library_name": LIBRARY,
         "kind": kind,
-        **{k: v for k, v in fields.items() if k == "format"},
+        **({"format": file_format} if file_format is not None else {}),
         "weights": weights,
         "class_path": class_path(cls),
-        **{k: v for k, v in fields.items() if k != "format"},
+        **({"config": config} if config is not None else {}),
         "method": card.pop("method", None) or getattr(cls, "__name__", type(cls).__name__),
         "model": card.get("model"),
         "base_model": base_model(card.get("model")),
@@ -141,7 +151,7 @@ def intervention_config(intervention, card: dict, weights: str = "intervention.s
     """config.json of an intervention: its class path and config, plus the card's model, site,
     data, metrics and command (any further card field is kept)."""
     return artifact_config(
-        "intervention", intervention, card, weights, format=INTERVENTION_FORMAT, config=intervention.config()
+        "intervention", intervention, card, weights, file_format=INTERVENTION_FORMAT, config=intervention.config()
     )
 
 
