@@ -10,6 +10,7 @@ See `lit_interventions.cli.commands` for what every run gets (run names, summari
 
 from lit_interventions.cli.lightning import InterventionCLI, train_main
 from lit_interventions.cli.parsing import first_reason
+from lit_interventions.core.signals import stop_on_signals
 
 __all__ = ["InterventionCLI", "first_reason", "main"]
 
@@ -19,4 +20,5 @@ def main(args=None):
 
 
 if __name__ == "__main__":
-    main()
+    with stop_on_signals():
+        main()

@@ -4,8 +4,10 @@
 - `loader(split, batch_size, shuffle)`: batches of one split, collated for the LM;
 - `metric_callbacks()`: the callbacks that score what its data supports (CausalGym: odds and
   IIA; RAVEL: Cause, Iso, Disentangle), added to any run on this data (`InterchangeModule`);
-- `site_labels(batch, side)`: the class of each site state a closed-form intervention is
-  fitted on;
+- `FIT_SIDES` and `site_labels(batch, side)`: which sides' site states of the train split a
+  closed-form intervention is fitted on, and the class of each (CausalGym: the bases, by their
+  sentence's type; RAVEL: bases and sources, by their entity's target value), read by
+  `modules.interchange.fit_states` for `train.py` and the CausalGym sweep alike;
 - `dev_metric()`: the metric a fitted intervention's candidates are chosen by on the dev split
   (None: the intervention keeps its default).
 
@@ -26,6 +28,7 @@ class BenchmarkDataModule(LightningDataModule):
     `hparams.batch_size` / `hparams.eval_batch_size`."""
 
     SPLITS: ClassVar[dict[str, str]] = {"train": "train", "val": "val", "test": "test"}
+    FIT_SIDES: ClassVar[tuple[str, ...]] = ("base", "source")
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
         raise NotImplementedError(f"{type(self).__name__} does not define loader(split, batch_size, shuffle)")

@@ -117,7 +117,8 @@ def tokenize_pairs(
 def collate(examples: list[Example], region: str, pad_id: int, padding_side: str = "right") -> dict:
     """Pad base and source separately; shift positions by the padding when it is on the left.
     `*_keys` are the unpadded ids and first real positions, for `ActivationCache`; `*_pos_list`
-    the site positions, also on the host (the cache's prefix length is chosen from them)."""
+    the site positions, also on the host (the cache's prefix length is chosen from them);
+    `*_type` each sentence's type (e.g. "sg" or "pl"), the class closed-form methods are fitted on."""
     batch: dict[str, torch.Tensor] = {}
     for side in ("base", "source"):
         seqs = [getattr(e, f"{side}_ids") for e in examples]
@@ -132,6 +133,9 @@ def collate(examples: list[Example], region: str, pad_id: int, padding_side: str
         batch[f"{side}_pos_list"] = batch[f"{side}_pos"].tolist()
         batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
         batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])
+        types = [getattr(e, f"{side}_type", None) for e in examples]  # host-side strings
+        if None not in types:  # (RAVEL's examples, collated here too, have no type)
+            batch[f"{side}_type"] = types
         batch[f"{side}_keys"] = ([tuple(seq) for seq in seqs], shift.tolist())  # host-side cache keys
     # the multi-task loss's fields, as RAVEL's batches have them: an Iso pair keeps the base's answer
     batch["kind"] = torch.tensor([e.kind for e in examples])
@@ -161,6 +165,7 @@ class CausalGymDataModule(BenchmarkDataModule):
     """
 
     SPLITS = {"train": "train", "val": "dev", "test": "eval"}
+    FIT_SIDES = ("base",)  # CausalGym fits its directions on the base states, grouped by type
 
     def __init__(
         self,
@@ -257,6 +262,8 @@ class CausalGymDataModule(BenchmarkDataModule):
         """What this data is scored by: the log odds-ratio and IIA."""
         return [OddsCallback()]
 
-    def site_labels(self, batch: dict, side: str) -> list[int]:
-        """The class of each site state a closed-form intervention is fitted on: its own label."""
-        return batch[f"{side}_label"].tolist()
+    def site_labels(self, batch: dict, side: str) -> list[str]:
+        """The class of each site state a closed-form intervention is fitted on: its sentence's
+        type (e.g. singular or plural; CausalGym's code groups the base states by it), not the
+        label word's token (a type has several words: ' is', ' was', ...)."""
+        return list(batch[f"{side}_type"])

@@ -22,6 +22,7 @@ from lit_interventions.interventions.additive import (
     reft_r1_intervention,
     topk_mean,
 )
+from lit_interventions.interventions.concept_methods import ReFTR1Method
 from lit_interventions.metrics.detection import ConceptAUROC, min_max_normalise, sequence_scores
 from lit_interventions.modules.steering import SteeringModule, fit_concept_direction
 
@@ -249,7 +250,7 @@ def test_supervised_directions_find_the_planted_axis(method):
     """(LAT with pairs across positives and negatives; AxBench's positives-only pairs cannot see a
     mean shift between the classes: see test_lat_pairs_are_drawn_from_the_positives_as_axbench.)"""
     positives, negatives, axis = _planted()
-    w = fit_concept_direction(method, positives, negatives, **({"lat_pairs": "all"} if method == "lat" else {}))
+    w = fit_concept_direction(method, positives, negatives, **({"pairs": "all"} if method == "lat" else {}))
     assert w.norm().item() == pytest.approx(1.0, abs=1e-5)
     assert torch.dot(w, axis).item() > 0.9
 
@@ -343,7 +344,7 @@ def test_concept_auroc_states_merge_like_ddp():
 
 def test_reft_r1_step_updates_only_the_concepts_in_the_batch(tiny_lm_dir, tokenizer):
     module = SteeringModule(
-        lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=2, negative_l1=False
+        lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=2, negative_l1=False), concept_names=CONCEPTS
     )
     rows = [r for r in make_rows(tokenizer) if r["concept_id"] == 0][:4]
     lm_loss, l1 = module._steered_loss(collate(rows))
@@ -352,7 +353,7 @@ def test_reft_r1_step_updates_only_the_concepts_in_the_batch(tiny_lm_dir, tokeni
     assert grad[0].abs().sum() > 0 and grad[1].abs().sum() == 0
     # With negative_l1, a negative pushes every concept's latents: both rows get a gradient.
     module.dictionary.weight.grad = None
-    module.hparams.negative_l1 = True
+    module.method.negative_l1 = True
     negatives = [r for r in make_rows(tokenizer) if r["label"] == 0][:3]
     lm_loss, l1 = module._steered_loss(collate(negatives))
     assert lm_loss.item() == 0.0 and l1.item() > 0
@@ -384,7 +385,8 @@ def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
 
 @pytest.mark.parametrize("method", ["reft_r1", "ssv"])
 def test_trained_methods_fit_and_keep_their_norm(tmp_path, tiny_lm_dir, tokenizer, method):
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=method, topk=2, l1=5e-3, lr=1e-2)
+    options = {"reft_r1": ReFTR1Method(topk=2, l1=5e-3)}
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=options.get(method, method), lr=1e-2)
     data = SyntheticConcepts(tokenizer)
     trainer = _trainer(tmp_path, max_epochs=2)
     trainer.fit(module, datamodule=data)
@@ -405,7 +407,9 @@ def test_trained_methods_fit_and_keep_their_norm(tmp_path, tiny_lm_dir, tokenize
 def test_reft_r1_l1_coefficient_ramps_from_zero_as_axbench(tmp_path, tiny_lm_dir, tokenizer, l1_ramp):
     # AxBench: loss = lm_loss + (curr_step / num_training_steps)·λ·l1, curr_step = 0 at the first step.
     module = SteeringModule(
-        lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", topk=2, l1=0.5, l1_ramp=l1_ramp, train_on_negative=False
+        lm=tiny_lm_dir("llama"),
+        layer=1,
+        method=ReFTR1Method(topk=2, l1=0.5, l1_ramp=l1_ramp, train_on_negative=False),
     )
     parts, losses, steered = [], [], module._steered_loss
 
@@ -472,7 +476,7 @@ def test_bad_arguments_fail_before_loading(tiny_lm_dir):
     with pytest.raises(ValueError, match="layer=5 is out of range"):
         SteeringModule(lm=tiny_lm_dir("llama"), layer=5)
     with pytest.raises(ValueError, match="topk"):
-        SteeringModule(lm=tiny_lm_dir("llama"), topk=0)
+        SteeringModule(lm=tiny_lm_dir("llama"), method=ReFTR1Method(topk=0))
 
 
 def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
@@ -519,7 +523,7 @@ def _hand_reft_r1_loss(module, batch, trained, k):
 def test_reft_r1_trains_on_genre_negatives_by_hand(tiny_lm_dir, tokenizer):
     """train_on_negative (AxBench's sweeps): a concept's negatives get the same TopK intervention
     and the LM loss; without it only positives count."""
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=2)
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=2), concept_names=CONCEPTS)
     rows = make_rows(tokenizer, train=False)
     batch = collate([rows[0], rows[13], rows[-2], rows[-1]], prefix=2)  # positives of 0 and 1, negatives of 0 and 1
     assert batch["label"].tolist() == [1, 1, 0, 0] and batch["concept_id"].tolist() == [0, 1, 0, 1]
@@ -529,11 +533,11 @@ def test_reft_r1_trains_on_genre_negatives_by_hand(tiny_lm_dir, tokenizer):
         positives_only, _ = _hand_reft_r1_loss(module, batch, torch.tensor([True, True, False, False]), k=2)
     torch.testing.assert_close(lm_loss, expected)
     assert not torch.allclose(expected, positives_only)
-    module.hparams.train_on_negative = False
+    module.method.train_on_negative = False
     with torch.no_grad():
         torch.testing.assert_close(module._steered_loss(batch)[0], positives_only)
     # the negatives' gradient reaches their concept's row
-    module.hparams.train_on_negative = True
+    module.method.train_on_negative = True
     negatives = collate([rows[-2], rows[-4]], prefix=2)  # two negatives of concept 0
     lm_loss, l1 = module._steered_loss(negatives)
     (lm_loss + l1).backward()
@@ -541,7 +545,7 @@ def test_reft_r1_trains_on_genre_negatives_by_hand(tiny_lm_dir, tokenizer):
 
 
 def test_reft_r1_prefix_gets_no_intervention_and_is_never_in_the_topk(tiny_lm_dir, tokenizer):
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="reft_r1", concept_names=CONCEPTS, topk=3)
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=3), concept_names=CONCEPTS)
     rows = make_rows(tokenizer, train=False)
     batch = collate([rows[0], rows[-2]], prefix=3)
     hidden = module.states(batch).detach()
@@ -608,7 +612,7 @@ def test_lat_pairs_are_drawn_from_the_positives_as_axbench():
     by_hand = LATDirection(random_state=3).fit(positives).direction_
     torch.testing.assert_close(w.abs(), by_hand.abs())
     assert w @ (positives.mean(0) - negatives.mean(0)) >= 0 and abs(w[0]) > 0.9
-    pooled = fit_concept_direction("lat", positives, negatives, seed=3, lat_pairs="all")
+    pooled = fit_concept_direction("lat", positives, negatives, seed=3, pairs="all")
     assert abs(pooled[4]) > 0.9  # drawing pairs from the negatives too finds their spread instead
 
 

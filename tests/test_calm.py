@@ -10,7 +10,15 @@ import torch
 from torch import nn
 
 from lit_interventions.core.sites import logits_at, read_layers
-from lit_interventions.interventions.attacks import add, attack, epsilon_scale, fgsm, pgd, random_sign
+from lit_interventions.interventions.attacks import (
+    add,
+    attack_spec,
+    build_attack,
+    epsilon_scale,
+    fgsm,
+    pgd,
+    random_sign,
+)
 from lit_interventions.metrics.competence import Competence, competence_scores, topk_overlaps
 from lit_interventions.modules.probe import ProbeModule, probe_predict, train_probe
 
@@ -29,6 +37,11 @@ class Window(nn.Module):
     def forward(self, h):
         score = self.w**2 - (h[:, :1] - self.c) ** 2  # (batch, 1)
         return torch.cat([torch.zeros_like(score), 10 * score], dim=-1)  # (batch, 2)
+
+
+def attack(name, probe, h, target, epsilon):
+    """δ of the registered attack `name`, built as a CALM run builds it."""
+    return build_attack(attack_spec(name)).delta(probe, h, target, epsilon)
 
 
 def _mlp_probe_on_blobs(seed=0):
@@ -115,7 +128,7 @@ def test_attacks_refuse_a_non_positive_epsilon(eps):
 def test_attack_bad_inputs():
     probe, x, y = _mlp_probe_on_blobs()
     with pytest.raises(ValueError, match="Unknown attack 'cw'"):
-        attack("cw", probe, x, y)
+        attack_spec("cw")
     with pytest.raises(ValueError, match="steps"):
         pgd(probe, x, y, steps=0)
     with pytest.raises(ValueError, match=r"\(batch,\)"):

@@ -6,13 +6,16 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from lit_interventions.cli.commands import COMMANDS, find_config, main, quiet_lightning, run
+from lit_interventions.cli.commands import COMMANDS, TRAIN, main, resolve, run
+from lit_interventions.cli.parsing import find_config
+from lit_interventions.core.quiet import quiet_lightning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -289,8 +292,42 @@ def test_main_returns_0_whatever_the_command_returns(name, monkeypatch):
     """The console script's status is 0 after a successful command: `sys.exit(main())` must not
     see the LightningCLI object (or a study's rows) a command returns, which exits 1."""
     calls = []
-    monkeypatch.setitem(COMMANDS, name, (lambda rest: calls.append(rest) or object(), "stub"))
+    stub = types.ModuleType("stub_command")
+    stub.main = lambda rest: calls.append(rest) or object()
+    monkeypatch.setitem(sys.modules, "stub_command", stub)
+    monkeypatch.setitem(COMMANDS, name, ("stub_command:main", "stub"))
     assert main([*name.split(), "--x", "1"]) == 0 and calls == [["--x", "1"]]
+
+
+def test_every_command_names_an_importable_function_and_a_bad_target_is_refused():
+    """The table holds "module:function" strings; each resolves (imported only when it runs)."""
+    for name, (target, text) in COMMANDS.items():
+        assert isinstance(target, str) and ":" in target and text, name
+        assert callable(resolve(target)), name
+    assert {name for name, (target, _) in COMMANDS.items() if target == TRAIN} == {"fit", "validate", "test"}
+    for bad in ("lit_interventions.studies.calm", "lit_interventions.studies.calm:nothing_here", ":main"):
+        with pytest.raises(ValueError, match="command target"):
+            resolve(bad)
+
+
+def _modules_after(*argv: str) -> tuple[int, set[str]]:
+    """(exit status, the project's and torch's modules imported) of `main(argv)` in a fresh interpreter."""
+    code = (
+        "import sys\nfrom lit_interventions.cli.commands import main\n"
+        f"try:\n    status = main({list(argv)!r})\nexcept SystemExit as exit:\n    status = exit.code\n"
+        "print(status)\nprint(' '.join(m for m in sys.modules if m.startswith(('lit_interventions', 'torch'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    status, modules = done.stdout.strip().splitlines()[-2:]
+    return int(status), set(modules.split())
+
+
+def test_help_imports_only_what_the_command_needs():
+    status, modules = _modules_after("--help")
+    assert status == 0 and not any(m.startswith(("torch", "lit_interventions.studies")) for m in modules), modules
+    status, modules = _modules_after("data", "--help")
+    assert status == 0 and "lit_interventions.cli.data" in modules
+    assert not any(m.startswith(("lit_interventions.studies", "lit_interventions.cli.lightning")) for m in modules)
 
 
 def test_console_script_fit_exits_0_and_bad_input_2(tmp_path, tiny_lm_dir):
@@ -319,6 +356,72 @@ def test_console_script_fit_exits_0_and_bad_input_2(tmp_path, tiny_lm_dir):
         assert err.startswith("error: ") and words in err
     bare = _console("sweep")
     assert bare.returncode == 2 and "causalgym" in bare.stdout and "ravel" in bare.stdout
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (b"", "the file is empty"),
+        (b"- model\n- data\n", "holds a YAML list, not a mapping"),
+        (b"model: [\n", "not valid YAML at line 2, column 1"),
+        (b"model:\n  lm: caf\xe9\n", "not UTF-8 text (byte 16)"),
+    ],
+)
+@pytest.mark.parametrize("command", ["fit", "sweep causalgym", "calm"])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, capsys, content, words, command):
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command.split(), "--config", str(config)])
+    assert exit_info.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"error: --config {config}: {words}"), err
+
+
+def test_a_trainer_setting_lightning_refuses_and_a_file_as_run_directory_are_one_line(tmp_path, tiny_lm_dir, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    lm = tiny_lm_dir("gpt2")
+    for extra, words in (
+        (["--trainer.max_steps", "-5"], "`max_steps` must be a non-negative integer or -1"),
+        ([f"--trainer.default_root_dir={afile}"], f"--trainer.default_root_dir {afile} is a file, not a directory"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(
+                [
+                    "fit",
+                    "--config",
+                    "das.yaml",
+                    f"--model.lm={lm}",
+                    *SMALL,
+                    f"--trainer.default_root_dir={tmp_path}",
+                    *extra,
+                ]
+            )
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("error: ") and words in err, err
+    assert afile.read_text() == "not a directory"
+
+
+def test_console_script_test_without_a_checkpoint_refuses_an_untrained_intervention(tmp_path, tiny_lm_dir):
+    """`test` without --ckpt_path on DAS (parameters to learn) would score a random rotation: exit
+    2 with one line saying what to pass, before any run directory is written."""
+    done = _console(
+        "test",
+        "--config",
+        "das.yaml",
+        f"--model.lm={tiny_lm_dir('gpt2')}",
+        *SMALL,
+        f"--trainer.default_root_dir={tmp_path}",
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "GPU available" not in done.stderr  # before the trainer
+    err = done.stderr.strip().splitlines()[-1]
+    assert err.startswith("error: test without --ckpt_path would score the untrained intervention") and (
+        "--ckpt_path" in err.split(";")[1]
+    )
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow

@@ -192,8 +192,10 @@ def test_a_card_without_class_path_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="class_path"):
         load_intervention(tmp_path)
     (tmp_path / CARD).write_text(json.dumps({**card, "class_path": "collections.OrderedDict"}))
-    with pytest.raises(ValueError, match="not an intervention class"):
+    with pytest.raises(ValueError, match="not a registered class"):
         load_intervention(tmp_path)
+    with pytest.raises(ValueError, match="not an intervention class"):
+        load_intervention(tmp_path, trust_remote_code=True)
 
 
 def _fake_fit(tmp_path, intervention, method):

@@ -13,6 +13,7 @@ import pytest
 import tomllib
 
 import lit_interventions
+from lit_interventions.cli.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 # the repository's directory for each installed package prefix (pyproject's package-dir)
@@ -65,6 +66,8 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
                 if in_function:
                     inside.append(f"{name} imports {imported} inside a function")
         edges[name] = targets
+    # the entry-point table's "module:function" strings, imported when a command runs: edges too
+    edges["lit_interventions.cli.commands"] |= {target.partition(":")[0] for target, _ in COMMANDS.values()}
     return edges, inside
 
 
@@ -104,6 +107,12 @@ def test_the_import_graph_has_no_circles_and_no_imports_inside_functions():
     edges, inside = _graph()
     assert len(edges) > 60  # every module was read, the data modules under their installed name
     assert "lit_interventions.core.sites" in edges["lit_interventions.datamodules.ravel"]
+    table = {
+        "lit_interventions.studies.calm",
+        "lit_interventions.studies.steer_eval",
+        "lit_interventions.cli.lightning",
+    }
+    assert table <= edges["lit_interventions.cli.commands"] and table <= set(edges)  # the studies, through the table
     assert _circles(edges) == []
     assert inside == []
 

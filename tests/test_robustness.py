@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lit_interventions.core import lm
+from lit_interventions.core import lm, model_cache
+from lit_interventions.interventions.concept_methods import ReFTR1Method
 
 # --- the model cache ------------------------------------------------------------------------------
 
@@ -84,6 +85,22 @@ def test_damaged_cache_is_converted_again_with_a_warning(fake_gguf, tiny_lm_dir,
     assert lm.check_converted(target) is None
     model = lm.load_lm(str(gguf))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_cache_file_rewritten_in_place_with_its_size_and_mtime_kept_is_caught(fake_gguf, monkeypatch):
+    gguf, calls = fake_gguf
+    target = Path(lm.resolve(str(gguf)))
+    weights = target / "model.safetensors"
+    stat = weights.stat()
+    with open(weights, "r+b") as f:  # overwrite bytes in the tensor data, as a damaged disk would
+        f.seek(stat.st_size // 2)
+        f.write(b"\xff" * 4096)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size and weights.stat().st_mtime_ns == stat.st_mtime_ns
+    monkeypatch.setattr(model_cache, "_VERIFIED", set())  # a new process: nothing verified yet
+    with pytest.warns(UserWarning, match=r"model.safetensors was modified after conversion .*converting"):
+        lm.resolve(str(gguf))
+    assert len(calls) == 2 and lm.check_converted(target) is None
 
 
 def test_cache_without_manifest_is_checked_and_adopted(fake_gguf):
@@ -210,7 +227,7 @@ def test_infinite_lr_stops_the_run_before_export(tmp_path, tiny_lm_dir):
 
     with pytest.raises(ValueError, match=r"lr=inf must be a finite number > 0"):  # refused when given
         _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", lr=float("inf"))
-    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", topk=2)
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method=ReFTR1Method(topk=2))
     module.optimizer_args.lr = module.hparams.lr = float("inf")  # as a config that slipped past the check would
     with pytest.raises(NonFiniteError) as err:
         trainer.fit(module, datamodule=data)
@@ -223,7 +240,7 @@ def test_infinite_lr_stops_the_run_before_export(tmp_path, tiny_lm_dir):
 def test_without_the_guard_the_run_exports_nan(tmp_path, tiny_lm_dir):
     """What the tester saw: the same run without the guard ends quietly; the dictionary refuses
     to write NaN vectors, so even then nothing non-finite reaches the disk."""
-    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), guard=False, method="reft_r1", topk=2)
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), guard=False, method=ReFTR1Method(topk=2))
     module.optimizer_args.lr = module.hparams.lr = float("inf")
     with pytest.raises(ValueError, match=r"dictionary.safetensors: refusing to write .*NaN/inf"):
         trainer.fit(module, datamodule=data)
@@ -267,7 +284,7 @@ def test_guard_through_train_py_exits_before_export(tmp_path, tiny_lm_dir, capsy
 
 
 def test_guard_is_quiet_on_a_healthy_run(tmp_path, tiny_lm_dir):
-    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", topk=2)
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method=ReFTR1Method(topk=2))
     trainer.fit(module, datamodule=data)
     assert list(tmp_path.rglob("dictionary.safetensors"))
 
@@ -564,14 +581,14 @@ def test_judge_server_refuses_a_huge_body_without_reading_it(judge_server):
     )  # 50 MB announced; the server must not wait for it
     started = time.monotonic()
     reply = _raw(server, head + b"{" * 2000)
-    assert reply.startswith(b"HTTP/1.0 413") and b"at most 1000" in reply and time.monotonic() - started < 5
+    assert reply.startswith(b"HTTP/1.1 413") and b"at most 1000" in reply and time.monotonic() - started < 5
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 50_000  # KiB: no 50 MB buffer
     status, payload = _post(url, {"messages": [{"role": "user", "content": "x" * 5000}]})
     assert status == 413 and payload["error"]["param"] == "body"
     missing = _raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert missing.startswith(b"HTTP/1.0 411") and b"Content-Length" in missing
+    assert missing.startswith(b"HTTP/1.1 411") and b"Content-Length" in missing
     bad = _raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -3\r\n\r\n")
-    assert bad.startswith(b"HTTP/1.0 400") and b"Content-Length" in bad
+    assert bad.startswith(b"HTTP/1.1 400") and b"Content-Length" in bad
 
 
 def test_judge_server_cuts_off_slow_and_lying_clients(judge_server):
@@ -579,7 +596,7 @@ def test_judge_server_cuts_off_slow_and_lying_clients(judge_server):
     server, url = judge_server(chat, timeout=0.5)
     started = time.monotonic()
     lying = _raw(server, b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"mess')
-    assert lying.startswith(b"HTTP/1.0 408") and b"not received within 0.5 s" in lying
+    assert lying.startswith(b"HTTP/1.1 408") and b"not received within 0.5 s" in lying
     assert time.monotonic() - started < 5
     started = time.monotonic()
     assert _raw(server, b"POST /v1/chat/comp") == b""  # a stalled request line: closed without a reply

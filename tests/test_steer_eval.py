@@ -112,6 +112,23 @@ def test_end_to_end_writes_all_files_and_resumes(setup, tmp_path, monkeypatch, t
         _run(setup, out, judge, seed=1)
 
 
+def test_a_cell_cut_short_is_redone_whole_and_no_row_is_written_twice(setup, tmp_path):
+    out = tmp_path / "run"
+    judge = ScriptedJudge(lambda concept, instruction, factor: (1, 1, 1))
+    judge.factor = None  # the scores do not depend on it
+    _run(setup, out, judge)
+    path = out / "generations.jsonl"
+    whole = path.read_text().splitlines(keepends=True)
+    assert len(whole) == 8  # 2 concepts × 2 factors × 2 instructions
+    path.write_text("".join(whole[:-1]) + whole[-1][:20] + "\x00garbage")  # the last line cut, garbage after
+    with pytest.warns(UserWarning, match="cells redone"):
+        _run(setup, out, judge)
+    again = [json.loads(line) for line in path.read_text().splitlines()]
+    keys = [(r["concept"], r["factor"], r["half"]) for r in again]
+    assert len(again) == 8 and len(set(keys)) == 8  # every (concept, factor, half) once
+    assert again[:6] == [json.loads(line) for line in whole[:6]]  # the whole cells kept as they were
+
+
 def test_steering_changes_generation(setup):
     lm, path, _ = setup
     model, tokenizer = load_lm(lm), load_tokenizer(lm)

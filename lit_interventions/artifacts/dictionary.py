@@ -16,9 +16,11 @@ the Hugging Face layout instead (`dictionary.safetensors`, the card in `config.j
     with d.steer(lm, "references to rental services", factor=1.0) as model:
         out = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0)
 
-Latents follow the method: ReLU(h·w) for ReFT-r1 and SSV, h·w for DiffMean, PCA, LAT and the
-probe (the probe's σ(h·w + b) is a monotone function of h·w, so the two rank texts alike and the
-AUROC is the same; the released w of a probe is its unit-norm weight).
+A latent is read as the card's `latent` says, which the method that trained the dictionary
+declares: ReLU(h·w) for ReFT-r1 and SSV, h·w for DiffMean, PCA, LAT and the probe (the probe's
+σ(h·w + b) is a monotone function of h·w, so the two rank texts alike and the AUROC is the same;
+the released w of a probe is its unit-norm weight). A card without `latent` is read by its
+method's name (ReLU for reft_r1 and ssv).
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ from lit_interventions.interventions.additive import add_vector
 
 FORMAT = "lit-interventions/concept-dictionary/v1"
 WEIGHTS_NAME = "dictionary.safetensors"  # the weights file of a save_pretrained directory
-RELU_METHODS = ("reft_r1", "ssv")
+LATENTS = ("linear", "relu")  # h·w, ReLU(h·w)
+_RELU_BY_NAME = ("reft_r1", "ssv")  # the latent of a card that does not say it
+
+
+def latent_values(values: torch.Tensor, latent: str) -> torch.Tensor:
+    """Ψ from the projections h·w: ReLU(h·w) for latent "relu", h·w itself for "linear"."""
+    return torch.relu(values) if latent == "relu" else values
 
 
 def _paths(path: str | Path) -> tuple[Path, Path]:
@@ -85,7 +93,8 @@ def _check_finite(vectors, max_activations, concepts, where: Path, doing: str) -
 @dataclass
 class Dictionary:
     """Concept vectors `vectors` (C, d) with names `concepts`, read at the residual stream after
-    block `layer` of `model`; `max_activations` (C,) scales the steering factor."""
+    block `layer` of `model`; `max_activations` (C,) scales the steering factor. `latent` ("linear"
+    or "relu"; None: by the method's name) is how a latent is read from h·w."""
 
     vectors: torch.Tensor
     max_activations: torch.Tensor
@@ -96,8 +105,13 @@ class Dictionary:
     training_data: str | None = None
     auroc: dict | None = None  # {"mean": float, "per_concept": {name: float}}
     card: dict = field(default_factory=dict)  # any further card fields (kept on save/load)
+    latent: str | None = None
 
     def __post_init__(self):
+        if self.latent is None:
+            self.latent = "relu" if self.method in _RELU_BY_NAME else "linear"
+        if self.latent not in LATENTS:
+            raise ValueError(f"latent={self.latent!r}; valid: {', '.join(LATENTS)}")
         self.vectors = torch.as_tensor(self.vectors).detach().float().cpu()
         if self.vectors.dim() != 2:
             raise ValueError(f"vectors must be (concepts, hidden_size); got shape {tuple(self.vectors.shape)}")
@@ -136,7 +150,7 @@ class Dictionary:
             "model": self.model,
             "layer": self.layer,
             "method": self.method,
-            "latent": "relu" if self.method in RELU_METHODS else "linear",
+            "latent": self.latent,
             "hidden_size": self.hidden_size,
             "num_concepts": len(self.concepts),
             "concepts": self.concepts,
@@ -242,6 +256,7 @@ class Dictionary:
                 model=card["model"],
                 layer=card["layer"],
                 method=card["method"],
+                latent=card.get("latent"),
                 training_data=card.get("training_data"),
                 auroc=card.get("auroc"),
                 card={k: v for k, v in card.items() if k not in known},
@@ -269,9 +284,8 @@ class Dictionary:
         return self.concepts.index(concept)
 
     def latents(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Every concept's latent at every token, (..., seq, C): ReLU(h·w) or h·w (see the card)."""
-        values = hidden.float() @ self.vectors.to(hidden.device).T
-        return torch.relu(values) if self.method in RELU_METHODS else values
+        """Every concept's latent at every token, (..., seq, C): ReLU(h·w) or h·w (the card's `latent`)."""
+        return latent_values(hidden.float() @ self.vectors.to(hidden.device).T, self.latent)
 
     def _model(self, lm, dtype: str = "float32") -> torch.nn.Module:
         """The LM to apply the dictionary to: checked against the card (model name or hidden

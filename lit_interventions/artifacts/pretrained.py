@@ -6,8 +6,14 @@ What a directory holds is read from its files, never from a class path they name
     kind          files                                        loads as
     intervention  intervention.safetensors + intervention.json  the intervention (DAS, DBM, LoReFT, ...)
     dictionary    dictionary.safetensors + dictionary.json      `Dictionary` (AxBench concepts)
-    steering      intervention.json with method lora            `LoRAModule` (the frozen LM with its adapter)
+    steering      intervention.safetensors + intervention.json  the steering module (`LoRAModule`: the
+                  of a registered steering module                frozen LM with its adapter)
     sae           sae.safetensors + sae.json                    `SAEFeaturizer` (encode / decode)
+
+A steering module's class is the registered one its files name
+(`lit_interventions.modules.steering_registry`). A directory without config.json is an
+intervention when its intervention.json names a class path, and a steering module when it names
+none and its `method` is a registered steering module.
 
 The layout itself (config.json, the model card, downloads and uploads) is
 `lit_interventions.artifacts.hub`.
@@ -24,7 +30,7 @@ from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
 from lit_interventions.interventions.base import CARD, load_pretrained
 from lit_interventions.interventions.featurizers import SAEFeaturizer
-from lit_interventions.modules.steering_baselines import load_steering_checkpoint
+from lit_interventions.modules.steering_registry import load_steering_checkpoint, registered_steering_modules
 
 SAE_WEIGHTS, SAE_CARD = "sae.safetensors", "sae.json"
 
@@ -57,7 +63,9 @@ def artifact_kind(directory: str | Path) -> str:
     if (directory / SAE_WEIGHTS).is_file():
         return "sae"
     if (directory / CARD).is_file():
-        return "steering" if _card_method(directory / CARD) == "lora" else "intervention"
+        card = _card(directory / CARD)
+        steering = "class_path" not in card and card.get("method") in registered_steering_modules()
+        return "steering" if steering else "intervention"
     if (directory / CONFIG).is_file():
         return "intervention"  # a config.json of ours without a kind: load_pretrained says what is wrong
     raise FileNotFoundError(
@@ -66,16 +74,21 @@ def artifact_kind(directory: str | Path) -> str:
     )
 
 
-def _card_method(path: Path) -> str | None:
+def _card(path: Path) -> dict:
     try:
         card = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
-        return None  # unreadable: the intervention loader reports it
-    return card.get("method") if isinstance(card, dict) else None
+        return {}  # unreadable: the intervention loader reports it
+    return card if isinstance(card, dict) else {}
 
 
-def from_pretrained(directory_or_hub_id: str | Path, **download: Any):
+def from_pretrained(directory_or_hub_id: str | Path, *, trust_remote_code: bool = False, **download: Any):
     """The artifact saved in a directory or hub repository, loaded by its kind (see the module
-    doc). `download`: revision, token, cache_dir, local_files_only (passed to snapshot_download)."""
+    doc). A class path it names must be registered (`register_intervention`); one that is not is
+    refused before it is imported, unless `trust_remote_code`. `download`: revision, token,
+    cache_dir, local_files_only (passed to snapshot_download)."""
     directory = local_directory(directory_or_hub_id, **download)
-    return LOADERS[artifact_kind(directory)](directory)
+    kind = artifact_kind(directory)
+    if kind == "intervention":
+        return load_pretrained(directory, trust_remote_code=trust_remote_code)
+    return LOADERS[kind](directory)

@@ -17,9 +17,9 @@ def _training_data(trainer) -> str:
 
 class ExportDictionary(Callback):
     """After fit, rank 0 writes `<log_dir>/dictionary.safetensors` (vectors, max activations) and
-    `dictionary.json` (model, layer, method, concepts, hidden size, training data, val AUROC, command),
-    plus `config.json` and a `README.md` model card (the Hugging Face layout: the log directory
-    loads with `Dictionary.from_pretrained` and uploads with `push_to_hub`).
+    `dictionary.json` (model, layer, the method's name and latent, concepts, hidden size, training
+    data, val AUROC, command), plus `config.json` and a `README.md` model card (the Hugging Face
+    layout: the log directory loads with `Dictionary.from_pretrained` and uploads with `push_to_hub`).
     A module without `to_dictionary` (not a SteeringModule) is skipped, so the callback can sit in
     the CLI's defaults beside the DAS export."""
 

@@ -27,6 +27,7 @@ import torch
 from lightning import Callback
 
 from lit_interventions.core.lm import cache_dir
+from lit_interventions.core.signals import Stopped, pending_signal
 
 HUGE_LR = 1e3  # a learning rate above this is reported as the likely cause
 
@@ -141,3 +142,19 @@ class NonFiniteGuard(Callback):
     def on_train_end(self, trainer, pl_module):
         self._check_metrics(trainer, pl_module, "end of training")
         self._check_parameters(trainer, pl_module, "end of training")
+
+
+class SignalGuard(Callback):
+    """Raises `Stopped` at the next batch when SIGTERM / SIGINT arrived during the run and its
+    first raise was swallowed (by a finalizer, say): a stopped run never trains on."""
+
+    def _check(self) -> None:
+        signum = pending_signal()
+        if signum is not None:
+            raise Stopped(signum)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._check()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._check()

@@ -2,7 +2,9 @@
 
 An interchange module's `validation_step` / `test_step` returns the standard output
 `{"intervened": (batch, vocab) logits at the base's last token, "clean": the same unintervened,
-or None}`; a callback reads it with the batch, updates its metric and logs at the epoch's end.
+or None, "label_logits": (p(· | b), p*(· | b, s)) of the two labels alone, (batch, 2) each
+(`metrics.odds.label_ids`), or None}`; the optional entries are computed when a callback `needs`
+them. A callback reads the output with the batch, updates its metric and logs at the epoch's end.
 A data module lists the callbacks its data supports (`metric_callbacks()`), and the module adds
 them to the Trainer (`configure_callbacks`), so one method is scored by any benchmark's metric.
 """
@@ -23,10 +25,10 @@ PREFIX = {"validation": "val", "test": "test"}
 
 
 class _MetricCallback(Callback):
-    """One metric per stage, created on the module's device; `needs_clean` asks the module for the
-    unintervened logits too."""
+    """One metric per stage, created on the module's device; `needs` names the optional entries
+    of the standard output it reads ("clean", "label_logits"), which the module then computes."""
 
-    needs_clean = False
+    needs: tuple[str, ...] = ()
 
     def __init__(self):
         self.metrics: dict[str, torch.nn.Module] = {}
@@ -41,8 +43,8 @@ class _MetricCallback(Callback):
         raise NotImplementedError
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if self.needs_clean:
-            pl_module.eval_outputs.add("clean")
+        if self.needs:
+            pl_module.eval_outputs.update(self.needs)
         self.metrics = {}
 
     def _metric(self, stage, trainer, pl_module):
@@ -74,15 +76,17 @@ class _MetricCallback(Callback):
 
 
 class OddsCallback(_MetricCallback):
-    """CausalGym: AvgOdds, the mean log odds-ratio (eq. 18), and IIA, logged as `val/odds`, `val/iia`."""
+    """CausalGym: AvgOdds, the mean log odds-ratio (eq. 18), and IIA, logged as `val/odds`, `val/iia`,
+    from the two labels' logits (`label_logits`): the same metric, fed the same way, as
+    `InterchangeModule.score` and the sweep's scoring."""
 
-    needs_clean = True
+    needs = ("label_logits",)
 
     def make_metric(self, trainer, pl_module):
         return InterchangeOdds()
 
     def update(self, metric, outputs, batch):
-        metric.update(outputs["clean"], outputs["intervened"], batch["base_label"], batch["source_label"])
+        metric.update_labels(*outputs["label_logits"])
 
     def log_values(self, pl_module, values, prefix, metric):
         pl_module.log_dict({f"{prefix}/{name}": value for name, value in values.items()}, prog_bar=True)

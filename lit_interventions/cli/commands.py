@@ -1,6 +1,6 @@
-"""The `lit-interventions` command: one entry-point table, `COMMANDS` ({command: (function, help)}),
-one parser style (jsonargparse) and one error style (a single `error: ...` line on stderr, exit
-code 2) for every job this package runs.
+"""The `lit-interventions` command: one entry-point table, `COMMANDS` ({command: ("module:function",
+help)}), one parser style (jsonargparse) and one error style (a single `error: ...` line on stderr,
+exit code 2) for every job this package runs.
 
     lit-interventions fit|validate|test   --config configs/das.yaml [--model.layer 6 ...]
     lit-interventions sweep causalgym     --config configs/sweep_causalgym.yaml
@@ -12,92 +12,60 @@ code 2) for every job this package runs.
     lit-interventions data                NAME --out DIR
 
 `python -m lit_interventions ...` is the same command (torchrun runs it with `-m lit_interventions`).
-Every command exits 0 when it succeeds, 2 on bad input, and non-zero on any other failure. Each
-function takes the rest of the command line; `fit`/`validate`/`test` live in
-`lit_interventions.cli.lightning` (`python train.py ...` is the same), the studies in
+Every command exits 0 when it succeeds, 2 on bad input, 143 / 130 when stopped by SIGTERM /
+SIGINT (`lit_interventions.core.signals`), and non-zero on any other failure.
+
+The table names each command's function as `"module:function"`, the form of a console_scripts
+entry point; the function is imported (`resolve`) only when its command runs, so `--help` of the
+table imports no study, and a command imports only what it needs. Each function takes the rest of
+the command line; `fit`/`validate`/`test` are LightningCLI (`lit_interventions.cli.lightning`,
+the same as `python train.py ...`), which takes the stage as its first argument; the studies are in
 `lit_interventions.studies`.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
-from functools import partial
 
-from jsonargparse import ArgumentParser
-
-from lit_interventions.callbacks.progress import LineProgress, RunSummary, metrics_table
-from lit_interventions.cli import data
-from lit_interventions.cli.help import COMMON_TRAINER, short_help
-from lit_interventions.cli.lightning import (
-    LIGHTNING_SUBCOMMANDS,
-    RUNTIME,
-    InterventionCLI,
-    given_options,
-    run_name,
-    train_main,
-    trainer_defaults,
-)
-from lit_interventions.cli.parsing import (
-    LINKED,
-    PROG,
-    ROOT,
-    SHARED,
-    Parser,
-    fail,
-    find_config,
-    first_reason,
-    resolve_configs,
-)
+from lit_interventions.cli.parsing import PROG, Parser
 from lit_interventions.core.quiet import quiet_lightning
-from lit_interventions.serving import judge_server
-from lit_interventions.studies import calm, causalgym_sweep, ravel_sweep, steer_eval, syntaxgym
+from lit_interventions.core.signals import stop_on_signals
 
-__all__ = [  # re-exported: the names tests and train.py import from here
-    "COMMANDS",
-    "COMMON_TRAINER",
-    "LIGHTNING_SUBCOMMANDS",
-    "LINKED",
-    "PROG",
-    "ROOT",
-    "RUNTIME",
-    "SHARED",
-    "InterventionCLI",
-    "LineProgress",
-    "Parser",
-    "RunSummary",
-    "fail",
-    "find_config",
-    "first_reason",
-    "given_options",
-    "main",
-    "metrics_table",
-    "quiet_lightning",
-    "resolve_configs",
-    "run",
-    "run_name",
-    "short_help",
-    "train_main",
-    "trainer_defaults",
-]
+__all__ = ["COMMANDS", "TRAIN", "main", "resolve", "run"]
 
+TRAIN = "lit_interventions.cli.lightning:train_main"  # fit / validate / test: LightningCLI, given the stage
 
-def _lightning(subcommand: str, rest: list[str]):
-    return train_main([subcommand, *rest])
-
-
-COMMANDS: dict[str, tuple[Callable[[list[str]], object], str]] = {
-    "fit": (partial(_lightning, "fit"), "train a module (LightningCLI; --config configs/das.yaml)"),
-    "validate": (partial(_lightning, "validate"), "score the dev split (--ckpt_path: the checkpoint's settings)"),
-    "test": (partial(_lightning, "test"), "score the eval split (--ckpt_path: the checkpoint's settings)"),
-    "sweep causalgym": (causalgym_sweep.main, "every method at every layer x region of CausalGym tasks"),
-    "sweep ravel": (ravel_sweep.main, "every method at every layer of RAVEL attributes"),
-    "calm": (calm.main, "CALM on RAVEL"),
-    "steer": (steer_eval.main, "AxBench steering evaluation"),
-    "syntaxgym": (syntaxgym.main, "SyntaxGym accuracy of a frozen LM"),
-    "serve-judge": (judge_server.main, "serve a local chat model as an OpenAI-style judge"),
-    "data": (data.main, "download a published dataset (CausalGym, SyntaxGym, RAVEL, AxBench), sha256-checked"),
+COMMANDS: dict[str, tuple[str, str]] = {
+    "fit": (TRAIN, "train a module (LightningCLI; --config configs/das.yaml)"),
+    "validate": (TRAIN, "score the dev split (--ckpt_path: the checkpoint's settings)"),
+    "test": (TRAIN, "score the eval split (--ckpt_path: the checkpoint's settings)"),
+    "sweep causalgym": (
+        "lit_interventions.studies.causalgym_sweep:main",
+        "every method at every layer x region of CausalGym tasks",
+    ),
+    "sweep ravel": ("lit_interventions.studies.ravel_sweep:main", "every method at every layer of RAVEL attributes"),
+    "calm": ("lit_interventions.studies.calm:main", "CALM on RAVEL"),
+    "steer": ("lit_interventions.studies.steer_eval:main", "AxBench steering evaluation"),
+    "syntaxgym": ("lit_interventions.studies.syntaxgym:main", "SyntaxGym accuracy of a frozen LM"),
+    "serve-judge": ("lit_interventions.serving.judge_server:main", "serve a local chat model as an OpenAI-style judge"),
+    "data": (
+        "lit_interventions.cli.data:main",
+        "download a published dataset (CausalGym, SyntaxGym, RAVEL, AxBench), sha256-checked",
+    ),
 }
+
+
+def resolve(target: str) -> Callable[[list[str]], object]:
+    """The function a table entry names, `"package.module:function"`, imported now."""
+    module, _, name = target.partition(":") if isinstance(target, str) else ("", "", "")
+    if not module or not name:
+        raise ValueError(f"command target {target!r} must be 'package.module:function'")
+    function = getattr(importlib.import_module(module), name, None)
+    if not callable(function):
+        raise ValueError(f"command target {target!r}: {module} has no function {name!r}")
+    return function
 
 
 def _group(words: list[str]) -> dict[str, str]:
@@ -110,7 +78,7 @@ def _group(words: list[str]) -> dict[str, str]:
     }
 
 
-def _parser(words: list[str]) -> ArgumentParser:
+def _parser(words: list[str]) -> Parser:
     prog = " ".join([PROG, *words])
     description = __doc__.split("\n\n")[0] if not words else f"{prog}: choose one"
     parser = Parser(prog=prog, description=description, default_config_files=[])
@@ -143,10 +111,11 @@ def run(argv: list[str] | None = None):
             raise SystemExit(2)
         _parser(words).parse_args(rest)
         raise SystemExit(2)
-    function, _ = COMMANDS[name]
+    target, _ = COMMANDS[name]
     rest = argv[len(name.split()) :]
-    if name in LIGHTNING_SUBCOMMANDS:
-        return function(rest)
+    function = resolve(target)
+    if target == TRAIN:  # LightningCLI names the stage in its usage line itself
+        return function([name, *rest])
     program, sys.argv[0] = sys.argv[0], f"{PROG} {name}"  # the usage line names the command
     try:
         return function(rest)
@@ -157,5 +126,6 @@ def run(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     """The console script: 0 once the command has succeeded (what it returned is not an exit
     status); help exits 0, bad input 2, and any other failure non-zero."""
-    run(argv)
+    with stop_on_signals():
+        run(argv)
     return 0

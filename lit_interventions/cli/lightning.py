@@ -19,13 +19,16 @@ from pathlib import Path
 
 import torch
 from jsonargparse import ArgumentError
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.io import CheckpointIO
 
+from lit_interventions.artifacts.checkpoint_io import AtomicCheckpointIO
 from lit_interventions.callbacks.dictionary import ExportDictionary
 from lit_interventions.callbacks.export import ExportIntervention
-from lit_interventions.callbacks.guard import NonFiniteError, NonFiniteGuard
+from lit_interventions.callbacks.guard import NonFiniteError, NonFiniteGuard, SignalGuard
 from lit_interventions.callbacks.progress import LineProgress, RunSummary
 from lit_interventions.cli.help import short_help
 from lit_interventions.cli.parsing import LINKED, SHARED, fail, first_reason, resolve_configs
@@ -193,9 +196,27 @@ class InterventionCLI(LightningCLI):
         except (ValueError, FileNotFoundError, ImportError) as err:
             fail(first_reason(str(err)))
 
+    def _refuse_untrained_test(self) -> None:
+        """`test` without `--ckpt_path` on a module with parameters to learn would score them as
+        initialised, not as trained: one line saying what to pass."""
+        if self.subcommand != "test" or self.config["test"].get("ckpt_path"):
+            return
+        if any(p.requires_grad for p in self.model.parameters()):
+            fail(
+                "test without --ckpt_path would score the untrained intervention; pass --ckpt_path "
+                "runs/<run>/version_N/checkpoints/<file>.ckpt (the run fit wrote), or use validate to score one "
+                "that needs no training"
+            )
+
     def _instantiate_trainer(self, config, callbacks):
+        self._refuse_untrained_test()  # the model is built, the trainer not yet
+        root = config.get("default_root_dir") or os.getcwd()
+        writable_directory(root, "--trainer.default_root_dir")
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):  # checkpoints whole or not at all
+            config["plugins"] = [*plugins, AtomicCheckpointIO()]
         if config.get("logger") in (None, True):  # the default TensorBoard logger, named by the run
-            root = config.get("default_root_dir") or os.getcwd()
             config["logger"] = TensorBoardLogger(save_dir=root, name=run_name(self.model, self.datamodule))
         listed = [*(config.get("callbacks") or []), *callbacks]
         if (
@@ -204,11 +225,28 @@ class InterventionCLI(LightningCLI):
             and not any(isinstance(c, ProgressBar) for c in listed)
         ):
             callbacks.append(LineProgress())
-        return super()._instantiate_trainer(config, callbacks)
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except MisconfigurationException as err:  # a trainer setting Lightning refuses (max_steps -5, ...)
+            fail(first_reason(str(err)))
+
+
+def writable_directory(path: str | os.PathLike, option: str) -> None:
+    """One error line when `path` is a file, or a directory that cannot be created or written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        fail(f"{option} {path} is a file, not a directory; pass a directory for the run's outputs")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        fail(f"{option} {path} cannot be created ({err.strerror or type(err).__name__}); pass a writable directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"{option} {path} is not writable; pass a writable directory")
 
 
 def trainer_defaults() -> dict:
-    return {"callbacks": [NonFiniteGuard(), ExportIntervention(), ExportDictionary(), RunSummary()]}
+    """The callbacks every run gets: the guard, the exports and the final summary."""
+    return {"callbacks": [NonFiniteGuard(), SignalGuard(), ExportIntervention(), ExportDictionary(), RunSummary()]}
 
 
 def _ckpt_path(args: list[str]) -> str | None:

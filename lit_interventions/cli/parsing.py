@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
 from jsonargparse import ArgumentParser
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (an editable install): its configs/
@@ -31,16 +32,44 @@ def find_config(path: str) -> str:
 
 
 def resolve_configs(args: list[str] | None) -> list[str]:
-    """`args` with every `--config` value passed through `find_config`."""
+    """`args` with every `--config` value passed through `find_config` and checked to be a YAML
+    mapping (`check_config_file`)."""
     args = list(sys.argv[1:] if args is None else args)
     out = []
     for i, arg in enumerate(args):
         if arg.startswith("--config="):
-            arg = "--config=" + find_config(arg.split("=", 1)[1])
+            arg = "--config=" + check_config_file(find_config(arg.split("=", 1)[1]))
         elif i and args[i - 1] in ("--config", "-c"):
-            arg = find_config(arg)
+            arg = check_config_file(find_config(arg))
         out.append(arg)
     return out
+
+
+def check_config_file(path: str) -> str:
+    """`path` when it is a readable UTF-8 YAML file holding a mapping of settings; otherwise one
+    error line naming the file and what is wrong (exit 2). A path that does not exist is left to
+    the parser, which names it."""
+    file = Path(path)
+    if not file.is_file():
+        return path
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        fail(f"--config {path}: not UTF-8 text (byte {err.start}); save it as UTF-8")
+    except OSError as err:
+        fail(f"--config {path}: cannot be read ({type(err).__name__}: {err.strerror or err})")
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        fail(f"--config {path}: not valid YAML{where} ({getattr(err, 'problem', None) or type(err).__name__})")
+    if data is None:
+        fail(f"--config {path}: the file is empty; a config is a YAML mapping such as `model: ...`, `data: ...`")
+    if not isinstance(data, dict):
+        fail(
+            f"--config {path}: holds a YAML {type(data).__name__}, not a mapping of settings "
+            "(`model: ...`, `data: ...`, `trainer: ...`)"
+        )
+    return path
 
 
 # ----------------------------------------------------------------------------- errors

@@ -19,6 +19,7 @@ MANIFEST = "manifest.json"  # in a converted directory: size, mtime and sha256 o
 STAGING = ".converting-"  # prefix of a conversion in progress (renamed to its target when complete)
 LOCK = ".lock"  # inside a staging directory: flock-ed by the converting process while it lives
 STALE_UNLOCKED_S = 3600  # a staging directory without a lock file (older versions) is stale after this
+_VERIFIED: set[tuple[str, int, int]] = set()  # (file, size, mtime) whose sha256 this process has checked
 
 
 def cache_dir() -> Path:
@@ -83,9 +84,10 @@ def _safetensors_intact(path: Path) -> str | None:
 
 def check_converted(directory: Path) -> str | None:
     """Why a converted directory is damaged, or None when it is whole. Against its manifest:
-    every file present with its size; a file whose mtime changed is hashed again (sha256). A
-    directory without a manifest (made by an older version) has its safetensors headers checked
-    and then gets one."""
+    every file present with its size and sha256 (each file is hashed once per process, and again
+    when its size or mtime changes; a file rewritten in place with its size and mtime kept is
+    caught). A directory without a manifest (made by an older version) has its safetensors
+    headers checked and then gets one."""
     if not (directory / "config.json").is_file():
         return "config.json is missing"
     manifest_path = directory / MANIFEST
@@ -115,9 +117,12 @@ def check_converted(directory: Path) -> str | None:
         stat = path.stat()
         if stat.st_size != record.get("size"):
             return f"{name} is {stat.st_size} bytes, not the {record.get('size')} written"
-        if stat.st_mtime_ns != record.get("mtime_ns"):
+        seen = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if seen not in _VERIFIED:
             if _sha256(path) != record.get("sha256"):
                 return f"{name} was modified after conversion (its sha256 differs)"
+            _VERIFIED.add(seen)
+        if stat.st_mtime_ns != record.get("mtime_ns"):
             touched = True  # same content (copied, touched): record the new mtime below
     if touched:
         try:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lit_interventions.interventions.base import Intervention
+from lit_interventions.interventions.base import Intervention, register_intervention
 
 
+@register_intervention
 class ConceptDictionary(Intervention):
     """A (concepts × d) matrix of concept directions, `weight[c]` = w_c.
 

@@ -14,8 +14,12 @@ An intervention is a torch module with
   JSON-able settings), so that ``type(x).from_tensors(x.export(), **x.config())`` equals ``x``.
 
 `save_intervention` / `load_intervention` write and read ``intervention.safetensors`` plus an
-``intervention.json`` card holding ``class_path`` and ``config``: no table of known classes.
-No Lightning here.
+``intervention.json`` card holding ``class_path`` and ``config``.
+
+A class path read from a file is data: `loadable_class` resolves it through the table of
+registered classes (`register_intervention`; the project's own classes register themselves where
+they are defined) and refuses any other before importing it, unless the caller trusts the file
+(`trust_remote_code=True`, as transformers names it). No Lightning here.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from __future__ import annotations
 import importlib
 import json
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -88,10 +95,14 @@ class Intervention(nn.Module):
         return save_pretrained(directory, self, card)
 
     @classmethod
-    def from_pretrained(cls, directory_or_hub_id: str | Path, **download: Any) -> Intervention:
+    def from_pretrained(
+        cls, directory_or_hub_id: str | Path, *, trust_remote_code: bool = False, **download: Any
+    ) -> Intervention:
         """The intervention saved in a local directory or a hub repository (`snapshot_download`;
-        `download`: revision, token, cache_dir, local_files_only). Refuses one of another class."""
-        intervention = load_pretrained(local_directory(directory_or_hub_id, **download))
+        `download`: revision, token, cache_dir, local_files_only). Refuses one of another class,
+        and an unregistered class path unless `trust_remote_code` (`load_pretrained`)."""
+        directory = local_directory(directory_or_hub_id, **download)
+        intervention = load_pretrained(directory, trust_remote_code=trust_remote_code)
         if not isinstance(intervention, cls):
             raise TypeError(
                 f"{directory_or_hub_id} holds a {class_path(intervention)}, not a {class_path(cls)}; "
@@ -125,6 +136,78 @@ def import_class(path: str) -> type:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"class_path={path!r} cannot be imported: {error}") from error
+
+
+# --- the classes a file may name ------------------------------------------------------------------------------
+
+OWN_PACKAGE = "lit_interventions."
+_REGISTERED: dict[str, type] = {}
+_TRUST_REMOTE_CODE: ContextVar[bool] = ContextVar("trust_remote_code", default=False)
+
+
+def register_intervention(cls: type | None = None, *, aliases: tuple[str, ...] = ()):
+    """Let saved artifacts name `cls` (an intervention, or a part one is built from, such as a
+    featurizer) by its class path, and by any of `aliases`. Use as `register_intervention(MyClass)`
+    or as a class decorator. Returns the class."""
+
+    def register(klass: type) -> type:
+        if not isinstance(klass, type):
+            raise ValueError(f"register_intervention takes a class; got {klass!r}")
+        for path in (class_path(klass), *aliases):
+            known = _REGISTERED.get(path)
+            if known is not None and known is not klass:
+                raise ValueError(f"class_path {path!r} is already registered for {known!r}")
+            _REGISTERED[path] = klass
+        return klass
+
+    return register if cls is None else register(cls)
+
+
+def registered_interventions() -> list[str]:
+    """The class paths saved artifacts may name without `trust_remote_code`."""
+    return sorted(_REGISTERED)
+
+
+@contextmanager
+def trusting_remote_code(trust: bool = True) -> Iterator[None]:
+    """Inside the block, `loadable_class` imports class paths outside the registry (the nested
+    parts of a composed intervention included) when `trust` is True."""
+    token = _TRUST_REMOTE_CODE.set(bool(trust))
+    try:
+        yield
+    finally:
+        _TRUST_REMOTE_CODE.reset(token)
+
+
+def loadable_class(path: object, where: str | Path) -> type:
+    """The class a saved artifact names at `where` (a file, for the message). A registered class
+    path gives its class. The project's own modules may be imported to register their classes;
+    any other class path is refused before anything is imported, unless inside
+    `trusting_remote_code()`."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where}: class_path={path!r} must be a dotted class path string")
+    if path not in _REGISTERED and path.startswith(OWN_PACKAGE):
+        try:  # the project's own code: importing it registers its classes
+            importlib.import_module(path.rpartition(".")[0])
+        except (ImportError, ValueError):
+            pass
+    if path in _REGISTERED:
+        return _REGISTERED[path]
+    if _TRUST_REMOTE_CODE.get():
+        return import_class(path)
+    raise ValueError(
+        f"{where}: class_path {path!r} is not a registered class, so it was not imported; if it is "
+        "yours, call lit_interventions.register_intervention(YourClass) before loading, or pass "
+        "trust_remote_code=True if you trust where this artifact came from"
+    )
+
+
+def weights_path(directory: Path, name: object, where: str | Path) -> Path:
+    """The weights file `name` (from a saved config) inside `directory`: a plain file name only,
+    never a path that leaves the artifact's directory."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or ":" in name:
+        raise ValueError(f"{where}: weights={name!r} must be a file name inside {directory} (no path separators)")
+    return directory / name
 
 
 def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card: dict) -> Path:
@@ -173,18 +256,27 @@ def save_intervention(directory: str | Path, intervention: InterventionProtocol,
     return write_tensors(directory, intervention.export(), card)
 
 
-def load_intervention(directory: str | Path) -> tuple[InterventionProtocol, dict]:
-    """(the rebuilt intervention, its card) from what `save_intervention` wrote."""
-    tensors, card = read_tensors(directory)
+def _rebuild(cls_path: object, tensors: dict[str, torch.Tensor], config: object, where: Path, trust: bool):
+    """`cls.from_tensors(tensors, **config)` for the class `cls_path` names (see `loadable_class`)."""
+    with trusting_remote_code(trust):
+        cls = loadable_class(cls_path, where)
+        if not callable(getattr(cls, "from_tensors", None)):
+            raise ValueError(f"{where}: class_path={cls_path!r} is not an intervention class (no from_tensors)")
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: config={config!r} must be a JSON object")
+        return cls.from_tensors(tensors, **config)
+
+
+def load_intervention(directory: str | Path, *, trust_remote_code: bool = False) -> tuple[InterventionProtocol, dict]:
+    """(the rebuilt intervention, its card) from what `save_intervention` wrote. The card's class
+    path is resolved by `loadable_class`."""
+    where = Path(directory) / CARD
+    card = _read_card(where)
     if "class_path" not in card:
-        raise ValueError(f"{Path(directory) / CARD} has no class_path (an older export?); read it with read_tensors")
-    cls = import_class(card["class_path"])
-    if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
-        raise ValueError(
-            f"{Path(directory) / CARD}: class_path={card['class_path']!r} is not an intervention class "
-            "(no from_tensors)"
-        )
-    return cls.from_tensors(tensors, **card.get("config", {})), card
+        raise ValueError(f"{where} has no class_path (an older export?); read it with read_tensors")
+    loadable_class_or_trusted(card["class_path"], where, trust_remote_code)  # refused before the weights are read
+    tensors, card = read_tensors(directory)
+    return _rebuild(card["class_path"], tensors, card.get("config", {}), where, trust_remote_code), card
 
 
 # --- the Hugging Face layout (config.json + README.md card; see lit_interventions.artifacts.hub) ---------------
@@ -207,23 +299,53 @@ def save_pretrained(directory: str | Path, intervention: InterventionProtocol, c
     return directory
 
 
-def load_pretrained(directory: str | Path) -> InterventionProtocol:
+def load_pretrained(directory: str | Path, *, trust_remote_code: bool = False) -> InterventionProtocol:
     """The intervention `save_pretrained` (config.json) or `save_intervention` (intervention.json,
-    older directories) wrote to the local `directory`."""
-    from safetensors.torch import load_file
+    older directories) wrote to the local `directory`. Its class path (and those of its nested
+    parts) must be registered (`register_intervention`) unless `trust_remote_code`; a refusal
+    happens before any weights are read."""
 
     directory = Path(directory)
     config = read_config(directory) if (directory / CONFIG).is_file() else {}
     if "class_path" not in config:  # an older directory (intervention.json only), or config.json not ours
         if not (directory / CARD).is_file():
             raise FileNotFoundError(f"{directory} holds neither a lit-interventions config.json nor {CARD}")
-        return load_intervention(directory)[0]
-    weights = directory / config.get("weights", WEIGHTS)
-    tensors = load_file(weights)
+        return load_intervention(directory, trust_remote_code=trust_remote_code)[0]
+    where = directory / CONFIG
+    loadable_class_or_trusted(config["class_path"], where, trust_remote_code)
+    tensors = read_weights(weights_path(directory, config.get("weights", WEIGHTS), where), where)
+    return _rebuild(config["class_path"], tensors, config.get("config", {}), where, trust_remote_code)
+
+
+def read_weights(weights: Path, named_in: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file `weights` that the config `named_in` names; one clear
+    error when it is missing, unreadable or holds non-finite values."""
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(weights)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{weights}: no such file ({named_in} names it as the weights)") from None
+    except Exception as err:  # truncated, empty, not safetensors
+        raise ValueError(f"{weights} is unreadable ({type(err).__name__}); restore the file or save it again") from None
     check_finite(tensors, weights, "load")
-    cls = import_class(config["class_path"])
-    if not (isinstance(cls, type) and callable(getattr(cls, "from_tensors", None))):
-        raise ValueError(
-            f"{directory / CONFIG}: class_path={config['class_path']!r} is not an intervention class (no from_tensors)"
-        )
-    return cls.from_tensors(tensors, **config.get("config", {}))
+    return tensors
+
+
+def loadable_class_or_trusted(path: object, where: Path, trust: bool) -> type:
+    """`loadable_class(path, where)`, importing an unregistered class path only when `trust`."""
+    with trusting_remote_code(trust):
+        return loadable_class(path, where)
+
+
+def _read_card(where: Path) -> dict:
+    """The JSON card at `where` (intervention.json)."""
+    try:
+        card = json.loads(where.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: no such file (is {where.parent} an intervention's directory?)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{where} is unreadable ({type(err).__name__}); re-export it or restore the file") from None
+    if not isinstance(card, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    return card

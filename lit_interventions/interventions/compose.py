@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lit_interventions.interventions.base import Intervention, class_path, import_class
+from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
 from lit_interventions.interventions.capabilities import Annealed, Penalised
 
 
+@register_intervention
 class Composition(Intervention):
     """Parts applied at their own sites: forward([f(b) at site i], [f(s) at site i]) →
     [f*_i(f(b)_i, f(s)_i)], each part on its own states."""
@@ -55,5 +56,6 @@ class Composition(Intervention):
         rebuilt = []
         for i, part in enumerate(parts):
             own = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == str(i)}
-            rebuilt.append(import_class(part["class_path"]).from_tensors(own, **part["config"]))
+            part_class = loadable_class(part["class_path"], f"{cls.__name__} part {i}")
+            rebuilt.append(part_class.from_tensors(own, **part["config"]))
         return cls(rebuilt)

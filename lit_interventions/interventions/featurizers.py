@@ -32,7 +32,7 @@ from sklearn.decomposition import PCA
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 
-from lit_interventions.interventions.base import Intervention, class_path, import_class
+from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
 from lit_interventions.interventions.feature_selection import (  # noqa: F401  (re-exported: feature selection)
     CLASSIFIERS,
     DEFAULT_C_GRID,
@@ -52,6 +52,7 @@ from lit_interventions.interventions.feature_selection import (  # noqa: F401  (
 # Featurizers
 
 
+@register_intervention
 class PCAFeaturizer(nn.Module):
     """z = V ((x − μ) / σ), x̂ = σ ⊙ (Vᵀ z) + μ; V (m × d) the principal axes of the standardised
     site representations (σ = 1: of the centred ones)."""
@@ -98,6 +99,7 @@ class PCAFeaturizer(nn.Module):
         return (z @ self.components) * self.scale + self.mean
 
 
+@register_intervention
 class SAEFeaturizer(nn.Module):
     """f = ReLU(W1 (x − b2) + b1), x̂ = W2 f + b2.  W1: (m, d), b1: (m,), W2: (d, m), b2: (d,)."""
 
@@ -152,6 +154,7 @@ def featurize(featurizer: nn.Module, representations, batch_size: int = 4096) ->
 # Interventions
 
 
+@register_intervention
 class FeatureInterchange(Intervention):
     """f* = f(b) + dec(z_mix) − dec(z(b)), z_mix = z(b) with the selected features taken from z(s).
 
@@ -199,12 +202,14 @@ class FeatureInterchange(Intervention):
     def from_tensors(
         cls, tensors: dict[str, torch.Tensor], featurizer: str = class_path(PCAFeaturizer), keep_error: bool = True
     ) -> FeatureInterchange:
-        """`featurizer`: the class path of a featurizer built from its buffers (PCA or SAE)."""
+        """`featurizer`: the class path of a featurizer built from its buffers (PCA or SAE; a
+        registered class, `loadable_class`)."""
         buffers = {k.removeprefix("featurizer."): v for k, v in tensors.items() if k.startswith("featurizer.")}
         selected = tensors["selected"].round().long().tolist()
-        return cls(import_class(featurizer)(**buffers), selected, keep_error)
+        return cls(loadable_class(featurizer, f"{cls.__name__} featurizer")(**buffers), selected, keep_error)
 
 
+@register_intervention
 class FullVectorSwap(Intervention):
     """The full-vector swap baseline: f* = f(s). `hidden_size` is accepted, as every intervention
     is built with it, and unused."""

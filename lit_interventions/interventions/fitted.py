@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lit_interventions.interventions.base import Intervention
+from lit_interventions.interventions.base import Intervention, register_intervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
 from lit_interventions.interventions.featurizers import (
@@ -52,6 +52,7 @@ class _Fitted(Intervention):
         return {} if self.needs_fit else self._export()
 
 
+@register_intervention
 class FeatureInterchangeFit(_Fitted):
     """PCA (fitted on the states) or a trained SAE (`sae`: a `sae.safetensors` path), and the
     features an L1 classifier uses to predict the label; at most `max_features`.
@@ -204,6 +205,7 @@ class FeatureInterchangeFit(_Fitted):
         return FeatureInterchange.from_tensors(tensors, **config)
 
 
+@register_intervention
 class DirectionInterchange(_Fitted):
     """A closed-form direction (`method`: diffmean, probe, pca, lda, kmeans, lat, random) as an
     interchange on its span; `k` one-vs-rest directions when the labels have more than 2 classes."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from lit_interventions.interventions.base import Intervention
+from lit_interventions.interventions.base import Intervention, register_intervention
 
 
 def loreft(hidden: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -21,6 +21,7 @@ def loreft(hidden: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, b
     return hidden + (hidden @ weight.T + bias - hidden @ rotation.T) @ rotation
 
 
+@register_intervention
 class LoReFTIntervention(Intervention):
     """A rank-r LoReFT edit applied to every position it is given.
 

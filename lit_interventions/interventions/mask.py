@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lit_interventions.interventions.base import Intervention
+from lit_interventions.interventions.base import Intervention, register_intervention
 
 
+@register_intervention
 class SigmoidMaskIntervention(Intervention):
     """A learned soft mask over the d dimensions of the residual stream. As pyvene's
     `SigmoidMaskIntervention`: m starts at 0 (σ = ½) and T at 1e-2; the training module sets T.

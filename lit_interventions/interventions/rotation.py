@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from lit_interventions.interventions.base import Intervention
+from lit_interventions.interventions.base import Intervention, register_intervention
 
 
 def subspace_interchange(base: torch.Tensor, source: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -20,6 +20,7 @@ def subspace_interchange(base: torch.Tensor, source: torch.Tensor, basis: torch.
     return base + (source - base) @ basis.T @ basis
 
 
+@register_intervention
 class RotatedSpaceIntervention(Intervention):
     """DAS: a learned rank-k subspace with orthonormal rows (torch's orthogonal parametrization).
     Once trained it acts as `FixedSubspaceIntervention` on its exported basis (`frozen_class`)."""
@@ -57,6 +58,7 @@ class RotatedSpaceIntervention(Intervention):
         return module
 
 
+@register_intervention
 class FixedSubspaceIntervention(Intervention):
     """Interchange on a given subspace (closed-form directions, or a = 0 as a no-op control)."""
 
@@ -78,6 +80,7 @@ class FixedSubspaceIntervention(Intervention):
         return cls(tensors["basis"])
 
 
+@register_intervention
 class FullSubspaceSwap(FixedSubspaceIntervention):
     """The vanilla interchange (CausalGym's full swap): the subspace is all of R^d, W = I_d, so
     f* = f(b) + (f(s) − f(b)) I I = f(s), computed as every subspace interchange is."""

@@ -1,4 +1,7 @@
-"""CausalGym's log odds-ratio and interchange intervention accuracy (IIA)."""
+"""CausalGym's log odds-ratio and interchange intervention accuracy (IIA): one metric, which
+every CausalGym score goes through (`OddsCallback` at validation and test,
+`InterchangeModule.score`, the sweep's stacked scoring), each updating it with the logits of
+the two labels alone (`label_ids`, `InterchangeOdds.update_labels`)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,12 @@ from torchmetrics import Metric
 def _gap(logits: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """log p(first) − log p(second): the softmax normaliser cancels, so logits suffice."""
     return logits.gather(-1, first[:, None])[:, 0] - logits.gather(-1, second[:, None])[:, 0]
+
+
+def label_ids(batch: dict) -> torch.Tensor:
+    """Each row's (y_b, y_s) token ids, (batch, 2): the only rows of the LM head the odds read
+    (`final_logits(..., vocab=label_ids(batch))` gives the label logits, columns y_b and y_s)."""
+    return torch.stack([batch["base_label"], batch["source_label"]], dim=1)
 
 
 def log_odds_ratio(
@@ -47,6 +56,12 @@ class InterchangeOdds(Metric):
         self.odds_sum += odds.double().sum()
         self.iia_sum += flipped.double().sum()
         self.count += odds.numel()
+
+    def update_labels(self, clean: torch.Tensor, intervened: torch.Tensor) -> None:
+        """`update` from label logits: `clean` and `intervened` (batch, ≥ 2) hold the logits of
+        y_b in column 0 and of y_s in column 1 (`label_ids`), p(· | b) and p*(· | b, s)."""
+        columns = torch.arange(2, device=clean.device).expand(len(clean), 2)
+        self.update(clean, intervened, columns[:, 0], columns[:, 1])
 
     def compute(self) -> dict[str, torch.Tensor]:
         count = self.count.clamp(min=1).double()

@@ -9,11 +9,16 @@ standard output that the data's metric callbacks score (`callbacks/metrics.py`).
 
 Interventions are dispatched on their declared capabilities (`interventions.capabilities`). A
 `Fitted` one (closed-form directions, PCA/SAE featurizers: `fit(states, labels)`) is fitted when
-`fit` starts, on the site's states of the train split (base and source sides)
-and the labels the data module gives them (`site_labels`); they take no optimizer step. One that
-is also `DevCandidates` (RAVEL's PCA/SAE: one per L1 strength C) has each scored on the
-val split with the data's `dev_metric()` (RAVEL: Disentangle) and keeps the best (`choose`); on
-data without one (CausalGym) it keeps its default.
+`fit` starts, on what `fit_states` reads (the site's states of the train split, on the sides the
+data module names, and the classes it gives them: CausalGym's base states and their sentence
+types, as CausalGym fits its directions and as the sweep does, by the same two functions,
+`fit_states` and `fit_closed_form`); they take no optimizer step. One that is also
+`DevCandidates` (RAVEL's PCA/SAE: one per L1 strength C) has each scored on the val split with
+the data's `dev_metric()` (RAVEL: Disentangle) and keeps the best (`choose`); on data without one
+(CausalGym) it keeps its default.
+
+The odds are read from the two labels' logits alone (`label_logits`), by validation and test
+(`OddsCallback`), by `score` and by the sweep, through the one metric (`InterchangeOdds`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +39,7 @@ from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.capabilities import (
     Annealed,
     DevCandidates,
+    DirectionEstimator,
     Fitted,
     NeedsFit,
     Penalised,
@@ -40,7 +47,7 @@ from lit_interventions.interventions.capabilities import (
     Tempered,
 )
 from lit_interventions.interventions.compose import Composition
-from lit_interventions.metrics import InterchangeOdds
+from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective
 
@@ -116,7 +123,7 @@ class InterchangeModule(SiteModule):
         build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
         self.intervention = build(d) if sites is None else Composition([build(d) for _ in sites])
         self.objective = CounterfactualLoss() if objective is None else objective
-        self.eval_outputs: set[str] = set()  # "clean": a metric callback also needs p(· | b)
+        self.eval_outputs: set[str] = set()  # what metric callbacks also need: "clean", "label_logits"
 
     # --- what the data supports -----------------------------------------------------------------
 
@@ -206,15 +213,9 @@ class InterchangeModule(SiteModule):
 
     @torch.no_grad()
     def fit_intervention(self, data) -> None:
-        """Fit a closed-form intervention on the site's states of the train split (base and source
-        sides; every process reads the whole split) and the labels the data gives them."""
-        states, labels = [], []
-        for batch in data.loader("train", data.hparams.eval_batch_size, shard=False):
-            batch = self.transfer_batch_to_device(batch, self.device, 0)
-            for side in ("base", "source"):
-                states.append(self.site_representation(batch, side).float().cpu())
-                labels += data.site_labels(batch, side)
-        self.intervention.fit(torch.cat(states), labels)
+        """Fit a closed-form intervention on the site's train states and their classes
+        (`fit_states`; every process reads the whole split), by `fit_closed_form`."""
+        self.intervention = fit_closed_form(self.intervention, *fit_states(self, data))
         self.intervention.to(self.device)
         candidates = self.intervention.dev_candidates() if isinstance(self.intervention, DevCandidates) else {}
         if candidates and isinstance(data, BenchmarkDataModule) and data.dev_metric() is not None:
@@ -267,7 +268,8 @@ class InterchangeModule(SiteModule):
     # --- evaluation -----------------------------------------------------------------------------
 
     def _evaluate(self, batch, stage: str) -> dict:
-        """The standard output the metric callbacks read: intervened (and if asked, clean) logits."""
+        """The standard output the metric callbacks read (`callbacks/metrics.py`): intervened
+        logits, and where a callback needs them, clean logits and the two labels' logits."""
         if isinstance(self.intervention, NeedsFit) and self.intervention.needs_fit:
             raise ValueError(
                 f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
@@ -275,9 +277,20 @@ class InterchangeModule(SiteModule):
             )
         intervened = self.intervened_logits(batch)
         clean = self.clean_logits(batch) if "clean" in self.eval_outputs else None
+        labels = self.label_logits(batch) if "label_logits" in self.eval_outputs else None
         loss = self.objective.task_loss(intervened, batch)
         self.log(f"{stage}/loss", loss, batch_size=len(batch["base_input_ids"]), sync_dist=True)
-        return {"intervened": intervened, "clean": clean}
+        return {"intervened": intervened, "clean": clean, "label_logits": labels}
+
+    def label_logits(self, batch: dict, clean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(p(· | b), p*(· | b, s)) at the base's last token of the two labels alone, (batch, 2)
+        each, columns y_b and y_s (`label_ids`): what the odds read. Only those rows of the LM
+        head are computed (the softmax normaliser cancels in the odds ratio). `clean`: the
+        unintervened ones, if already computed for this batch."""
+        labels = label_ids(batch)
+        if clean is None:
+            clean = self.clean_logits(batch, labels)
+        return clean, self.intervened_logits(batch, labels)
 
     def validation_step(self, batch, batch_idx):
         return self._evaluate(batch, "val")
@@ -287,10 +300,9 @@ class InterchangeModule(SiteModule):
 
     @torch.no_grad()
     def score(self, batches, interventions: dict[str, torch.nn.Module] | None = None) -> dict:
-        """AvgOdds and IIA over `batches` with the validation metric: of the module's own
-        intervention, or of each of `interventions` ({name: {odds, iia}}), sharing the
-        unintervened forward of each batch. Only the two labels' rows of the LM head are computed:
-        the odds ratio needs no other logit (the softmax normaliser cancels)."""
+        """AvgOdds and IIA over `batches`, as validation scores them (`label_logits` into
+        `InterchangeOdds`, what `OddsCallback` does): of the module's own intervention, or of each
+        of `interventions` ({name: {odds, iia}}), sharing the unintervened forward of each batch."""
         candidates = interventions if interventions is not None else {"": self.intervention}
         candidates = {name: intervention.to(self.device) for name, intervention in candidates.items()}
         metrics = {name: InterchangeOdds().to(self.device) for name in candidates}
@@ -298,16 +310,41 @@ class InterchangeModule(SiteModule):
         try:
             for batch in batches:
                 batch = self.transfer_batch_to_device(batch, self.device, 0)
-                labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)  # columns 0 and 1
-                base_column, source_column = torch.zeros_like(labels[:, 0]), torch.ones_like(labels[:, 0])
-                clean = self.clean_logits(batch, labels)
+                clean = None
                 for name, intervention in candidates.items():
                     self.intervention = intervention
-                    metrics[name].update(clean, self.intervened_logits(batch, labels), base_column, source_column)
+                    clean, intervened = self.label_logits(batch, clean)
+                    metrics[name].update_labels(clean, intervened)
         finally:
             self.intervention = own
         scores = {name: {k: v.item() for k, v in metric.compute().items()} for name, metric in metrics.items()}
         return scores if interventions is not None else scores[""]
+
+
+@torch.no_grad()
+def fit_states(module: SiteModule, data, batch_size: int | None = None) -> tuple[torch.Tensor, list]:
+    """What a closed-form intervention at `module`'s site is fitted on: the site's states on the
+    train split, (n, d) float32 on the CPU, of the sides `data.FIT_SIDES` names, and their
+    classes, `data.site_labels` (CausalGym: the base states and their sentence types, as
+    CausalGym's code fits its directions; RAVEL: base and source states and their entity's
+    target value), in the loader's order (unshuffled; every process reads the whole split).
+    `batch_size`: rows per read (default: the data's `eval_batch_size`)."""
+    states, labels = [], []
+    for batch in data.loader("train", batch_size or data.hparams.eval_batch_size, shard=False):
+        batch = module.transfer_batch_to_device(batch, module.device, 0)
+        for side in data.FIT_SIDES:
+            states.append(module.site_representation(batch, side).float().cpu())
+            labels += data.site_labels(batch, side)
+    return torch.cat(states), labels
+
+
+def fit_closed_form(method: Any, states: torch.Tensor, labels: list) -> nn.Module:
+    """`method` fitted on `states` and `labels` (`fit_states`), as the intervention to run: a
+    `Fitted` intervention itself, a direction estimator (`DirectionEstimator`) the interchange
+    on its direction (`to_intervention()`). The one fitting step of `InterchangeModule` and the
+    CausalGym sweep."""
+    method.fit(states, labels)
+    return method.to_intervention() if isinstance(method, DirectionEstimator) else method
 
 
 def _writer(intervention: nn.Module, source: torch.Tensor, positions: torch.Tensor):

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lit_interventions.core.loaders import split_loader
+from lit_interventions.interventions.base import register_intervention
 
 KINDS = ("linear", "mlp")
 
@@ -60,6 +61,7 @@ def _network(kind: str, d: int, n_out: int, hidden: int, dropout: float) -> nn.M
     )
 
 
+@register_intervention  # a saved attack names its probe's class
 class ProbeModule(L.LightningModule):
     """g_Z: hidden state at a site (batch, d) -> logits (batch, 1) if binary else (batch, classes).
 
@@ -223,7 +225,7 @@ def train_probe(
             num_sanity_val_steps=0,
         )
         trainer.fit(probe, datamodule=data)
-        checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
         probe.load_state_dict(checkpoint["state_dict"])
         probe.best_val_acc = float(best.best_model_score)
         if save_to is not None:
@@ -234,4 +236,4 @@ def train_probe(
 
 def load_probe(path: str | Path) -> ProbeModule:
     """A probe saved by `train_probe(save_to=...)`, in eval mode (check its site before use)."""
-    return ProbeModule.load_from_checkpoint(str(path), map_location="cpu").eval()
+    return ProbeModule.load_from_checkpoint(str(path), map_location="cpu", weights_only=True).eval()

@@ -1,21 +1,20 @@
-"""AxBench concept dictionaries on a frozen LM: one module for all six rank-1 methods.
+"""AxBench concept dictionaries on a frozen LM: one module for every concept method.
 
 Every concept of the dataset is a row of one `ConceptDictionary` (concepts × d), trained in one
-run; an example only updates the row of its own concept.
+run; an example only updates the row of its own concept. The method is an object
+(`lit_interventions.interventions.concept_methods`: a short name, a {class_path, init_args}
+config or an instance) that holds its own options and formulas; the module asks it by capability.
 
-Trained by gradient (automatic optimization, AdamW + linear schedule; `steering_objective.py`
-gives the formulas and the loss):
-- `reft_r1`: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at every token after the chat prefix,
-  loss −log p(response) + λ·Σ_{non-top-k}|latent| (AxBench eqs. 9–10), λ ramped up from 0
-  (`l1_ramp`); by default (`train_on_negative: true`) each concept also trains on the negatives
-  of its genre. w_c stays unit norm: the gradient component parallel to w_c is removed before
-  each step and the rows are renormalised after it.
-- `ssv`: Φ(h_i) = h_i + w_c at every token after the chat prefix of a positive example; loss
-  −log p(response); w free norm (AxBench eqs. 6–7).
+Trained by gradient (`trains`: automatic optimization, AdamW + linear schedule; `reft_r1`,
+`ssv`): the method gives the rows that train, Φ written at the layer and, if `L1Penalised`, the
+L1 term and its weight; the module runs the forward with Φ at every token after the chat prefix
+and takes −log p(response) (`steering_objective.py`). Unit-norm rows keep their norm: the
+gradient component parallel to w_c is removed before each step and the rows are renormalised
+after it.
 
-Closed form (no optimizer): `diffmean`, `pca`, `lat`, `probe`. `trainer.fit` runs one pass
-over the training data, keeping the response tokens at the layer; each concept's row is then
-fitted in closed form (`steering_closed_form.py`, which gives the formulas). This is a
+Fitted in closed form (`Fitted`, no optimizer; `diffmean`, `pca`, `lat`, `probe`): `trainer.fit`
+runs one pass over the training data, keeping the response tokens at the layer; the method's
+`fit` then gives every concept's row (`steering_closed_form.py` keeps the tokens). This is a
 Lightning-native fit because Lightning still owns the loop: DDP sharding of the data (the kept
 tokens of all ranks are gathered before the fit), device placement, validation, logging,
 checkpointing and the export callback are the same as for the trained methods, and
@@ -24,9 +23,10 @@ at the start of validation (Lightning validates *before* `on_train_epoch_end`) o
 the epoch; use `max_epochs: 1`.
 
 Validation scores every row of the eval set for the concept it is evaluated for: token latents
-Ψ(h_i) (h·w, or ReLU(h·w) for ReFT-r1 and SSV) max-pooled over every token after the chat prefix
-(instruction and response, as AxBench's code; `detect_on: response` pools the response), min-max
-normalised per concept, AUROC per concept (`val/auroc/<concept>`) and their mean (`val/auroc`).
+Ψ(h_i) (the method's latent: h·w, or ReLU(h·w) for ReFT-r1 and SSV) max-pooled over every token
+after the chat prefix (instruction and response, as AxBench's code; `detect_on: response` pools
+the response), min-max normalised per concept, AUROC per concept (`val/auroc/<concept>`) and their
+mean (`val/auroc`).
 The largest sequence score of each concept becomes its `max_activations` entry (the steering
 unit of the released dictionary).
 """
@@ -36,82 +36,89 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lit_interventions.artifacts.dictionary import RELU_METHODS, Dictionary
+from lit_interventions.artifacts.dictionary import LATENTS, Dictionary, latent_values
 from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
 from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 from lit_interventions.interventions.additive import ConceptDictionary
+from lit_interventions.interventions.capabilities import is_trained
+from lit_interventions.interventions.concept_methods import ConceptMethod, L1Penalised, concept_method, method_config
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_closed_form import (  # noqa: F401  (re-exported: the closed-form fit)
-    CLOSED_FORM,
-    concept_directions,
     fit_concept_direction,
     gathered_tokens,
     response_tokens,
 )
-from lit_interventions.modules.steering_objective import (
-    intervention_mask,
-    l1_term,
-    steering_intervention,
-    trained_rows,
-)
+from lit_interventions.modules.steering_objective import intervention_mask
 
-TRAINED = ("reft_r1", "ssv")
 DETECT_ON = ("content", "response")
-LAT_PAIRS = ("positives", "all")
-STEERING_METHODS = TRAINED + CLOSED_FORM
+# A concept method's options by the names of SteeringModule arguments: (method, its init_args key).
+METHOD_OPTIONS = {
+    "topk": ("reft_r1", "topk"),
+    "l1": ("reft_r1", "l1"),
+    "l1_ramp": ("reft_r1", "l1_ramp"),
+    "negative_l1": ("reft_r1", "negative_l1"),
+    "train_on_negative": ("reft_r1", "train_on_negative"),
+    "lat_pairs": ("lat", "pairs"),
+    "probe_l2": ("probe", "l2"),
+}
+
+
+def method_option_error(name: str, value) -> Exception:
+    """The error for a concept method's option given to `SteeringModule` itself: a ValueError naming
+    the method and the init_args key it belongs in (a TypeError for a name no method has)."""
+    if name not in METHOD_OPTIONS:
+        return TypeError(f"SteeringModule got an unexpected keyword argument {name!r}")
+    method, key = METHOD_OPTIONS[name]
+    path = method_config(concept_method(method))["class_path"]
+    return ValueError(
+        f"{name}={value!r} is an option of the {method} method, not of SteeringModule: give it in the "
+        f"method's init_args (YAML: method: {{class_path: {path}, init_args: {{{key}: {value!r}}}}}; "
+        f"CLI: --model.method {path} --model.method.{key} {value!r}; Python: "
+        f"method={path.rpartition('.')[2]}({key}={value!r}))"
+    )
 
 
 class SteeringModule(FrozenLMModule):
-    """A concept dictionary (concepts × d) at one layer of a frozen LM, by one AxBench method.
+    """A concept dictionary (concepts × d) at one layer of a frozen LM, by one concept method.
 
     Args:
         lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.core.lm`).
         layer: residual stream after this block (−1: embeddings). Default: the middle layer.
-        method: reft_r1, ssv (trained) or diffmean, pca, lat, probe (closed form).
+        method: the concept method (`lit_interventions.interventions.concept_methods`), with its own
+            options: a short name, reft_r1, ssv (trained) or diffmean, pca, lat, probe (closed form),
+            built with its defaults; a {class_path, init_args} config (YAML: `method: {class_path:
+            lit_interventions.interventions.concept_methods.ReFTR1Method, init_args: {topk: 8}}`);
+            or an instance, e.g. `ReFTR1Method(topk=8)`.
         concept_names: the concept names, one per row (concept_id indexes them). None: taken from
             the data module's `.concepts` when fit/validate starts (`configure_model`). Not called
             `concepts`, which the data module uses for concept ids (Lightning merges both hparams).
-        topk: k of ReFT-r1's TopK. l1: λ of ReFT-r1's L1 term.
-        l1_ramp: λ grows linearly from 0, λ·step/total_steps (AxBench's code); False: constant λ.
-        negative_l1: ReFT-r1 also applies the L1 term to the negative pool (see the module doc).
-        train_on_negative: ReFT-r1 also trains on each concept's genre-matched negatives (the same
-            TopK intervention and LM loss; AxBench's sweeps). Needs the data module's
-            `genre_negatives: true`. False: positives only.
-        exclude_prefix: ReFT-r1 and SSV intervene (and ReFT-r1 runs the TopK and the L1 term) only
+        exclude_prefix: a trained method intervenes (and ReFT-r1 runs the TopK and the L1 term) only
             after the chat prefix (`content_mask`; AxBench's `exclude_bos`). False: every token.
         detect_on: the tokens detection max-pools over: "content" (every token after the chat
             prefix, instruction included: AxBench's code) or "response".
-        lat_pairs: LAT's random pairs from the concept's "positives" (AxBench's code) or from
-            "all" tokens (positives and the negative pool).
-        probe_l2: the probe's L2 strength on the *mean* token log-loss (AxBench trains its probe
-            with AdamW weight decay 1e-3); None: CausalGym's λ table by hidden size.
-        lr, weight_decay: AdamW; warmup_ratio: linear warmup share, then linear decay to 0.
+        lr, weight_decay: AdamW of a trained method; warmup_ratio: linear warmup share, then linear
+            decay to 0.
         dtype: the LM's dtype (float32, bfloat16, float16).
         direction_seed: initial directions (ReFT-r1) and the random pairs / solvers of the closed
             forms (not `seed`, the data module's shuffling seed).
         device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
             one larger than a GPU (`lit_interventions.core.sharding`): e.g. device_map "auto" spreads
             it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
+        kwargs: a method's option given here (topk, l1, l1_ramp, negative_l1, train_on_negative,
+            lat_pairs, probe_l2) is a ValueError naming the method's init_args it belongs in.
     """
 
     def __init__(
         self,
         lm: str = DEFAULT_LM,
         layer: int | None = None,
-        method: str = "reft_r1",
+        method: ConceptMethod | str = "reft_r1",
         concept_names: list[str] | None = None,
-        topk: int = 8,
-        l1: float = 5e-3,
-        l1_ramp: bool = True,
-        negative_l1: bool = False,
-        train_on_negative: bool = True,
         exclude_prefix: bool = True,
         detect_on: str = "content",
-        lat_pairs: str = "positives",
-        probe_l2: float | None = 1e-3,
         lr: float = 1e-2,
         weight_decay: float = 0.0,
         warmup_ratio: float = 0.0,
@@ -121,30 +128,28 @@ class SteeringModule(FrozenLMModule):
         quantization: str | None = None,
         max_memory: dict | None = None,
         offload_folder: str | None = None,
+        **kwargs,
     ):
         super().__init__()
+        if kwargs:
+            raise method_option_error(*next(iter(kwargs.items())))
         check_dtype(dtype)  # before anything is loaded
         self.check_lm_options(device_map, quantization, max_memory, offload_folder)
         if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
             raise ValueError(f"lr={lr!r} must be a finite number > 0")
-        if method not in STEERING_METHODS:
-            raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(STEERING_METHODS)}")
-        if topk < 1:
-            raise ValueError(f"topk={topk!r} must be >= 1")
-        if l1 < 0:
-            raise ValueError(f"l1={l1!r} must be >= 0")
+        self.method = concept_method(method)
+        if self.method.latent not in LATENTS:
+            raise ValueError(f"{self.method!r} declares latent={self.method.latent!r}; valid: {', '.join(LATENTS)}")
         if detect_on not in DETECT_ON:
             raise ValueError(f"detect_on={detect_on!r}; valid: {', '.join(DETECT_ON)}")
-        if lat_pairs not in LAT_PAIRS:
-            raise ValueError(f"lat_pairs={lat_pairs!r}; valid: {', '.join(LAT_PAIRS)}")
-        if probe_l2 is not None and not probe_l2 > 0:
-            raise ValueError(f"probe_l2={probe_l2!r} must be > 0 or None")
         self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validates them
         config = load_config(lm)  # the config only: the layer is checked before weights load
         layer = site_layer(config, layer)
         self.save_hyperparameters()
         self.hparams.layer = layer
-        self.automatic_optimization = method in TRAINED
+        if isinstance(method, ConceptMethod):  # a config that builds it again (checkpoints hold no objects)
+            self.hparams.method = method_config(method)
+        self.automatic_optimization = is_trained(self.method)
         self._hidden_size = hidden_size(config)
         self._frozen: dict[str, object] = {"tokens": []}  # the LM and collected states: not in state_dict
         self.dictionary: ConceptDictionary | None = None
@@ -159,7 +164,7 @@ class SteeringModule(FrozenLMModule):
         self.hparams.concept_names = [str(c) for c in concepts]
         n = len(concepts)
         self.dictionary = ConceptDictionary(
-            n, self._hidden_size, unit_norm=self.hparams.method != "ssv", seed=self.hparams.direction_seed
+            n, self._hidden_size, unit_norm=self.method.unit_norm, seed=self.hparams.direction_seed
         )
         self.register_buffer("max_activations", torch.full((n,), float("nan")))
 
@@ -187,10 +192,9 @@ class SteeringModule(FrozenLMModule):
         return read_layers(self.lm, [layer], batch["input_ids"], batch["attention_mask"])[layer]
 
     def token_scores(self, hidden: torch.Tensor, concept_id: torch.Tensor) -> torch.Tensor:
-        """Ψ(h_i) of each row's concept at every token, (batch, seq): h·w, or ReLU(h·w) for
-        ReFT-r1 and SSV."""
-        scores = self.dictionary.projections(hidden, concept_id)
-        return torch.relu(scores) if self.hparams.method in RELU_METHODS else scores
+        """Ψ(h_i) of each row's concept at every token, (batch, seq): the method's latent, h·w or
+        ReLU(h·w)."""
+        return latent_values(self.dictionary.projections(hidden, concept_id), self.method.latent)
 
     # --- trained methods ----------------------------------------------------------------------
 
@@ -199,8 +203,8 @@ class SteeringModule(FrozenLMModule):
         return intervention_mask(batch, self.hparams.exclude_prefix)
 
     def trained_rows(self, batch) -> torch.Tensor:
-        """The rows that get the intervention and the LM loss, (batch,): see `steering_objective.trained_rows`."""
-        return trained_rows(batch, self.hparams.method, self.hparams.train_on_negative)
+        """The rows that get the intervention and the LM loss, (batch,): the method's `trained_rows`."""
+        return self.method.trained_rows(batch)
 
     def _steered_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(−log p(response) of the trained rows under the intervention, the L1 term) for a batch."""
@@ -209,7 +213,8 @@ class SteeringModule(FrozenLMModule):
         trained = self.trained_rows(batch)  # (batch,)
         w = self.dictionary.weight[batch["concept_id"].clamp(min=0)]  # (batch, d); unused on untrained rows
         seen: dict[str, torch.Tensor] = {}
-        intervene = steering_intervention(self.hparams.method, w, where, trained, self.hparams.topk, seen)
+        intervene = self.method.intervention(w, where, trained, seen)
+        penalised = isinstance(self.method, L1Penalised)
         targets = batch["response_mask"][:, 1:].bool() & trained[:, None]  # token t+1 is predicted at t
         if targets.any():
             with residual_hook(self.lm, self.hparams.layer, intervene, self.device):
@@ -218,27 +223,16 @@ class SteeringModule(FrozenLMModule):
             lm_loss = F.cross_entropy(logits.float(), ids[:, 1:][targets])
         else:  # nothing to predict (the sum keeps the graph for DDP)
             lm_loss = self.dictionary.weight.sum() * 0.0
-            if self.hparams.method == "reft_r1":
+            if penalised:
                 intervene(self.states(batch))  # the L1 term needs only the states at the layer
-        if self.hparams.method != "reft_r1":
+        if not penalised:
             return lm_loss, lm_loss.detach() * 0.0
-        return lm_loss, l1_term(seen, trained, where, self.dictionary.weight, self.hparams.negative_l1)
+        return lm_loss, self.method.l1_term(seen, trained, where, self.dictionary.weight)
 
     def on_fit_start(self):
-        """ReFT-r1 with `train_on_negative` needs negatives carrying their concept's id."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        wants = self.hparams.method == "reft_r1" and self.hparams.train_on_negative
-        has = getattr(datamodule, "genre_negatives", None)
-        if wants and has is False:
-            raise ValueError(
-                "train_on_negative=True (AxBench) needs negatives per concept: set the data module's "
-                "genre_negatives: true, or set train_on_negative: false"
-            )
-        if self.hparams.method in CLOSED_FORM and has is True:
-            raise ValueError(
-                f"{self.hparams.method} is fitted against the shared negative pool: set the data module's "
-                "genre_negatives: false"
-            )
+        """The method refuses a data module that does not suit it (ReFT-r1 with `train_on_negative`
+        needs negatives carrying their concept's id; a closed form fits against the shared pool)."""
+        self.method.check_data(getattr(getattr(self.trainer, "datamodule", None), "genre_negatives", None))
 
     def training_step(self, batch, batch_idx):
         if not self.automatic_optimization:
@@ -248,16 +242,15 @@ class SteeringModule(FrozenLMModule):
         size = len(batch["label"])
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/lm_loss", lm_loss, batch_size=size)
-        if self.hparams.method == "reft_r1":
+        if isinstance(self.method, L1Penalised):
             self.log("train/l1", l1, batch_size=size)
         return loss
 
     def l1_coefficient(self) -> float:
-        """λ at this step: λ·step/total_steps with `l1_ramp` (AxBench: `coeff = curr_step /
-        num_training_steps`, 0 at the first step), else λ."""
-        if not self.hparams.l1_ramp:
-            return self.hparams.l1
-        return self.hparams.l1 * self.global_step / max(1, int(self.trainer.estimated_stepping_batches))
+        """λ at this step, as the method weighs its L1 term (0 for a method without one)."""
+        if not isinstance(self.method, L1Penalised):
+            return 0.0
+        return self.method.l1_coefficient(self.global_step, self.trainer.estimated_stepping_batches)
 
     def on_before_optimizer_step(self, optimizer):
         self.dictionary.remove_parallel_grad()
@@ -276,7 +269,7 @@ class SteeringModule(FrozenLMModule):
     @torch.no_grad()
     def _collect(self, batch) -> None:
         """Keep the response tokens of this batch: positives with their concept, negatives as −1."""
-        self._frozen["tokens"].append(response_tokens(self.states(batch), batch, self.hparams.method))
+        self._frozen["tokens"].append(response_tokens(self.states(batch), batch, self.method.name))
         self._frozen["pending"] = True
 
     @torch.no_grad()
@@ -292,13 +285,12 @@ class SteeringModule(FrozenLMModule):
                 f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "
                 "Nothing was fitted or exported."
             )
-        options = {"lat": {"lat_pairs": self.hparams.lat_pairs}, "probe": {"l2": self.hparams.probe_l2}}
-        method = self.hparams.method
-        rows = concept_directions(
-            method, hidden, labels, self.concepts, self.hparams.direction_seed, **options.get(method, {})
-        )
-        for c, w in rows:
-            self.dictionary.weight.data[c] = w.to(self.dictionary.weight)
+        rows = self.method.fit(hidden, labels, self.concepts, seed=self.hparams.direction_seed)
+        if tuple(rows.shape) != tuple(self.dictionary.weight.shape):
+            raise ValueError(
+                f"{self.method!r}.fit gave rows of shape {tuple(rows.shape)}; expected {tuple(self.dictionary.weight.shape)}"
+            )
+        self.dictionary.weight.data.copy_(rows.to(self.dictionary.weight))
 
     def on_train_epoch_start(self):
         self._frozen["tokens"] = []
@@ -356,16 +348,15 @@ class SteeringModule(FrozenLMModule):
 
     def to_dictionary(self, training_data: str | None = None) -> Dictionary:
         """The released dictionary: rows, names, max activations, last validation AUROC."""
-        card = {"model_type": getattr(load_config(self.hparams.lm), "model_type", None)}
-        if self.hparams.method == "reft_r1":
-            card.update(topk=self.hparams.topk, l1=self.hparams.l1)
+        card = {"model_type": getattr(load_config(self.hparams.lm), "model_type", None), **self.method.card()}
         return Dictionary(
             vectors=self.dictionary.weight.detach(),
             max_activations=self.max_activations,
             concepts=self.concepts,
             model=self.hparams.lm,
             layer=self.hparams.layer,
-            method=self.hparams.method,
+            method=self.method.name,
+            latent=self.method.latent,
             training_data=training_data,
             auroc=self._frozen.get("val_auroc"),
             card=card,

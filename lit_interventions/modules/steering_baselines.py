@@ -13,9 +13,10 @@ stays frozen; only the intervention (LoReFT) or the adapter (LoRA) is trained an
   `attention.dense` (GPT-NeoX), `attn.c_proj` (GPT-2).
 
 After fit, rank 0 writes `intervention.safetensors` + `intervention.json` (card: method, model,
-layer, rank, concept...) and config.json + a README.md model card to the run's log directory;
-`load_steering_checkpoint` (or `lit_interventions.from_pretrained`) rebuilds a module from that
-directory, and `load_steering_checkpoint` also from a Lightning `.ckpt`.
+layer, rank, concept...) and config.json + a README.md model card to the run's log directory.
+Each class rebuilds itself from that export (`from_export(tensors, card, lm)`);
+`lit_interventions.modules.steering_registry.load_steering_checkpoint` picks the class from the
+registered ones by the name the directory (or a Lightning `.ckpt`) records.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from lit_interventions.artifacts.hub import artifact_config, intervention_config
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, residual_hook, run_body, site_layer
-from lit_interventions.interventions.base import CARD, WEIGHTS, read_tensors, save_intervention, write_tensors
+from lit_interventions.interventions.base import WEIGHTS, save_intervention, write_tensors
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.site import FrozenLMModule
+from lit_interventions.modules.steering_registry import CHECKPOINT_KEY
 
 # Attention output projections by architecture, in the order they are tried.
 ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
@@ -116,6 +118,30 @@ class _SteeringModule(FrozenLMModule):
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict]:
         raise NotImplementedError
+
+    @classmethod
+    def from_export(cls, tensors: dict[str, torch.Tensor], card: dict, lm: str | None = None) -> _SteeringModule:
+        """The module `export()` described, rebuilt from its tensors and card; `lm` overrides the
+        card's model."""
+        raise NotImplementedError
+
+    @classmethod
+    def _card_args(cls, card: dict, lm: str | None, required: tuple[str, ...], **optional) -> dict:
+        """`__init__` arguments from a card: the LM (`lm`, else the card's model), the concept, the
+        `required` keys and the `optional` ones (with these defaults)."""
+        if missing := [key for key in ("model", *required) if key not in card and not (key == "model" and lm)]:
+            raise ValueError(f"a {cls.method} card needs {', '.join(missing)}; it holds {sorted(card)}")
+        return {
+            "lm": lm or card["model"],
+            "concept": card.get("concept"),
+            "concept_id": card.get("concept_id"),
+            **{key: card[key] for key in required},
+            **{key: card.get(key, default) for key, default in optional.items()},
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """A Lightning checkpoint records the registered name of its class (`steering_registry`)."""
+        checkpoint[CHECKPOINT_KEY] = self.method
 
     def site_text(self) -> str:
         """Where the module edits the LM, in words (the model card's site)."""
@@ -219,6 +245,21 @@ class LoReFTModule(_SteeringModule):
             "hidden_size": self.intervention.hidden_size,
         }
         return self.intervention.export(), card
+
+    @classmethod
+    def from_export(cls, tensors: dict[str, torch.Tensor], card: dict, lm: str | None = None) -> LoReFTModule:
+        """LoReFT at the card's layer and rank, with R, W and b from `tensors` (checked against the LM's width)."""
+        if set(tensors) != {"rotation", "weight", "bias"}:
+            raise ValueError(f"LoReFT tensors are rotation, weight and bias; got {sorted(tensors)}")
+        module = cls(**cls._card_args(card, lm, ("layer", "rank")))
+        trained = tensors["rotation"].shape[1]
+        if module.intervention.hidden_size != trained:
+            raise ValueError(
+                f"the LoReFT weights were trained on hidden size {trained}, but {module.hparams.lm!r} has "
+                f"hidden size {module.intervention.hidden_size}"
+            )
+        module.intervention = LoReFTIntervention.from_tensors(tensors)
+        return module
 
     def save(self, directory: str | Path) -> Path:
         """Through the intervention protocol: the card also gets class_path and config; config.json
@@ -334,6 +375,13 @@ class LoRAModule(_SteeringModule):
         }
         return tensors, card
 
+    @classmethod
+    def from_export(cls, tensors: dict[str, torch.Tensor], card: dict, lm: str | None = None) -> LoRAModule:
+        """LoRA with the card's rank, alpha, targets and layers, and the adapter from `tensors`."""
+        module = cls(**cls._card_args(card, lm, ("rank", "alpha", "target_modules"), layers=None, dropout=0.0))
+        module.load_adapter(tensors)
+        return module
+
     def site_text(self) -> str:
         where = "every layer" if self.hparams.layers is None else f"layers {list(self.hparams.layers)}"
         return f"the attention output projections ({', '.join(self.hparams.target_modules)}) of {where}"
@@ -344,40 +392,3 @@ class LoRAModule(_SteeringModule):
         result = set_peft_model_state_dict(self._frozen["peft"], tensors)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"adapter tensors do not fit this model: unexpected {result.unexpected_keys[:3]}")
-
-
-def load_steering_checkpoint(path: str | Path, lm: str | None = None) -> _SteeringModule:
-    """A trained LoReFT / LoRA module from its exported directory (intervention.json +
-    intervention.safetensors) or a Lightning `.ckpt`. `lm` overrides the card's model."""
-    path = Path(path)
-    if path.suffix == ".ckpt":
-        hparams = torch.load(path, map_location="cpu", weights_only=False)["hyper_parameters"]
-        cls = LoRAModule if "alpha" in hparams else LoReFTModule
-        return cls.load_from_checkpoint(path, map_location="cpu", **({"lm": lm} if lm else {}))
-    if not (path / CARD).is_file():
-        raise FileNotFoundError(f"{path} is neither a .ckpt file nor a directory holding {CARD}")
-    tensors, card = read_tensors(path)
-    common = {"lm": lm or card["model"], "concept": card.get("concept"), "concept_id": card.get("concept_id")}
-    if card.get("method") == "loreft":
-        module = LoReFTModule(layer=card["layer"], rank=card["rank"], **common)
-        if module.intervention.hidden_size != tensors["rotation"].shape[1]:
-            raise ValueError(
-                f"{path} was trained on hidden size {tensors['rotation'].shape[1]}, but "
-                f"{common['lm']!r} has hidden size {module.intervention.hidden_size}"
-            )
-        module.intervention = LoReFTIntervention.from_tensors(tensors)
-        return module
-    if card.get("method") == "lora":
-        module = LoRAModule(
-            rank=card["rank"],
-            alpha=card["alpha"],
-            target_modules=card["target_modules"],
-            layers=card.get("layers"),
-            dropout=card.get("dropout", 0.0),
-            **common,
-        )
-        module.load_adapter(tensors)
-        return module
-    raise ValueError(
-        f"{path}: card method {card.get('method')!r} is not a steering checkpoint; expected loreft or lora"
-    )

@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import math
 
+from lit_interventions.serving.json_api import BadRequest
+
 ROLES = ("system", "developer", "user", "assistant")
 MAX_MESSAGES = 256
-
-
-class BadRequest(ValueError):
-    """A request field of the wrong type or out of range: `field` names it."""
-
-    def __init__(self, field: str, message: str, status: int = 400):
-        super().__init__(f"{field}: {message}")
-        self.field, self.status = field, status
 
 
 def is_int(value) -> bool:

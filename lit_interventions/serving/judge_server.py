@@ -4,38 +4,47 @@
     # then: judge: {backend: openai, base_url: http://127.0.0.1:8000/v1, model: smollm2-135m-instruct}
 
 Greedy generation with the LM's chat template (`User: ...\\nAssistant:` when it has none), one
-generation at a time (a lock); the HTTP server is threaded, with at most `max_concurrent`
-requests past their headers at once (the others wait up to `timeout` seconds, then get 503), so
-memory stays bounded. Answers the subset of the API the judge uses: `messages`, `max_tokens` (or
-`max_completion_tokens`; capped by --max_new_tokens), and the usual response shape with
-`choices[0].message.content` and `usage`. GET /v1/models lists the one model.
+generation at a time (a lock), in worker threads of an asyncio server (uvicorn, h11) with
+Starlette routes; at most `max_concurrent` requests past their headers hold a slot at once (the
+others wait up to `timeout` seconds, then get 503), so memory stays bounded. Answers the subset of
+the API the judge uses: `messages`, `max_tokens` (or `max_completion_tokens`; capped by
+--max_new_tokens), and the usual response shape with `choices[0].message.content` and `usage`.
+GET /v1/models lists the one model.
 
 Every field is checked (type and range): a bad one is a 400 reply naming it. A body over
-`max_body_bytes` is 413 (without reading it), a missing Content-Length 411, a client that sends
-less than it announced or stalls is cut off after `timeout` seconds (408).
+`max_body_bytes` is 413 (without reading it), a missing Content-Length 411 (chunked bodies
+included), a body not in within `timeout` seconds 408. Slow and numerous
+clients are bounded by the server (`http_server.ServerLimits`): the request line and headers must
+arrive within `header_timeout` seconds (default: the smaller of 10 and `timeout`) or the connection
+is closed, an idle keep-alive connection is closed after `keep_alive_timeout` seconds, and
+connections past `max_connections` in all or `max_connections_per_client` from one address are
+refused with 503. It binds to loopback unless --host says otherwise.
 
 This module holds the chat model (`ChatLM`), the server (`make_server`) and its command line; the
-request checks live in `chat_request.py` and the HTTP handler in `chat_handler.py`.
+request checks live in `chat_request.py`, the routes in `chat_handler.py`, the JSON errors and
+bounded body reads in `json_api.py`, and the server with its connection limits in `http_server.py`.
 """
 
 from __future__ import annotations
 
 import threading
-from http.server import ThreadingHTTPServer
 
 import torch
 
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_dtype, load_lm, load_tokenizer
-from lit_interventions.serving.chat_handler import ChatHandler, handler_class
-from lit_interventions.serving.chat_request import MAX_MESSAGES, ROLES, BadRequest, is_int, is_number, validate_request
+from lit_interventions.serving.chat_handler import chat_routes
+from lit_interventions.serving.chat_request import MAX_MESSAGES, ROLES, is_int, is_number, validate_request
+from lit_interventions.serving.http_server import HTTPServer, ServerLimits, serve_in_background
+from lit_interventions.serving.json_api import BadRequest, json_app
 
 __all__ = [
     "MAX_MESSAGES",
     "ROLES",
     "BadRequest",
-    "ChatHandler",
     "ChatLM",
+    "HTTPServer",
+    "ServerLimits",
     "main",
     "make_server",
     "parser",
@@ -91,10 +100,15 @@ def make_server(
     timeout: float = 30.0,
     max_concurrent: int = 4,
     chat=None,
-) -> ThreadingHTTPServer:
+    header_timeout: float | None = None,
+    keep_alive_timeout: float = 5.0,
+    max_connections: int = 64,
+    max_connections_per_client: int = 16,
+) -> HTTPServer:
     """A server bound to (host, port) (port 0: a free one; see `server.server_address`), not yet
-    serving. `chat`: any object with `name`, `max_new_tokens` and `complete(messages, max_tokens)`
-    (default: a `ChatLM` of `lm`)."""
+    serving (`serve_forever()`, or `serve_in_background(server)`; stop with `shutdown()`). `chat`:
+    any object with `name`, `max_new_tokens` and `complete(messages, max_tokens)` (default: a
+    `ChatLM` of `lm`). `header_timeout` None: the smaller of 10 s and `timeout`."""
     for name, value in (
         ("max_new_tokens", max_new_tokens),
         ("max_body_bytes", max_body_bytes),
@@ -104,18 +118,15 @@ def make_server(
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if not is_number(timeout) or timeout <= 0:
         raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0")
+    limits = ServerLimits(
+        header_timeout=min(10.0, timeout) if header_timeout is None else header_timeout,
+        keep_alive_timeout=keep_alive_timeout,
+        max_connections=max_connections,
+        max_connections_per_client=max_connections_per_client,
+    )
     chat = chat if chat is not None else ChatLM(lm, max_new_tokens, dtype)
-    slots = threading.BoundedSemaphore(max_concurrent)
-    server = ThreadingHTTPServer((host, port), handler_class(chat, max_body_bytes, timeout, slots))
-    server.daemon_threads = True
-    return server
-
-
-def serve_in_background(server: ThreadingHTTPServer) -> threading.Thread:
-    """Serve in a daemon thread (started); stop with `server.shutdown()`."""
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    return thread
+    app = json_app(chat_routes(chat, max_body_bytes, timeout, max_concurrent))
+    return HTTPServer(app, host, port, limits)
 
 
 def parser():
@@ -130,8 +141,24 @@ def parser():
     parser.add_argument("--max_new_tokens", type=int, default=256, help="cap on the tokens of a reply")
     parser.add_argument("--dtype", type=str, default="float32")
     parser.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger bodies get 413")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds before a stalled client is cut off")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for a free slot and for a body (stalled clients are cut off)",
+    )
     parser.add_argument("--max_concurrent", type=int, default=4, help="requests served at once (others wait)")
+    parser.add_argument(
+        "--header_timeout",
+        type=float | None,
+        default=None,
+        help="seconds for a request line and headers to arrive (default: the smaller of 10 and --timeout)",
+    )
+    parser.add_argument("--keep_alive_timeout", type=float, default=5.0, help="seconds an idle connection is kept")
+    parser.add_argument("--max_connections", type=int, default=64, help="connections open at once (others: 503)")
+    parser.add_argument(
+        "--max_connections_per_client", type=int, default=16, help="connections open at once from one address"
+    )
     return parser
 
 
@@ -140,17 +167,30 @@ def main(args=None) -> None:
     ns = parser().parse_args(resolve_configs(args))
     if not 0 <= ns.port <= 65535:
         fail(f"--port={ns.port} is not a port (0..65535)")
-    for name in ("max_new_tokens", "max_body_bytes", "max_concurrent"):
+    for name in ("max_new_tokens", "max_body_bytes", "max_concurrent", "max_connections", "max_connections_per_client"):
         if getattr(ns, name) < 1:
             fail(f"--{name}={getattr(ns, name)} must be a positive integer")
-    if not ns.timeout > 0:
-        fail(f"--timeout={ns.timeout} must be > 0 seconds")
+    for name in ("timeout", "header_timeout", "keep_alive_timeout"):
+        value = getattr(ns, name)
+        if value is not None and not 0 < value < float("inf"):
+            fail(f"--{name}={value} must be > 0 seconds")
     try:
         check_dtype(ns.dtype)
     except ValueError as err:
         fail(str(err))
     server = make_server(
-        ns.lm, ns.host, ns.port, ns.max_new_tokens, ns.dtype, ns.max_body_bytes, ns.timeout, ns.max_concurrent
+        ns.lm,
+        ns.host,
+        ns.port,
+        ns.max_new_tokens,
+        ns.dtype,
+        ns.max_body_bytes,
+        ns.timeout,
+        ns.max_concurrent,
+        header_timeout=ns.header_timeout,
+        keep_alive_timeout=ns.keep_alive_timeout,
+        max_connections=ns.max_connections,
+        max_connections_per_client=ns.max_connections_per_client,
     )
     host, port = server.server_address[:2]
     print(f"serving {ns.lm} at http://{host}:{port}/v1/chat/completions", flush=True)

@@ -15,7 +15,8 @@ Steps:
    prompts of every property;
 2. train a probe g_Z per property on train entities, keep its best val epoch, score it on test;
 3. per task, per test example and per property Z: attack g_Z toward another kept value z′ (PGD,
-   FGSM) and, as the control, add a random ±ε perturbation; write h + δ back into the forward;
+   FGSM, or any class with delta(probe, h, target, epsilon) named in `methods` by class_path)
+   and, as the control, add a random ±ε perturbation; write h + δ back into the forward;
 4. score competence (top-k overlap with the causal graph's prediction, k = 1..k_max, ranked
    within the task's answer vocabulary: the first tokens of the queried attribute's values, as
    the paper ranks within the task's answer vocabulary, App. B.2), the
@@ -30,15 +31,15 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from lit_interventions.cli.studies import run_cli
-from lit_interventions.core.lm import DEFAULT_LM, load_lm, load_tokenizer
+from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.sharding import is_dispatched
-from lit_interventions.interventions.attacks import attack, epsilon_scale, random_sign
+from lit_interventions.interventions.attacks import Attack, build_attack, epsilon_scale
 from lit_interventions.metrics.competence import Competence
 from lit_interventions.studies.calm_batch import make_batch, record
 from lit_interventions.studies.calm_data import (
@@ -51,13 +52,11 @@ from lit_interventions.studies.calm_data import (
     site_states,
     tokenize_splits,
 )
-from lit_interventions.studies.calm_plan import CalmArgs, CalmPlan, plan_calm
+from lit_interventions.studies.calm_plan import RANDOM, CalmArgs, CalmPlan, plan_calm
 from lit_interventions.studies.calm_probes import fit_probes
 from lit_interventions.studies.calm_report import result_row, run_config, summary_row, write_results
 
-__all__ = ["POSITION", "RANDOM", "fit_probes", "main", "run_calm"]
-
-RANDOM = "random"  # the control: ±ε per coordinate, same size as the attacks
+__all__ = ["POSITION", "RANDOM", "CalmArgs", "fit_probes", "main", "run_calm"]
 
 
 @dataclass
@@ -76,20 +75,20 @@ class SiteInputs:
 
 @dataclass
 class _Run:
-    """What the interventions of every task share: the plan, the inputs, the probes and the draws
-    (z′ from `rng`, the random control's signs from `noise`)."""
+    """What the interventions of every task share: the plan, the inputs, the probes, the draws of
+    z′ (`rng`) and the methods built for this run (the random control's signs are its own draws)."""
 
     args: CalmArgs
     plan: CalmPlan
     inputs: SiteInputs
     probes: dict  # property -> g_Z
     rng: random.Random
-    noise: torch.Generator
+    attacks: dict[str, Attack]  # name -> the attack, the random control last
 
     @property
     def names(self) -> list[str]:
         """The methods: the attacks, then the random control."""
-        return [*self.plan.methods, RANDOM]
+        return list(self.attacks)
 
 
 def read_inputs(args: CalmArgs, plan: CalmPlan) -> SiteInputs:
@@ -128,14 +127,22 @@ def _intervene(run: _Run, task: str, chunk: list[int], vocabulary, metric: dict,
     for prop in plan.properties:
         n_classes = len(plan.classes[prop])
         target = torch.tensor([_other_class(int(y), n_classes, run.rng) for y in batch.truth[prop]])  # z′ ≠ z
-        deltas = {m: attack(m, g[prop], batch.h, target, inputs.eps, args.alpha, args.steps) for m in plan.methods}
-        deltas[RANDOM] = random_sign(batch.h, inputs.eps, run.noise)
+        deltas = {m: _delta(m, a, g[prop], batch.h, target, inputs.eps) for m, a in run.attacks.items()}
         causal = torch.full((len(chunk),), prop == task)
         for m, delta in deltas.items():
             edited = batch.logits(inputs.model, plan.layer, delta)
             metric[m].update(clean, edited, causal)
             record(tally[(m, prop)], batch, g, prop, target, delta, clean, edited, args.k_max, vocabulary)
     return correct
+
+
+def _delta(name: str, attack: Attack, probe, h: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
+    """The attack's δ toward `target`, checked to be (batch, d) as h is."""
+    delta = attack.delta(probe, h, target, eps)
+    if not isinstance(delta, torch.Tensor) or delta.shape != h.shape:
+        got = tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__
+        raise ValueError(f"method {name!r}: delta(probe, h, target, epsilon) returned {got}; expected {tuple(h.shape)}")
+    return delta
 
 
 def _run_task(run: _Run, task: str) -> tuple[list[dict], list[dict]]:
@@ -175,8 +182,9 @@ def _run_task(run: _Run, task: str) -> tuple[list[dict], list[dict]]:
 
 def run_tasks(args: CalmArgs, plan: CalmPlan, inputs: SiteInputs, probes: dict) -> tuple[list[dict], list[dict]]:
     """Every task's results and summary rows, in task order (one draw of z′ and of the random
-    control's signs, seeded, runs through them all)."""
-    run = _Run(args, plan, inputs, probes, random.Random(args.seed), torch.Generator().manual_seed(args.seed))
+    control's signs, seeded, runs through them all: the methods are built afresh here)."""
+    attacks = {spec.name: build_attack(spec) for spec in plan.methods}
+    run = _Run(args, plan, inputs, probes, random.Random(args.seed), attacks)
     results, summary = [], []
     for task in plan.tasks:
         mine, rows = _run_task(run, task)
@@ -186,77 +194,52 @@ def run_tasks(args: CalmArgs, plan: CalmPlan, inputs: SiteInputs, probes: dict) 
 
 
 # --- the study: plan, run, report ------------------------------------------------------------------
-def run_calm(
-    lm: str = DEFAULT_LM,
-    dtype: str = "float32",
-    device: str = "cpu",
-    ravel_dir: str | None = None,
-    entity_type: str = "city",
-    properties: list[str] | None = None,
-    tasks: list[str] | None = None,
-    layer: int | None = None,
-    max_classes: int = 6,
-    entities: dict[str, int] | None = None,
-    templates_per_property: int = 3,
-    max_tokens: int = 96,
-    probe: str = "mlp",
-    probe_hidden: int | None = None,
-    probe_epochs: int = 32,
-    probe_lr: float = 1e-3,
-    probe_batch_size: int = 64,
-    probes: str | None = None,
-    methods: list[str] | None = None,
-    epsilon: float = 0.1,
-    epsilon_relative: bool = False,
-    alpha: float | None = None,
-    steps: int = 40,
-    k_max: int = 10,
-    batch_size: int = 16,
-    seed: int = 0,
-    out: str = "runs/calm",
-    device_map: str | int | dict | None = None,
-    quantization: str | None = None,
-) -> list[dict]:
+def run_calm(config: CalmArgs | None = None, /, **settings) -> list[dict]:
     """Run the CALM study; returns the summary rows (one per task × method).
 
-    Args:
-        lm, dtype, device: the frozen LM ("gemma-3-270m" by default) and where it runs.
-        ravel_dir, entity_type: RAVEL files (None: our built-in data) and the entity type.
-        properties: the attributes Z to probe and intervene on (default: all of the type).
-        tasks: the attributes whose prompts form the tasks (default: every property).
-        layer: residual stream after this block (default: the middle layer); site: entity's last token.
-        max_classes: each property keeps its most frequent values among train entities.
-        entities: at most this many entities per split, {"train": .., "val": .., "test": ..}.
-        templates_per_property: prompt templates per attribute (probes read all of them; a task's
-            examples use its own); templates longer than max_tokens (with the entity) are dropped.
-        probe, probe_hidden, probe_epochs, probe_lr, probe_batch_size: g_Z ("mlp" or "linear").
-        probes: a directory of probes saved by an earlier run (PROPERTY.ckpt) to reuse; each must
-            have been trained at this site of this model.
-        methods: attacks among fgsm, pgd (the random control always runs).
-        epsilon: the L∞ radius, > 0. epsilon_relative: multiply it by the site's coordinate scale
-            (the median per-coordinate std of the train states); False = absolute, as in the paper.
-        alpha, steps: PGD step (default ε/10) and T (40).
-        k_max: competence averages top-k overlap over k = 1..k_max (10), ranked within the task's
-            answer vocabulary (k stops at its size if that is smaller).
-        device_map, quantization: a frozen LM larger than one device (`lit_interventions.core.sharding`):
-            e.g. "auto" and "4bit"; `device` is then where the inputs and probes go.
+    `config`: the settings as a `CalmArgs` (its docstring says what each one is; default: its
+    defaults); `settings`: any of its fields as keywords, over `config`'s, e.g.
+    `run_calm(tasks=["Country"], methods=["pgd"], out="runs/calm")`.
     """
-    args = CalmArgs(**locals())  # the arguments as given: nothing else is defined yet
+    names = [f.name for f in fields(CalmArgs)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise ValueError(f"run_calm has no setting {', '.join(unknown)}; the settings are {', '.join(names)}")
+    args = replace(CalmArgs() if config is None else config, **settings)
     plan = plan_calm(args)  # every check, before the LM's weights are read
     inputs = read_inputs(args, plan)
-    out_dir = Path(out)
+    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    probe_args = dict(kind=probe, hidden=probe_hidden, lr=probe_lr, epochs=probe_epochs, batch_size=probe_batch_size)
-    where = (lm, plan.layer, plan.d)
+    probe_args = dict(
+        kind=args.probe,
+        hidden=args.probe_hidden,
+        lr=args.probe_lr,
+        epochs=args.probe_epochs,
+        batch_size=args.probe_batch_size,
+    )
+    where = (args.lm, plan.layer, plan.d)
     g, probe_info = fit_probes(
-        plan.data, inputs.prompts, inputs.site, plan.classes, plan.loaded, where, probe_args, seed, out_dir / "probes"
+        plan.data,
+        inputs.prompts,
+        inputs.site,
+        plan.classes,
+        plan.loaded,
+        where,
+        probe_args,
+        args.seed,
+        out_dir / "probes",
     )
     results, summary = run_tasks(args, plan, inputs, g)
-    config = run_config(args, plan, inputs.prompts, inputs.eps, inputs.scale)
-    write_results(out_dir, results, summary, config, probe_info)
+    record = run_config(args, plan, inputs.prompts, inputs.eps, inputs.scale)
+    write_results(out_dir, results, summary, record, probe_info)
     return summary
+
+
+def _arguments(parser) -> None:
+    """The command's options: the fields of `CalmArgs`."""
+    parser.add_class_arguments(CalmArgs)
 
 
 def main(args=None) -> None:
     """`lit-interventions calm`: the study from the command line."""
-    run_cli(run_calm, __doc__, args)
+    run_cli(run_calm, __doc__, args, customize=_arguments)

@@ -78,7 +78,7 @@ def run_config(args: CalmArgs, plan: CalmPlan, prompts: dict, eps: float, scale:
         "ravel_dir": args.ravel_dir,
         "properties": plan.properties,
         "tasks": plan.tasks,
-        "methods": plan.methods,
+        "methods": [{"name": m.name, "class_path": m.class_path, "init_args": m.init_args} for m in plan.methods],
         "epsilon": args.epsilon,
         "epsilon_relative": args.epsilon_relative,
         "epsilon_abs": eps,

@@ -1,12 +1,16 @@
 """The CausalGym sweep's sites: each method made ready at a site, then scored.
 
 A method is handled by the capability of what its spec builds (`registry.kind`): a closed-form
-one is fitted on the site's base train states with the base_type labels (a scikit-learn style
-direction estimator gives the interchange on its direction, f* = f(b) + (a·f(s) − a·f(b)) a;
+one is fitted on the site's base train states with their sentence types, by the functions
+`train.py` fits with (`interchange.fit_states`, `interchange.fit_closed_form`; a scikit-learn
+style direction estimator gives the interchange on its direction, f* = f(b) + (a·f(s) − a·f(b)) a;
 CausalGym §4.2); a trained one comes from its multi-site loop (`causalgym_training`); a fixed one
-(vanilla: W = I_d, f* = f(s)) is used as it is. Every method at every site is scored with the same
-1-D interchange odds metric as `train.py` (`InterchangeModule.score`), site by site (`sweep_site`)
-or a unit's sites at once in stacked forwards (`score_unit`, `stacked_scoring.score_stacked`).
+(vanilla: W = I_d, f* = f(s)) is used as it is. Every method at every site is scored by the
+metric validation uses (`InterchangeOdds` fed the two labels' logits, as `OddsCallback` is): site
+by site through `InterchangeModule.score` (`sweep_site`), the code `train.py validate` runs
+(equal to it bit for bit wherever the cached frozen states are: `tests/test_scoring_path.py`), or
+a unit's sites at once in stacked forwards (`score_unit`, `stacked_scoring.score_stacked`; equal
+to float rounding: a stacked forward's bits for a row depend on the rows that share it).
 """
 
 from __future__ import annotations
@@ -14,14 +18,13 @@ from __future__ import annotations
 import warnings
 from itertools import chain
 
-import numpy as np
 import torch
 
 from lit_interventions.datamodules.causalgym import CausalGymDataModule, EmptyRegionError
 from lit_interventions.interventions import FixedSubspaceIntervention
-from lit_interventions.interventions.capabilities import DirectionEstimator
 from lit_interventions.interventions.registry import FITTED, MethodSpec, kind
-from lit_interventions.modules.interchange import InterchangeModule
+from lit_interventions.metrics.odds import label_ids
+from lit_interventions.modules.interchange import InterchangeModule, fit_closed_form, fit_states
 from lit_interventions.studies.stacked_scoring import score_stacked
 
 CONTROL = "dog_give"  # the control task (Arora et al. 2024, §4.3)
@@ -46,31 +49,28 @@ def method_kinds(methods: list[MethodSpec], hidden: int, seed: int) -> dict[str,
 
 
 def fit_method(method: MethodSpec, types: list[str], X: torch.Tensor, seed: int, hidden: int):
-    """The intervention of a closed-form or fixed method at a site whose base train states are `X`
-    (n, d) with labels `types`: fitted (a direction estimator: the interchange on its direction),
-    or as built."""
+    """The intervention of a closed-form or fixed method at a site whose train states are `X`
+    (n, d) with classes `types` (`fit_states`): fitted (`fit_closed_form`), or as built."""
     built = method.build(hidden, seed)
     if kind(built) != FITTED:
         return built
     try:
-        built.fit(X.float().cpu(), np.array(types))
+        return fit_closed_form(built, X, types)
     except ValueError:
         # Degenerate site: every base has the same state here (a token before the alternation,
         # under causal attention), so f(b) = f(s) and any interchange is a no-op: odds 0.
         return FixedSubspaceIntervention(torch.zeros(hidden))
-    return built.to_intervention() if isinstance(built, DirectionEstimator) else built
 
 
 def fit_site(layer, region, methods, lm, data, cache, seed, dtype="float32", trained=None, batch_size=64):
     """The site's module (`InterchangeModule` on the shared cache) and each method's intervention,
-    {name: f}: `methods` are MethodSpecs; the closed-form ones are fitted on the base train
-    states, the trained ones taken from `trained` ({name: this site's trained intervention})."""
+    {name: f}: `methods` are MethodSpecs; the closed-form ones are fitted on what `train.py`
+    fits them on (`fit_states`: the base train states and their types), the trained ones taken
+    from `trained` ({name: this site's trained intervention})."""
     trained = trained or {}
     module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype).to(cache.model.device)
     module.share_cache(cache)
-    batches = [module.transfer_batch_to_device(batch, module.device, 0) for batch in data.loader("train", batch_size)]
-    X = torch.cat([module.site_representation(batch, "base") for batch in batches])  # what directions are fitted on
-    types = [e.base_type for e in data.splits["train"]]
+    X, types = fit_states(module, data, batch_size)
     return module, {
         m.name: trained[m.name] if m.name in trained else fit_method(m, types, X, seed, X.shape[-1]) for m in methods
     }
@@ -197,7 +197,7 @@ def task_accuracy(task, templates, lm, sizes, cache, dtype="float32", batch_size
     right = total = 0
     for batch in data.loader("eval", batch_size):
         batch = module.transfer_batch_to_device(batch, module.device, 0)
-        logits = module.clean_logits(batch, torch.stack([batch["base_label"], batch["source_label"]], dim=1))
+        logits = module.clean_logits(batch, label_ids(batch))
         right += (logits[:, 0] > logits[:, 1]).sum().item()
         total += len(logits)
     return right / total

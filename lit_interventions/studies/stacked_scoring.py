@@ -7,8 +7,10 @@ LM head are computed. Rows are packed `rows` at a time whatever site or method t
 shortest runs first (a forward is as wide as its longest row), so every block's weights are read
 once per forward for many sites, instead of once per site, method and eval batch. Each site's
 clean rows are computed at its own layer, as `InterchangeModule.score` does, and every row goes
-through the same `InterchangeOdds` (AvgOdds and IIA are sums over rows): the scores equal the
-per-site ones to float rounding. A row its method leaves unchanged (f* = f(b) bit for bit: a site
+through the metric validation uses, fed as `OddsCallback` feeds it (`InterchangeOdds.update_labels`
+on the two labels' logits; AvgOdds and IIA are sums over rows): the scores equal the per-site
+ones to float rounding (a stacked forward's bits for a row depend on the rows and prefix width
+it shares). A row its method leaves unchanged (f* = f(b) bit for bit: a site
 before the pair's first difference) is its clean row: it is not run, its odds are exactly 0. The control task's
 rows that equal the task's but for their labels (the clean rows and every fitted direction: only
 the trained methods are retrained on the control labels) are not run again: the same rows give both tasks' labels.
@@ -21,7 +23,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.sites import final_logits, stacked_hidden
-from lit_interventions.metrics import InterchangeOdds
+from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 from lit_interventions.modules.multisite import stack_batches
 
 CLEAN = None  # the job of a site's unintervened rows, p(· | b)
@@ -153,8 +155,7 @@ def _scores(tasks: dict, read_from: dict, logits: dict, unchanged: dict, device)
                     intervened = clean if job not in logits else logits[job][:, k : k + 2]
                     if job in unchanged:
                         intervened = torch.where(unchanged[job][:, None], clean, intervened)
-                    columns = torch.arange(2, device=device).expand(len(clean), 2)
-                    metric.update(clean, intervened, columns[:, 0], columns[:, 1])
+                    metric.update_labels(clean, intervened)
                 scores[task][site][name] = {k: v.item() for k, v in metric.compute().items()}
     return scores
 
@@ -199,7 +200,7 @@ def _jobs(tasks: dict, device) -> tuple[dict, dict]:
         }
         for site, methods in task_found.items():
             for i, batch in enumerate(evals[task][site[1]]):
-                labels = torch.stack([batch["base_label"], batch["source_label"]], dim=1)
+                labels = label_ids(batch)
                 for name in (CLEAN, *methods):
                     f = None if name is CLEAN else methods[name].to(device)
                     twin = jobs.get((TASK, site, name, i)) if shared[(site[1], i)] else None

@@ -32,12 +32,13 @@ from lit_interventions.cli.studies import claim_out_dir, run_cli
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.sharding import LoadOptions
 from lit_interventions.metrics.judge import Judge, chat_prompt, generate_replies, make_judge
-from lit_interventions.modules.steering_baselines import load_steering_checkpoint
+from lit_interventions.modules.steering_registry import load_steering_checkpoint
 from lit_interventions.studies.steer_report import (
     FACTOR_COLUMNS,
     SCORES,
     SUMMARY_COLUMNS,
     choose_and_report,
+    keep_whole_cells,
     plot_factors,
     read_generations,
     write_report,
@@ -272,7 +273,7 @@ def run_cells(plan: SteerPlan) -> list[dict]:
     """Every row of DIR/generations.jsonl: those already there, then each cell not yet complete,
     generated, judged and appended (flushed) one cell at a time."""
     path = plan.out / "generations.jsonl"
-    rows = _read_generations(path)
+    rows = keep_whole_cells(path, _read_generations(path), plan.instructions)
     done = defaultdict(int)
     for row in rows:
         done[(row["concept"], float(row["factor"]))] += 1

@@ -7,10 +7,12 @@ from __future__ import annotations
 import csv
 import json
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+
+from lit_interventions.core.files import write_atomically
 
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
 SUMMARY_COLUMNS = ["method", "concept", "factor", *SCORES]
@@ -104,6 +106,21 @@ def read_generations(path: Path) -> list[dict]:
             break
         kept += len(line)
     return rows
+
+
+def keep_whole_cells(path: Path, rows: list[dict], instructions: int) -> list[dict]:
+    """The rows of the (concept, factor) cells that have all `instructions` rows. A cell with fewer
+    (its last lines cut by an interruption) is redone whole, so its rows are dropped here and the
+    file rewritten (atomically) without them: no row is ever written twice."""
+    count = Counter((row["concept"], float(row["factor"])) for row in rows)
+    kept = [row for row in rows if count[(row["concept"], float(row["factor"]))] >= instructions]
+    if len(kept) < len(rows):
+        warnings.warn(
+            f"{path}: {len(rows) - len(kept)} rows of cells cut short are dropped; those cells are redone",
+            stacklevel=2,
+        )
+        write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
+    return kept
 
 
 def write_report(out: Path, rows: list[dict], cells: set[tuple[str, float]]) -> list[dict]:

@@ -1,0 +1,83 @@
+"""Stopping a run with SIGTERM (a scheduler, `kill`) or SIGINT (Ctrl+C): one line, a failing exit
+status (128 + the signal: 143, 130), and what finished before the signal kept.
+
+Inside `stop_on_signals()`, either signal raises `Stopped` where the run is. It is not an
+`Exception`, so no handler of the run's own swallows it; Lightning's loop passes it on after its
+teardown (as it does Lightning's own `SIGTERMException`, which ends the block the same way).
+Results already written stay: the sweeps' finished rows (a rerun resumes from them) and a fit's
+checkpoints. A `Stopped` raised where Python swallows exceptions (a finalizer) is raised again at
+the next training or validation batch of a Lightning run (`callbacks.guard.SignalGuard`, which
+asks `pending_signal()`).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_PENDING: list[int] = []  # signals received inside `stop_on_signals`, newest last
+
+
+class Stopped(BaseException):
+    """A run stopped by signal `signum`; its exit status is 128 + `signum`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def code(self) -> int:
+        return 128 + self.signum
+
+
+def _raise_stopped(signum, frame) -> None:
+    _PENDING.append(signum)
+    raise Stopped(signum)
+
+
+def pending_signal() -> int | None:
+    """The signal received inside `stop_on_signals`, if any (None: none)."""
+    return _PENDING[-1] if _PENDING else None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise `Stopped` inside the block; the block then ends the process with
+    one line on stderr and exit status 128 + the signal. Only the main thread can take signals:
+    elsewhere the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    for signum in SIGNALS:
+        signal.signal(signum, _raise_stopped)
+    try:
+        yield
+    except Stopped as stop:
+        _exit(stop.signum)
+    except SystemExit as done:
+        if _is_lightning_sigterm(done):
+            _exit(signal.SIGTERM)
+        raise
+    finally:
+        _PENDING.clear()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _is_lightning_sigterm(done: SystemExit) -> bool:
+    """Whether `done` is Lightning's `SIGTERMException` (looked up only if Lightning is loaded, so
+    that a command without Lightning does not import it)."""
+    exceptions = sys.modules.get("lightning.pytorch.utilities.exceptions")
+    sigterm = getattr(exceptions, "SIGTERMException", None)
+    return sigterm is not None and isinstance(done, sigterm)
+
+
+def _exit(signum: int) -> None:
+    name = signal.Signals(signum).name
+    print(f"stopped by {name}: what finished before it is kept (results written so far, checkpoints)", file=sys.stderr)
+    raise SystemExit(128 + signum) from None

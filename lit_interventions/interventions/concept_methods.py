@@ -1,0 +1,378 @@
+"""AxBench's concept methods (Wu et al. 2025, §4): how the rows w_c of a concept dictionary are learned.
+
+A concept method is a small object that `SteeringModule` asks by capability:
+
+- trained by gradient (`trains = True`, `capabilities.Trained`): which rows train (`trained_rows`)
+  and Φ written at the layer (`intervention`), plus, for a `L1Penalised` one, an L1 term and its
+  weight: `ReFTR1Method`, `SSVMethod`;
+- fitted in closed form (`capabilities.Fitted`): `fit(states, labels, concepts)` gives every row
+  from the kept response tokens, through `direction(H⁺_c, H⁻)`, one concept's unit direction:
+  `DiffMeanMethod`, `PCAMethod`, `LATMethod`, `ProbeMethod`.
+
+Every method also declares its detection latent Ψ(h_i) (`latent`: "relu", ReLU(h·w), or "linear",
+h·w), whether its rows stay unit norm (`unit_norm`), the name its dictionary card carries
+(`name`) and further card fields (`card()`), and what it needs of the data module
+(`check_data`). Its options are its init args, kept as attributes of the same names (`config()`).
+
+Short names map to class paths (`register_concept_method`: reft_r1, ssv, diffmean, pca, lat,
+probe); `concept_method` builds a method from a short name, a {class_path, init_args} config or
+returns an instance as it is. A class_path is imported from the user's own config (as LightningCLI
+does), never from a dictionary card: a card names its method and latent only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from lit_interventions.artifacts.hub import class_path
+from lit_interventions.interventions.additive import masked_token_mean, non_topk_l1, reft_r1_intervention
+from lit_interventions.interventions.base import import_class
+from lit_interventions.interventions.capabilities import Fitted, is_trained
+from lit_interventions.interventions.directions import DiffMeanDirection, LATDirection, PCADirection, ProbeDirection
+
+LAT_PAIRS = ("positives", "all")
+
+
+class ConceptMethod:
+    """What every concept method declares: `name` (the card's method; the class name unless set),
+    `latent` ("linear" h·w or "relu" ReLU(h·w)), `unit_norm`, `trains`, `card()`, `check_data`."""
+
+    latent: str = "linear"
+    unit_norm: bool = True
+    trains: bool = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def config(self) -> dict:
+        """The init args, each read from the attribute of its name (scikit-learn's convention)."""
+        params = inspect.signature(type(self).__init__).parameters.values()
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {p.name: getattr(self, p.name) for p in params if p.name != "self" and p.kind in kinds}
+
+    def card(self) -> dict:
+        """Further fields of the released dictionary's card."""
+        return {}
+
+    def check_data(self, genre_negatives: bool | None) -> None:
+        """Refuse a data module whose `genre_negatives` (None: not said) does not suit the method."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.config().items())})"
+
+
+@runtime_checkable
+class L1Penalised(Protocol):
+    """A trained concept method whose loss adds λ·(an L1 term on the latents)."""
+
+    def l1_term(self, seen: dict, trained: torch.Tensor, where: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def l1_coefficient(self, step: int, total: int) -> float: ...
+
+
+class TrainedConceptMethod(ConceptMethod):
+    """Trained by gradient on −log p(response) under Φ (AxBench eqs. 6–10): ReLU latents; Φ from
+    `steer` on the trained rows at the `where` tokens; a concept's positives train."""
+
+    latent = "relu"
+    trains = True
+
+    def trained_rows(self, batch: dict) -> torch.Tensor:
+        """The rows that get the intervention and the LM loss, (batch,): a concept's positives."""
+        return (batch["concept_id"] >= 0) & (batch["label"] == 1)
+
+    def steer(self, hidden: torch.Tensor, w: torch.Tensor, where: torch.Tensor, seen: dict) -> torch.Tensor:
+        """Φ(h) at every token, (batch, seq, d); `w` each row's w_c (batch, d)."""
+        raise NotImplementedError
+
+    def intervention(
+        self, w: torch.Tensor, where: torch.Tensor, trained: torch.Tensor, seen: dict
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Φ at the layer, (batch, seq, d) -> the same, on the `trained` rows (batch,) at the `where`
+        tokens (batch, seq); every other state is left as it is. `steer` may record in `seen`."""
+
+        def intervene(hidden):  # (batch, seq, d) -> the same, at the layer
+            steered = self.steer(hidden, w, where, seen)
+            return torch.where(trained[:, None, None] & where[:, :, None], steered, hidden)
+
+        return intervene
+
+
+class ReFTR1Method(TrainedConceptMethod):
+    """ReFT-r1 (AxBench eqs. 8–10): latent ReLU(h·w_c); Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c at
+    every intervened token; loss −log p(response) + λ·Σ_{non-top-k}|latent|; w_c unit norm.
+
+    Args:
+        topk: k of the TopK over the sequence's latents (the paper does not give k).
+        l1: λ of the L1 term, a per-sequence mean over the intervened tokens (AxBench's code).
+        l1_ramp: λ·step/total_steps, from 0 at the first step (AxBench's code); False: constant λ.
+        negative_l1: pool negatives (concept_id −1) also get the L1 term on every concept's latents
+            at all their tokens (on smollm2 it killed 5 of 10 rows, hence off).
+        train_on_negative: each concept also trains on its genre-matched negatives, the same Φ and
+            LM loss (AxBench's sweeps); needs the data module's `genre_negatives: true`.
+    """
+
+    name = "reft_r1"
+
+    def __init__(
+        self,
+        topk: int = 8,
+        l1: float = 5e-3,
+        l1_ramp: bool = True,
+        negative_l1: bool = False,
+        train_on_negative: bool = True,
+    ):
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"topk={topk!r} must be an integer >= 1")
+        if not (isinstance(l1, (int, float)) and 0 <= l1 < float("inf")):
+            raise ValueError(f"l1={l1!r} must be a finite number >= 0")
+        self.topk, self.l1, self.l1_ramp = topk, l1, l1_ramp
+        self.negative_l1, self.train_on_negative = negative_l1, train_on_negative
+
+    def trained_rows(self, batch: dict) -> torch.Tensor:
+        """A concept's positives and, with `train_on_negative`, its genre-matched negatives."""
+        own = batch["concept_id"] >= 0
+        return own if self.train_on_negative else own & (batch["label"] == 1)
+
+    def steer(self, hidden, w, where, seen):
+        """h + mean(TopK(ReLU(h·w_c)))·w_c (`reft_r1_intervention`, the TopK over `where`); records the
+        latents, the chosen top k and the states in `seen`."""
+        steered, seen["latents"], seen["chosen"] = reft_r1_intervention(hidden, w, where, self.topk)
+        seen["hidden"] = hidden
+        return steered
+
+    def l1_term(self, seen: dict, trained: torch.Tensor, where: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Mean over the batch of each row's L1 term: a trained row's non-top-k latents of its concept
+        (AxBench eq. 10); with `negative_l1`, a pool negative's latents of every concept (rows of
+        `weight`) at all its tokens. `seen`: what `steer` recorded."""
+        per_row = torch.where(
+            trained, non_topk_l1(seen["latents"], seen["chosen"], where), torch.zeros_like(seen["latents"][:, 0])
+        )
+        negative = ~trained
+        if self.negative_l1 and negative.any():
+            every = torch.relu(seen["hidden"][negative].float() @ weight.T)  # (neg, seq, C)
+            extra = torch.zeros_like(per_row)
+            extra[negative] = masked_token_mean(every, where[negative]).sum(-1)
+            per_row = per_row + extra
+        return per_row.mean()
+
+    def l1_coefficient(self, step: int, total: int) -> float:
+        """λ at training step `step` of `total`: λ·step/total with `l1_ramp` (AxBench: `coeff =
+        curr_step / num_training_steps`, 0 at the first step), else λ."""
+        if not self.l1_ramp:
+            return self.l1
+        return self.l1 * step / max(1, int(total))
+
+    def card(self) -> dict:
+        return {"topk": self.topk, "l1": self.l1}
+
+    def check_data(self, genre_negatives: bool | None) -> None:
+        if self.train_on_negative and genre_negatives is False:
+            raise ValueError(
+                "train_on_negative=True (AxBench) needs negatives per concept: set the data module's "
+                "genre_negatives: true, or set train_on_negative: false"
+            )
+
+
+class SSVMethod(TrainedConceptMethod):
+    """SSV, a supervised steering vector (AxBench eqs. 6–7): Φ(h_i) = h_i + w_c at every intervened
+    token of a positive; loss −log p(response); latent ReLU(h·w_c); w_c free norm, from zero."""
+
+    name = "ssv"
+    unit_norm = False
+
+    def steer(self, hidden, w, where, seen):
+        return hidden + w.to(hidden.dtype)[:, None, :]
+
+
+def _oriented(w: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+    """w or −w, whichever has mean(H⁺_c)·w ≥ mean(H⁻)·w."""
+    return w if w @ (positives.float().mean(0) - negatives.float().mean(0)) >= 0 else -w
+
+
+def _labelled(positives: torch.Tensor, negatives: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """X = H⁺_c ∪ H⁻ (n, d) float32 and y (n,): 1 for a positive token, 0 for a negative."""
+    return torch.cat([positives, negatives]).float(), np.r_[np.ones(len(positives)), np.zeros(len(negatives))]
+
+
+class ClosedFormConceptMethod(ConceptMethod):
+    """Fitted in closed form, no optimizer: each concept's unit row from its positive tokens H⁺_c
+    against the shared negative pool H⁻ (`direction`); latent h·w."""
+
+    def direction(self, positives: torch.Tensor, negatives: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        """One concept's unit direction, float32 (d,), from H⁺_c (n⁺, d) and H⁻ (n⁻, d), oriented so
+        that mean(H⁺_c)·w ≥ mean(H⁻)·w; `seed` seeds any random pairs or solver."""
+        raise NotImplementedError
+
+    def fit(self, states: torch.Tensor, labels: torch.Tensor, concepts: list[str], seed: int = 0) -> torch.Tensor:
+        """Every concept's row, (C, d) float32: `direction` of its positive tokens (label c) against the
+        negative pool (label −1). `states` (n, d), `labels` (n,). A concept with fewer than 2 positive
+        tokens, or no negatives at all, is a ValueError."""
+        negatives = states[labels == -1]
+        if len(negatives) == 0:
+            raise ValueError("the training data has no negative tokens: the closed-form methods need negatives")
+        rows = []
+        for c, name in enumerate(concepts):
+            positives = states[labels == c]
+            if len(positives) < 2:
+                raise ValueError(
+                    f"concept {name!r} has {len(positives)} positive response token(s) in the "
+                    "training data; at least 2 are needed"
+                )
+            rows.append(torch.as_tensor(self.direction(positives, negatives, seed=seed), dtype=torch.float32))
+        return torch.stack(rows)
+
+    def check_data(self, genre_negatives: bool | None) -> None:
+        if genre_negatives is True:
+            raise ValueError(
+                f"{self.name} is fitted against the shared negative pool: set the data module's genre_negatives: false"
+            )
+
+
+class DiffMeanMethod(ClosedFormConceptMethod):
+    """DiffMean (AxBench eq. 4): w_c = mean(H⁺_c) − mean(H⁻), unit norm (`DiffMeanDirection`)."""
+
+    name = "diffmean"
+
+    def direction(self, positives, negatives, seed=0):
+        return DiffMeanDirection().fit(*_labelled(positives, negatives)).direction_
+
+
+class PCAMethod(ClosedFormConceptMethod):
+    """PCA (AxBench §4): w_c = the top principal component of H⁺_c alone (`PCADirection`), oriented
+    by the negatives."""
+
+    name = "pca"
+
+    def direction(self, positives, negatives, seed=0):
+        return _oriented(PCADirection(random_state=seed).fit(positives.float()).direction_, positives, negatives)
+
+
+class LATMethod(ClosedFormConceptMethod):
+    """LAT (AxBench §4; Zou et al. 2023): w_c = the top principal component of the normalised
+    differences (h_i − h_j)/‖h_i − h_j‖ of random token pairs (`LATDirection`), oriented by the
+    negatives.
+
+    Args:
+        pairs: "positives" draws the pairs from H⁺_c (AxBench's code); "all" from H⁺_c ∪ H⁻.
+    """
+
+    name = "lat"
+
+    def __init__(self, pairs: str = "positives"):
+        if pairs not in LAT_PAIRS:
+            raise ValueError(f"pairs={pairs!r}; valid: {', '.join(LAT_PAIRS)}")
+        self.pairs = pairs
+
+    def direction(self, positives, negatives, seed=0):
+        if self.pairs == "all":
+            return LATDirection(random_state=seed).fit(*_labelled(positives, negatives)).direction_
+        return _oriented(LATDirection(random_state=seed).fit(positives.float()).direction_, positives, negatives)
+
+
+class ProbeMethod(ClosedFormConceptMethod):
+    """Probe (AxBench eq. 5): a token-level logistic regression of the concept label on h,
+    min_w,b mean log-loss(σ(h·w + b)) + (λ/2)‖w‖², solved exactly by scikit-learn
+    (`ProbeDirection`); w_c its unit-norm weight.
+
+    Args:
+        l2: λ on the *mean* token log-loss (AxBench trains its probe with AdamW weight decay 1e-3);
+            None: CausalGym's λ table by hidden size (`default_probe_strength`, on the summed loss).
+    """
+
+    name = "probe"
+
+    def __init__(self, l2: float | None = 1e-3):
+        if l2 is not None and not (isinstance(l2, (int, float)) and 0 < l2 < float("inf")):
+            raise ValueError(f"l2={l2!r} must be a finite number > 0 or None")
+        self.l2 = l2
+
+    def direction(self, positives, negatives, seed=0):
+        strength = None if self.l2 is None else self.l2 * (len(positives) + len(negatives))  # the summed loss's λ
+        return ProbeDirection(random_state=seed, strength=strength).fit(*_labelled(positives, negatives)).direction_
+
+
+# --- short names ----------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, str] = {}  # short name -> class path
+
+
+def register_concept_method(name: str, path: str) -> None:
+    """Register the short name `name` for the concept method class at `path`. Refuses a name twice."""
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"concept method name={name!r} must be a non-empty string without '/'")
+    if name in _REGISTRY:
+        raise ValueError(f"concept method {name!r} is already registered (as {_REGISTRY[name]})")
+    _REGISTRY[name] = path
+
+
+def registered_concept_methods() -> list[str]:
+    """The registered short names, in registration order."""
+    return list(_REGISTRY)
+
+
+def _built(path: str, init_args: dict) -> ConceptMethod:
+    if not isinstance(init_args, dict):
+        raise ValueError(f"method {path!r}: init_args={init_args!r} must be a mapping")
+    cls = import_class(path)
+    if not (isinstance(cls, type) and issubclass(cls, ConceptMethod)):
+        raise ValueError(
+            f"method class_path={path!r} is not a concept method (a subclass of {class_path(ConceptMethod)})"
+        )
+    try:
+        return cls(**init_args)
+    except TypeError as err:
+        raise ValueError(f"method {path!r}: bad init_args {sorted(init_args)}: {err}") from err
+
+
+def concept_method(method: str | dict | ConceptMethod, **init_args: Any) -> ConceptMethod:
+    """The concept method `method` names: a registered short name (built with `init_args`), a
+    {class_path, init_args} config, or an instance (returned as it is). It must be trained
+    (`trains`) or fitted in closed form (`fit`)."""
+    if isinstance(method, str):
+        if method not in _REGISTRY:
+            raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(_REGISTRY)}")
+        built = _built(_REGISTRY[method], init_args)
+    elif init_args:
+        raise ValueError(f"init_args {sorted(init_args)} go with a short method name, not with {method!r}")
+    elif isinstance(method, dict):
+        if "class_path" not in method or set(method) - {"class_path", "init_args"}:
+            raise ValueError(f"a method config is {{class_path, init_args}}; got keys {sorted(method)}")
+        built = _built(method["class_path"], method.get("init_args") or {})
+    elif isinstance(method, ConceptMethod):
+        built = method
+    else:
+        raise ValueError(
+            f"method={method!r} must be a short name ({', '.join(_REGISTRY)}), a {{class_path, init_args}} "
+            "config or a ConceptMethod"
+        )
+    if not (is_trained(built) or isinstance(built, Fitted)):
+        raise ValueError(f"{built!r} is neither trained (trains = True) nor fitted in closed form (fit)")
+    return built
+
+
+def method_config(method: ConceptMethod) -> dict:
+    """{class_path, init_args} of a built method: the config that builds it again."""
+    return {"class_path": class_path(method), "init_args": method.config()}
+
+
+def closed_form_methods() -> list[str]:
+    """The registered short names of the closed-form methods."""
+    return [name for name in _REGISTRY if not is_trained(concept_method(name))]
+
+
+for _name, _cls in [
+    ("reft_r1", "ReFTR1Method"),
+    ("ssv", "SSVMethod"),
+    ("diffmean", "DiffMeanMethod"),
+    ("pca", "PCAMethod"),
+    ("lat", "LATMethod"),
+    ("probe", "ProbeMethod"),
+]:
+    register_concept_method(_name, f"{__name__}.{_cls}")
