@@ -49,3 +49,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+CALM_SMALL = dict(  # the tiny CALM setup of tests/test_calm.py and tests/test_calm_seam.py
+    entities={"train": 30, "val": 12, "test": 6},
+    templates_per_property=1,
+    probe_epochs=2,
+    steps=3,
+    k_max=3,
+    layer=1,
+    probe="linear",
+    max_tokens=60,
+)

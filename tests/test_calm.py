@@ -21,6 +21,7 @@ from lit_interventions.interventions.attacks import (
 )
 from lit_interventions.metrics.competence import Competence, competence_scores, topk_overlaps
 from lit_interventions.modules.probe import ProbeModule, probe_predict, train_probe
+from tests.helpers import CALM_SMALL
 
 
 # --- attacks ----------------------------------------------------------------------------------------
@@ -232,16 +233,7 @@ def test_competence_bad_inputs():
 
 
 # --- the study ----------------------------------------------------------------------------------------
-SMALL = dict(
-    entities={"train": 30, "val": 12, "test": 6},
-    templates_per_property=1,
-    probe_epochs=2,
-    steps=3,
-    k_max=3,
-    layer=1,
-    probe="linear",
-    max_tokens=60,
-)
+SMALL = CALM_SMALL
 
 
 def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):

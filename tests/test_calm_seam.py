@@ -29,19 +29,10 @@ from lit_interventions.interventions.attacks import (
 from lit_interventions.interventions.registry import MethodSpec
 from lit_interventions.studies.calm import run_calm
 from lit_interventions.studies.calm_plan import CalmArgs, choose_attacks
+from tests.helpers import CALM_SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = "tests.test_calm_seam"
-SMALL = dict(  # the tiny setup of tests/test_calm.py
-    entities={"train": 30, "val": 12, "test": 6},
-    templates_per_property=1,
-    probe_epochs=2,
-    steps=3,
-    k_max=3,
-    layer=1,
-    probe="linear",
-    max_tokens=60,
-)
 
 
 class StandStill(Attack):
@@ -152,7 +143,7 @@ def test_an_attack_of_this_file_runs_from_a_yaml_alone(tmp_path, tiny_lm_dir):
             {"name": "same_as_fgsm", "class_path": f"{HERE}.ScaledFGSM", "init_args": {"scale": 1.0}},
             {"name": "still", "class_path": f"{HERE}.StandStill"},
         ],
-        **SMALL,
+        **CALM_SMALL,
     }
     path = tmp_path / "calm.yaml"
     path.write_text(yaml.safe_dump(config))
