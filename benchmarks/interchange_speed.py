@@ -113,27 +113,23 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype
     schedule = get_linear_schedule_with_warmup(optimizer, steps // 10, steps)
 
     def forward(batch):
-        batch = {k: v.to(device) for k, v in batch.items() if torch.is_tensor(v)}
-        locations = {
-            "sources->base": (
-                [[[p] for p in batch["source_pos"].tolist()]],
-                [[[p] for p in batch["base_pos"].tolist()]],
-            )
-        }
+        batch = batch.to(device)
+        base, source = batch.base, batch.source
+        locations = {"sources->base": ([[[p] for p in source.sites]], [[[p] for p in base.sites]])}
         _, out = intervenable(
-            {"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
-            [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
+            {"input_ids": base.input_ids, "attention_mask": base.attention_mask},
+            [{"input_ids": source.input_ids, "attention_mask": source.attention_mask}],
             unit_locations=locations,
         )
-        rows = torch.arange(len(batch["base_last"]), device=device)
-        return out.logits[rows, batch["base_last"]], batch
+        rows = torch.arange(len(batch), device=device)
+        return out.logits[rows, base.last], batch
 
     start = time.perf_counter()
     for step, batch in enumerate(data.train_dataloader()):
         if step == steps:
             break
         logits, batch = forward(batch)
-        F.cross_entropy(logits.float(), batch["source_label"]).backward()
+        F.cross_entropy(logits.float(), batch.source.label).backward()
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
@@ -142,11 +138,9 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype
     with torch.no_grad():
         for batch in data.test_dataloader():
             intervened, batch = forward(batch)
-            rows = torch.arange(len(batch["base_last"]), device=device)
-            clean = model(input_ids=batch["base_input_ids"], attention_mask=batch["base_attention_mask"]).logits
-            odds.append(
-                log_odds_ratio(clean[rows, batch["base_last"]], intervened, batch["base_label"], batch["source_label"])
-            )
+            base, rows = batch.base, torch.arange(len(batch), device=device)
+            clean = model(input_ids=base.input_ids, attention_mask=base.attention_mask).logits
+            odds.append(log_odds_ratio(clean[rows, base.last], intervened, base.label, batch.source.label))
     return {"steps_per_s": steps / seconds, "odds": torch.cat(odds).mean().item(), "peak_mb": _peak_mb(device)}
 
 

@@ -62,25 +62,18 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
     intervention = intervention[0] if isinstance(intervention, (tuple, list)) else intervention
 
     def forward(batch):
-        locations = {
-            "sources->base": (
-                [[[p] for p in batch["source_pos"].tolist()]],
-                [[[p] for p in batch["base_pos"].tolist()]],
-            )
-        }
+        base, source = batch.base, batch.source
+        locations = {"sources->base": ([[[p] for p in source.sites]], [[[p] for p in base.sites]])}
         _, out = intervenable(
-            {"input_ids": batch["base_input_ids"], "attention_mask": batch["base_attention_mask"]},
-            [{"input_ids": batch["source_input_ids"], "attention_mask": batch["source_attention_mask"]}],
+            {"input_ids": base.input_ids, "attention_mask": base.attention_mask},
+            [{"input_ids": source.input_ids, "attention_mask": source.attention_mask}],
             unit_locations=locations,
         )
-        return out.logits[torch.arange(len(batch["base_last"])), batch["base_last"]]
+        return out.logits[torch.arange(len(batch)), base.last]
 
     train, evaluation = data.loader("train", 4), data.loader("eval", 16)
     X = torch.cat(
-        [
-            read_site(model, layer, b["base_input_ids"], b["base_attention_mask"], b["base_pos"])
-            for b in data.loader("train", 16)
-        ]
+        [read_site(model, layer, b.base.input_ids, b.base.attention_mask, b.base.pos) for b in data.loader("train", 16)]
     )
     types = np.array([e.base_type for e in data.splits["train"]])
     for method in methods:
@@ -88,7 +81,7 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
             optimizer = torch.optim.Adam(intervention.parameters(), lr=5e-3)
             schedule = get_linear_schedule_with_warmup(optimizer, len(train) // 10, len(train))
             for batch in train:
-                F.cross_entropy(forward(batch), batch["source_label"]).backward()
+                F.cross_entropy(forward(batch), batch.source.label).backward()
                 optimizer.step()
                 schedule.step()
                 optimizer.zero_grad()
@@ -102,9 +95,10 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
                     intervention.rotate_layer.weight = direction[:, None]
         with torch.no_grad():
             for batch in evaluation:
-                clean = model(input_ids=batch["base_input_ids"], attention_mask=batch["base_attention_mask"]).logits
-                clean = clean[torch.arange(len(batch["base_last"])), batch["base_last"]]
-                log_odds_ratio(clean, forward(batch), batch["base_label"], batch["source_label"])
+                base = batch.base
+                clean = model(input_ids=base.input_ids, attention_mask=base.attention_mask).logits
+                clean = clean[torch.arange(len(batch)), base.last]
+                log_odds_ratio(clean, forward(batch), base.label, batch.source.label)
 
 
 def our_sweep(args, one_loop: bool = True) -> float:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from lit_interventions.core.files import read_utf8
+
 BUILTIN_DIR = Path(__file__).parent / "data" / "axbench"
 COLUMNS = ["input", "output", "output_concept", "concept_genre", "category", "dataset_category", "concept_id"]
 CATEGORIES = {"negative": 0, "positive": 1, "hard negative": 2}  # the batch's `category` codes
@@ -38,9 +40,50 @@ def _read_table(directory: Path, stem: str) -> tuple[pd.DataFrame, Path]:
     for suffix in (".parquet", ".jsonl"):
         path = directory / f"{stem}{suffix}"
         if path.exists():
-            table = pd.read_parquet(path) if suffix == ".parquet" else pd.read_json(path, lines=True, dtype=False)
-            return table, path
+            return (_read_parquet(path) if suffix == ".parquet" else _read_jsonl_table(path)), path
     raise FileNotFoundError(f"Missing {directory / stem}.parquet (or .jsonl) in concept directory {directory}")
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except Exception as err:  # ArrowInvalid (truncated, not parquet), OSError: name the file
+        raise ValueError(f"{path} is not a readable parquet file ({_first_line(err)}); download it again") from None
+
+
+def _read_jsonl_table(path: Path) -> pd.DataFrame:
+    """A JSONL table; a line that is not a JSON object is named by its number."""
+    try:
+        return pd.read_json(path, lines=True, dtype=False)
+    except ValueError as err:
+        json_lines(path)  # names the first bad line
+        raise ValueError(f"{path} is not a readable JSONL table ({_first_line(err)})") from None
+
+
+def json_lines(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file, one a line (blank lines skipped); a ValueError naming the
+    file and the line when a line is not a JSON object or the file is not UTF-8 text."""
+    text = read_utf8(path)
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # JSONL lines end at \n only
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}, line {number}: not valid JSON at column {err.colno} ({err.msg}); "
+                "fix the line or download the data again"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}, line {number}: a JSON {type(row).__name__}, not an object")
+        rows.append(row)
+    return rows
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200]}" if text else type(err).__name__
 
 
 def _check_columns(table: pd.DataFrame, path: Path, columns: list[str]) -> None:
@@ -56,11 +99,15 @@ def _read_metadata(path: Path) -> list[dict]:
         raise FileNotFoundError(
             f"Missing {path} (one JSON object per concept: concept_id, concept, concept_genres_map)"
         )
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = json_lines(path)
     for row in rows:
         for key in ("concept_id", "concept"):
             if key not in row:
                 raise ValueError(f"{path}: a row has no field {key!r}: {row}")
+        try:
+            int(row["concept_id"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: concept_id={row['concept_id']!r} is not an integer") from None
     return rows
 
 
@@ -141,7 +188,10 @@ def load_instructions(path: str | Path | None = None) -> list[str]:
     path = BUILTIN_DIR / "instructions.json" if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Missing instruction file {path}")
-    instructions = json.loads(path.read_text())
+    try:
+        instructions = json.loads(read_utf8(path))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})") from None
     if not isinstance(instructions, list) or not all(isinstance(x, str) for x in instructions):
         raise ValueError(f"{path} must hold a JSON list of strings")
     return instructions

@@ -11,6 +11,10 @@
 - `dev_metric()`: the metric a fitted intervention's candidates are chosen by on the dev split
   (None: the intervention keeps its default).
 
+The train loader is resumable (`core.loaders.ResumableLoader`, exact): a fit resumed with
+`--ckpt_path` from a checkpoint saved mid-epoch skips the batches already used, in the order the
+interrupted pass drew, and equals an uninterrupted fit.
+
 A new benchmark is one subclass, its metric callback, and a config naming it.
 """
 
@@ -21,6 +25,8 @@ from typing import ClassVar
 from lightning import Callback, LightningDataModule
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
+
+from lit_interventions.core.loaders import ResumableLoader
 
 
 class BenchmarkDataModule(LightningDataModule):
@@ -42,8 +48,37 @@ class BenchmarkDataModule(LightningDataModule):
     def dev_metric(self) -> Metric | None:
         return None
 
-    def train_dataloader(self) -> DataLoader:
-        return self.loader(self.SPLITS["train"], self.hparams.batch_size, shuffle=True)
+    def train_dataloader(self) -> ResumableLoader | DataLoader:
+        """The shuffled train split; a DataLoader is made resumable mid-epoch (its state: the
+        batches this epoch's training steps used, the order they were drawn in, torch's global
+        random state)."""
+        loader = self.loader(self.SPLITS["train"], self.hparams.batch_size, shuffle=True)
+        if not isinstance(loader, DataLoader):
+            return loader
+        self._train_loader = ResumableLoader(loader, self._batches_used, exact=True)
+        resumed = self.__dict__.pop("_resume_state", None)
+        if resumed:
+            self._train_loader.load_state_dict(resumed)
+        return self._train_loader
+
+    def _batches_used(self) -> int:
+        """The batches of this epoch whose training step has run (Lightning's count); an epoch
+        whose batches are all used (`limit_train_batches` included) counts as the whole pass."""
+        used = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return used if used < self.trainer.num_training_batches else len(self._train_loader)
+
+    def state_dict(self) -> dict:
+        """The train loader's state, saved with the fit's checkpoint. Lightning restores the data
+        module before anything builds the train loader, while it gives a loader its own state only
+        when the loader is built after the restore (not when the optimizer's schedule has asked
+        for the number of steps first), so the state travels this way too."""
+        loader = self.__dict__.get("_train_loader")
+        if loader is None or self.trainer is None or self.trainer.state.fn != "fit":
+            return {}
+        return {"train_loader": loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_state = state.get("train_loader")
 
     def val_dataloader(self) -> DataLoader:
         return self.loader(self.SPLITS["val"], self.hparams.eval_batch_size)

@@ -11,17 +11,17 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 
-import torch
 from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.templates import Pair, TaskTemplate, load_task, sample_pairs
 from torch.utils.data import DataLoader
 
 from lit_interventions.callbacks.metrics import OddsCallback
+from lit_interventions.core.batch import CAUSE, ISO, PairBatch, collate_pairs
 from lit_interventions.core.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.core.loaders import split_loader
+from lit_interventions.core.pair_checks import refuse_identical_pairs
 from lit_interventions.core.surprisal import bos_prefix
-from lit_interventions.core.tokens import pad_batch, token_covering
-from lit_interventions.metrics.disentangle import CAUSE, ISO
+from lit_interventions.core.tokens import token_covering
 
 CONTROL_TASKS = {"dog_give": [" dog", " give"]}
 
@@ -112,36 +112,6 @@ def tokenize_pairs(
             )
         )
     return examples
-
-
-def collate(examples: list[Example], region: str, pad_id: int, padding_side: str = "right") -> dict:
-    """Pad base and source separately; shift positions by the padding when it is on the left.
-    `*_keys` are the unpadded ids and first real positions, for `ActivationCache`; `*_pos_list`
-    the site positions, also on the host (the cache's prefix length is chosen from them);
-    `*_type` each sentence's type (e.g. "sg" or "pl"), the class closed-form methods are fitted on."""
-    batch: dict[str, torch.Tensor] = {}
-    for side in ("base", "source"):
-        seqs = [getattr(e, f"{side}_ids") for e in examples]
-        ids, mask, shift = pad_batch(seqs, pad_id, padding_side)
-        positions = torch.tensor([getattr(e, f"{side}_positions")[region] for e in examples])
-        batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = ids, mask
-        batch[f"{side}_pos"] = positions + shift  # (batch,)
-        shared = set.intersection(*(set(getattr(e, f"{side}_positions")) for e in examples))
-        batch[f"{side}_region_pos"] = {
-            r: torch.tensor([getattr(e, f"{side}_positions")[r] for e in examples]) + shift for r in sorted(shared)
-        }  # every region of every row: composed sites
-        batch[f"{side}_pos_list"] = batch[f"{side}_pos"].tolist()
-        batch[f"{side}_last"] = torch.tensor([len(s) - 1 for s in seqs]) + shift  # (batch,)
-        batch[f"{side}_label"] = torch.tensor([getattr(e, f"{side}_label") for e in examples])
-        types = [getattr(e, f"{side}_type", None) for e in examples]  # host-side strings
-        if None not in types:  # (RAVEL's examples, collated here too, have no type)
-            batch[f"{side}_type"] = types
-        batch[f"{side}_keys"] = ([tuple(seq) for seq in seqs], shift.tolist())  # host-side cache keys
-    # the multi-task loss's fields, as RAVEL's batches have them: an Iso pair keeps the base's answer
-    batch["kind"] = torch.tensor([e.kind for e in examples])
-    batch["attribute"] = torch.zeros_like(batch["kind"])
-    batch["label"] = torch.where(batch["kind"] == ISO, batch["base_label"], batch["source_label"])
-    return batch
 
 
 class CausalGymDataModule(BenchmarkDataModule):
@@ -244,6 +214,7 @@ class CausalGymDataModule(BenchmarkDataModule):
                     f"Region {self.region!r} of task {self.task!r} is empty in every {split} pair; "
                     f"choose another of: {', '.join(self.template.regions)}"
                 )
+            refuse_identical_pairs(kept, split, f"task {self.task!r}")
             self.splits[split] = kept
         self.splits["train"] = self.splits["train"] + self.splits.pop("train_iso", [])
 
@@ -254,7 +225,10 @@ class CausalGymDataModule(BenchmarkDataModule):
         the shuffled order (default: drawn from torch's global generator); `shard=False`: all of
         it on every process."""
         collate_fn = partial(
-            collate, region=self.region, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side
+            collate_pairs,
+            region=self.region,
+            pad_id=self.tokenizer.pad_token_id,
+            padding_side=self.hparams.padding_side,
         )
         return split_loader(self.splits[split], batch_size, collate_fn, self.trainer if shard else None, shuffle, seed)
 
@@ -262,8 +236,8 @@ class CausalGymDataModule(BenchmarkDataModule):
         """What this data is scored by: the log odds-ratio and IIA."""
         return [OddsCallback()]
 
-    def site_labels(self, batch: dict, side: str) -> list[str]:
+    def site_labels(self, batch: PairBatch, side: str) -> list[str]:
         """The class of each site state a closed-form intervention is fitted on: its sentence's
         type (e.g. singular or plural; CausalGym's code groups the base states by it), not the
         label word's token (a type has several words: ' is', ' was', ...)."""
-        return list(batch[f"{side}_type"])
+        return list(batch.side(side).types)

@@ -1,7 +1,7 @@
 """RAVEL DataModule: (entity, template) pairs the model answers correctly, turned into Cause and
 Iso interchange examples (Huang et al. 2024, §3-4). Reading the published files and encoding a
-prompt: `datamodules/ravel_files.py`; the example records and their collate function:
-`ravel_examples.py`; the model's cached answers: `ravel_answers.py` (their names are re-exported
+prompt: `datamodules/ravel_files.py`; the example records: `ravel_examples.py` (batched by
+`core.batch.collate_pairs`); the model's cached answers: `ravel_answers.py` (their names are re-exported
 here)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from functools import partial
 import torch
 from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.ravel_answers import AnswerCache, _first_token, _right_pad
-from lit_interventions.datamodules.ravel_examples import (  # noqa: F401  (re-exported: the records and collate)
+from lit_interventions.datamodules.ravel_examples import (  # noqa: F401  (re-exported: the records)
     CAUSE,
     ISO,
+    REGION,
     Query,
     RavelExample,
-    collate,
 )
 from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's reader and prompt encoding)
     BUILTIN_RAVEL,
@@ -32,6 +32,7 @@ from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (re-expor
 from torch.utils.data import DataLoader
 
 from lit_interventions.callbacks.metrics import DisentangleCallback
+from lit_interventions.core.batch import PairBatch, collate_pairs
 from lit_interventions.core.lm import DEFAULT_LM, load_lm, load_tokenizer
 from lit_interventions.core.loaders import split_loader
 from lit_interventions.core.sites import logits_at
@@ -346,10 +347,10 @@ class RavelDataModule(BenchmarkDataModule):
         return RavelExample(
             base.ids,
             src.ids,
-            {"entity": base.entity_pos},
-            {"entity": src.entity_pos},
+            {REGION: base.entity_pos},
+            {REGION: src.entity_pos},
             base_label=base_label,
-            source_label=label,
+            target=label,
             attribute=self.attributes.index(queried),
             kind=kind,
             base_entity=self.entity_index[base.entity],
@@ -362,7 +363,9 @@ class RavelDataModule(BenchmarkDataModule):
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False, shard: bool = True) -> DataLoader:
         """Batches of one split (train, val or test); `shard=False`: all of it on every process."""
-        collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side)
+        collate_fn = partial(
+            collate_pairs, region=REGION, pad_id=self.tokenizer.pad_token_id, padding_side=self.hparams.padding_side
+        )
         return split_loader(self.splits[split], batch_size, collate_fn, self.trainer if shard else None, shuffle)
 
     def metric_callbacks(self) -> list:
@@ -373,8 +376,8 @@ class RavelDataModule(BenchmarkDataModule):
         """What a fitted intervention's candidates are chosen by on the val split: Disentangle."""
         return DevDisentangle(len(self.attributes))
 
-    def site_labels(self, batch: dict, side: str) -> list[str]:
+    def site_labels(self, batch: PairBatch, side: str) -> list[str]:
         """The class of each site state a closed-form intervention is fitted on: the target
         attribute's value of its entity."""
         values = self.values(self.hparams.target_attribute)
-        return [values[e] for e in batch[f"{side}_entity"].tolist()]
+        return [values[e] for e in batch.side(side).entity.tolist()]

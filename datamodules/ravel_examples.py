@@ -1,15 +1,14 @@
-"""RAVEL's records: an (entity, template) query, a Cause or Iso interchange example built from
-two of them, and the collate function that batches examples (CausalGym's, plus RAVEL's fields).
+"""RAVEL's records: an (entity, template) query, and a Cause or Iso interchange example built from
+two of them (batched by `core.batch.collate_pairs`, the site at the entity's last token).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from lit_interventions.datamodules.causalgym import collate as causalgym_collate
+from lit_interventions.core.batch import CAUSE, ISO  # noqa: F401  (an example's kind, re-exported)
 
-CAUSE, ISO = 0, 1
+REGION = "entity"  # the one region of a RAVEL prompt: the entity's last token is the site
 
 
 @dataclass
@@ -25,27 +24,18 @@ class Query:
 
 @dataclass
 class RavelExample:
-    """Fields named as `lit_interventions.datamodules.causalgym.Example`, so its collate function applies."""
+    """An interchange example, with the fields `core.batch.collate_pairs` reads (the source's own
+    answer is not asked: the intervened model's answer is `target`)."""
 
     base_ids: list[int]
     source_ids: list[int]
     base_positions: dict[str, int]  # {"entity": last token of the entity}
     source_positions: dict[str, int]
     base_label: int  # A(E): the base's own answer for the attribute it queries
-    source_label: int  # the label the intervened model should predict (collated as `label`)
+    target: int  # the label the intervened model should predict
     attribute: int  # index in data.attributes of the attribute the base queries
     kind: int  # CAUSE or ISO
     base_entity: int
     source_entity: int
     base_template: str
     source_template: str
-
-
-def collate(examples: list[RavelExample], pad_id: int, padding_side: str = "right") -> dict:
-    """CausalGym's collate (base/source padded apart, `*_pos`, `*_last`, `*_keys`), plus the
-    RAVEL fields: label, attribute, kind, base_entity, source_entity."""
-    batch = causalgym_collate(examples, region="entity", pad_id=pad_id, padding_side=padding_side)
-    batch["label"] = batch.pop("source_label")
-    for field in ("attribute", "kind", "base_entity", "source_entity"):
-        batch[field] = torch.tensor([getattr(e, field) for e in examples])
-    return batch

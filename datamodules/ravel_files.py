@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_interventions.core.files import read_utf8
 from lit_interventions.core.tokens import token_covering
 
 BUILTIN_RAVEL = Path(__file__).parent / "data" / "ravel"
@@ -77,7 +78,7 @@ def load_ravel(ravel_dir: str | Path | None, entity_type: str) -> RavelData:
         path = directory / pattern.format(entity_type)
         if not path.is_file():
             raise ValueError(f"RAVEL directory {directory} lacks the file {path.name} for entity type {entity_type!r}")
-        raw[key] = json.loads(path.read_text())
+        raw[key] = read_json_object(path)
     for key in ("entity_split", "prompt_split"):
         bad = sorted({s for s in raw[key].values() if s not in SPLITS})
         if bad:
@@ -101,6 +102,23 @@ def load_ravel(ravel_dir: str | Path | None, entity_type: str) -> RavelData:
         prompt_split=dict(raw["prompt_split"]),
         wikipedia=wikipedia,
     )
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; a ValueError naming the file (and the line of a JSON error)
+    when it is not UTF-8 text, not JSON or not an object."""
+    try:
+        data = json.loads(read_utf8(path))
+    except OSError as err:
+        raise ValueError(f"{path} cannot be read ({err.strerror or type(err).__name__})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}: not valid JSON at line {err.lineno}, column {err.colno} ({err.msg}); "
+            "restore the file or download RAVEL again"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}; RAVEL's files hold a JSON object")
+    return data
 
 
 _NO_SPACE_BEFORE_VALUE = tuple(" \t\n\"'([{")  # a prompt ending in one of these is followed directly by the value

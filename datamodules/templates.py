@@ -252,9 +252,17 @@ def load_templates(path: str | Path | None = None) -> dict[str, dict]:
     if not path.is_file():
         raise FileNotFoundError(f"Template file not found: {path} (--data.templates must name a JSON file)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"Malformed template file {path}: not UTF-8 text (byte {err.start}); save it as UTF-8"
+        ) from None
+    except OSError as err:
+        raise ValueError(f"Template file {path} cannot be read ({err.strerror or type(err).__name__})") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"Malformed template file {path}: not valid JSON ({err})") from err
+        raise ValueError(
+            f"Malformed template file {path}: not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})"
+        ) from None
     if not isinstance(data, dict) or not data:
         raise ValueError(f"Malformed template file {path}: the top level must be an object from task name to task")
     return data

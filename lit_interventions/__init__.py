@@ -5,8 +5,8 @@ What a notebook imports; each name's module says more:
     from lit_interventions import Site, load_lm, RotatedSpaceIntervention, InterchangeModule
     from lit_interventions import CausalGymDataModule, OddsCallback, from_pretrained, Dictionary
 
-- the frozen LM and where to read or write it: `load_lm`, `load_tokenizer`, `Site`
-  (`lit_interventions.core`);
+- the frozen LM and where to read or write it: `load_lm`, `load_tokenizer`, `Site`, and the
+  batch of interchange pairs, `PairBatch` (`lit_interventions.core`);
 - interventions, pure torch modules mapping (f(b), f(s)) to f* (`lit_interventions.interventions`);
 - objectives and the LightningModules that train them (`lit_interventions.objectives`,
   `lit_interventions.modules`);
@@ -33,6 +33,8 @@ _API = {
     "AUROCCallback": "lit_interventions.callbacks.metrics",
     "DisentangleCallback": "lit_interventions.callbacks.metrics",
     "OddsCallback": "lit_interventions.callbacks.metrics",
+    "PairBatch": "lit_interventions.core.batch",
+    "collate_pairs": "lit_interventions.core.batch",
     "load_lm": "lit_interventions.core.lm",
     "load_tokenizer": "lit_interventions.core.lm",
     "Site": "lit_interventions.core.sites",

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_interventions.core.batch import CAUSE, ISO, LABEL_KEYS, PairBatch  # ISO, CAUSE: the `kind` of an example
 from lit_interventions.interventions.capabilities import Penalised
-from lit_interventions.metrics.disentangle import CAUSE, ISO  # the `kind` of an example
 
 ROWS_AT_ONCE = 4  # rows of each float32 chunk: 1 and 4 rows measured alike on 262k logits, 16 and 64 slower
 
@@ -71,10 +71,10 @@ class Objective:
             raise ValueError(f"sparsity={sparsity!r} must be a finite number >= 0")
         self.sparsity = sparsity
 
-    def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    def task_loss(self, logits: torch.Tensor, batch: PairBatch) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, logits: torch.Tensor, batch: dict, intervention: nn.Module | None = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: PairBatch, intervention: nn.Module | None = None) -> torch.Tensor:
         loss = self.task_loss(logits, batch)  # in float32 (`cross_entropy_rows`)
         if self.sparsity:
             if not isinstance(intervention, Penalised):
@@ -90,14 +90,17 @@ class Objective:
 
 
 class CounterfactualLoss(Objective):
-    """−log p_{f←f*}(y | b, s), y the batch's `label_key` (CausalGym: the source's label)."""
+    """−log p_{f←f*}(y | b, s), y the labels `label_key` names (`PairBatch.labels`): "source_label"
+    (CausalGym: the source's label), "base_label" or "label" (the target)."""
 
     def __init__(self, label_key: str = "source_label", sparsity: float = 0.0):
         super().__init__(sparsity)
+        if label_key not in LABEL_KEYS:
+            raise ValueError(f"label_key={label_key!r}; choose one of {LABEL_KEYS}")
         self.label_key = label_key
 
     def task_loss(self, logits, batch):
-        return cross_entropy_rows(logits, batch[self.label_key]).mean()
+        return cross_entropy_rows(logits, batch.labels(self.label_key)).mean()
 
 
 class CauseIsoLoss(Objective):
@@ -110,7 +113,7 @@ class CauseIsoLoss(Objective):
         self.uses_iso = multitask
 
     def task_loss(self, logits, batch):
-        return multitask_loss(logits, batch["label"], batch["attribute"], batch["kind"], self.multitask)
+        return multitask_loss(logits, batch.target, batch.attribute, batch.kind, self.multitask)
 
 
 def multitask_loss(

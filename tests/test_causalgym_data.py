@@ -4,8 +4,10 @@ import json
 
 import pytest
 import torch
-from lit_interventions.datamodules.causalgym import CausalGymDataModule, collate, label_token_ids
+from lit_interventions.datamodules.causalgym import CausalGymDataModule, label_token_ids
 from lit_interventions.datamodules.templates import load_task, load_templates, parse_task, sample_pairs, split_regions
+
+from lit_interventions.core.batch import collate_pairs
 
 PAPER_TASKS = """agr_gender agr_sv_num_subj-relc agr_sv_num_obj-relc agr_sv_num_pp agr_refl_num_subj-relc
 agr_refl_num_obj-relc agr_refl_num_pp npi_any_subj-relc npi_any_obj-relc npi_ever_subj-relc npi_ever_obj-relc
@@ -107,16 +109,19 @@ def test_positions_are_the_last_token_of_each_region(tiny_lm_dir, tokenizer):
 
 def test_padding_side_keeps_positions_on_the_same_tokens(tiny_lm_dir):
     examples = _datamodule(tiny_lm_dir, task="agr_sv_num_pp").splits["train"][:6]
-    right = collate(examples, "subject", pad_id=0, padding_side="right")
-    left = collate(examples, "subject", pad_id=0, padding_side="left")
+    right = collate_pairs(examples, "subject", pad_id=0, padding_side="right")
+    left = collate_pairs(examples, "subject", pad_id=0, padding_side="left")
     rows = torch.arange(6)
     for side in ("base", "source"):
+        r, lt = right.side(side), left.side(side)
         for key in ("pos", "last"):
-            tokens_right = right[f"{side}_input_ids"][rows, right[f"{side}_{key}"]]
-            tokens_left = left[f"{side}_input_ids"][rows, left[f"{side}_{key}"]]
-            assert torch.equal(tokens_right, tokens_left)
-        assert (left[f"{side}_input_ids"][:, -1] != 0).all() and (left[f"{side}_attention_mask"][:, -1] == 1).all()
-    assert [e.base_label for e in examples] == right["base_label"].tolist()
+            assert torch.equal(r.input_ids[rows, getattr(r, key)], lt.input_ids[rows, getattr(lt, key)])
+        for region in r.regions:
+            assert torch.equal(r.input_ids[rows, r.regions[region]], lt.input_ids[rows, lt.regions[region]])
+        assert (lt.input_ids[:, -1] != 0).all() and (lt.attention_mask[:, -1] == 1).all()
+        assert r.types == [getattr(e, f"{side}_type") for e in examples] == lt.types
+    assert [e.base_label for e in examples] == right.base.label.tolist()
+    assert [e.source_label for e in examples] == right.target.tolist()  # Cause pairs: the source's answer
 
 
 def test_published_schema_features(tiny_lm_dir, tokenizer, toy_file):

@@ -13,7 +13,8 @@ import pytest
 import torch
 from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
-from lit_interventions.core.cache import ActivationCache, input_keys
+from lit_interventions.core.batch import PairBatch, Side
+from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.sharding import LoadOptions, execution_device, input_device, is_dispatched
 from lit_interventions.core.sites import decoder_layers, logits_at, read_layers
@@ -168,23 +169,17 @@ def test_prefix_cache_on_offloaded_blocks(tiny_lm_dir, offload_dir):
     plain, sharded, _ = _sharded(tiny_lm_dir, "llama", offload_dir)
     ids, mask, last = token_batch(plain.config.vocab_size, lengths=(12, 9, 10))
     sites = torch.tensor([8, 4, 6])
-    batch = {
-        "base_input_ids": ids,
-        "base_attention_mask": mask,
-        "base_pos": sites,
-        "source_input_ids": ids.flip(0),
-        "source_attention_mask": mask.flip(0),
-        "source_pos": sites,
-    }
+    zeros = torch.zeros(3, dtype=torch.long)
+    batch = PairBatch(Side.of(ids, mask, sites), Side.of(ids.flip(0), mask.flip(0), sites), zeros, zeros, zeros)
     layer = 0
     cache = ActivationCache(sharded, [layer])
     cache.fill([batch], batch_size=2)
-    c, above = cache.prefix(layer, input_keys(ids, mask), sites.tolist())
+    c, above = cache.prefix(layer, batch.base)
     assert c == 4 and above.shape[:3] == (LAYERS - 1, 2, 3)
-    start = cache.states(layer, ids, mask)
+    start = cache.states(layer, batch.base)
     real = mask[..., None].bool()  # the cache holds zeros at padding; fill batches differ: float noise
     torch.testing.assert_close(start, read_layers(plain, [layer], ids, mask)[layer] * real, rtol=1e-5, atol=1e-6)
-    source = cache.states(layer, ids.flip(0), mask.flip(0))[torch.arange(3), sites]
+    source = cache.at_site(layer, batch.source)
     torch.manual_seed(0)
     direction = FixedSubspaceIntervention(torch.nn.functional.normalize(torch.randn(1, HIDDEN), dim=-1))
     edit = lambda h: direction(h, source)  # noqa: E731

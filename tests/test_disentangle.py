@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from lit_interventions.callbacks.metrics import DisentangleCallback
+from lit_interventions.core.batch import CAUSE, ISO, PairBatch, Side
 from lit_interventions.interventions.featurizers import FeatureInterchange, FullVectorSwap
 from lit_interventions.interventions.fitted import FeatureInterchangeFit
 from lit_interventions.interventions.mask import SigmoidMaskIntervention, linear_temperature
-from lit_interventions.metrics.disentangle import CAUSE, ISO, Disentanglement
+from lit_interventions.metrics.disentangle import Disentanglement
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.objectives import CauseIsoLoss, multitask_loss
 
@@ -103,10 +104,11 @@ def test_bad_options(tiny_lm_dir):
 
 
 def test_sparsity_needs_a_mask():
+    side = Side.of(torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="needs an intervention with a penalty"):
         CauseIsoLoss(sparsity=1e-3)(
             torch.zeros(1, 4),
-            {"label": torch.tensor([0]), "attribute": torch.tensor([0]), "kind": torch.tensor([CAUSE])},
+            PairBatch(side, side, torch.tensor([0]), torch.tensor([CAUSE]), torch.tensor([0])),
             FullVectorSwap(),
         )
 
@@ -129,21 +131,15 @@ def _batch(tokenizer):
     input_ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in ids])
     mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids])
     last = torch.tensor([len(seq) - 1 for seq in ids])
-    source = input_ids.flip(0)
-    return {
-        "base_input_ids": input_ids,
-        "base_attention_mask": mask,
-        "base_pos": last,
-        "base_last": last,
-        "source_input_ids": source,
-        "source_attention_mask": mask.flip(0),
-        "source_pos": last.flip(0),
-        "source_last": last.flip(0),
-        "label": torch.tensor([5, 6, 7, 8]),
-        "base_label": torch.tensor([9, 10, 7, 8]),
-        "attribute": torch.tensor([0, 0, 1, 2]),
-        "kind": torch.tensor([CAUSE, CAUSE, ISO, ISO]),
-    }
+    base = Side(input_ids, mask, last, last, label=torch.tensor([9, 10, 7, 8]))
+    source = Side(input_ids.flip(0), mask.flip(0), last.flip(0), last.flip(0))
+    return PairBatch(
+        base,
+        source,
+        target=torch.tensor([5, 6, 7, 8]),
+        kind=torch.tensor([CAUSE, CAUSE, ISO, ISO]),
+        attribute=torch.tensor([0, 0, 1, 2]),
+    )
 
 
 def test_full_swap_equals_vanilla_interchange_and_das_changes_output(tiny_lm_dir, tokenizer):
@@ -159,7 +155,7 @@ def test_full_swap_equals_vanilla_interchange_and_das_changes_output(tiny_lm_dir
     assert (swapped - clean).abs().max() > 1e-4 and (rotated - clean).abs().max() > 1e-4
     # the site is the last token after the last block, so f* = f(s) gives exactly the source's
     # own next-token logits
-    source_batch = {f"base_{k}": batch[f"source_{k}"] for k in ("input_ids", "attention_mask", "last")}
+    source_batch = PairBatch(batch.source, batch.source, batch.target, batch.kind, batch.attribute)
     torch.testing.assert_close(swapped, swap.clean_logits(source_batch))
 
 
@@ -183,7 +179,7 @@ def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask
     for _ in range(15):
         logits = module.intervened_logits(batch)
         loss = module.objective(logits, batch, module.intervention)
-        expected = multitask_loss(logits, batch["label"], batch["attribute"], batch["kind"], multitask)
+        expected = multitask_loss(logits, batch.target, batch.attribute, batch.kind, multitask)
         if method == "dbm":
             expected = expected + 1e-3 * module.intervention.penalty()
         assert loss.item() == pytest.approx(expected.item())
@@ -196,7 +192,7 @@ def test_training_steps_lower_the_loss(tiny_lm_dir, tokenizer, method, multitask
     metric = Disentanglement(3)
     outputs = module.validation_step(batch, 0)  # the standard output the DisentangleCallback reads
     DisentangleCallback().update(metric, outputs, batch)
-    expected = (outputs["intervened"].argmax(-1) == batch["label"]).float()
+    expected = (outputs["intervened"].argmax(-1) == batch.target).float()
     assert metric.compute()["cause"].item() == pytest.approx(expected[:2].mean().item())
     assert metric.count.sum().item() == 4
 
@@ -213,13 +209,11 @@ def _plant_answers(monkeypatch) -> list:
         with torch.no_grad():
             predicted = self.intervened_logits(batch).argmax(-1)
         planted = torch.arange(len(predicted), device=predicted.device) % 3 != 0
-        batch["label"] = torch.where(planted, predicted, batch["label"])  # the callback reads this batch
+        batch.target = torch.where(planted, predicted, batch.target)  # the callback reads this batch
         if batch_idx == 0:
             seen.clear()
         if not self.trainer.sanity_checking:
-            seen.extend(
-                zip(predicted.tolist(), batch["label"].tolist(), batch["attribute"].tolist(), batch["kind"].tolist())
-            )
+            seen.extend(zip(predicted.tolist(), batch.target.tolist(), batch.attribute.tolist(), batch.kind.tolist()))
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(InterchangeModule, "validation_step", validation_step)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -423,28 +424,29 @@ def test_pca_interchange_from_ravel_batches(monkeypatch, tiny_lm_dir):
     values = dm.values(dm.target_attribute)
     reps, labels = [], []
     for batch in dm.train_dataloader():
-        reps.append(read_site(model, layer, batch["base_input_ids"], batch["base_attention_mask"], batch["base_pos"]))
-        labels += [values[i] for i in batch["base_entity"].tolist()]
+        reps.append(read_site(model, layer, batch.base.input_ids, batch.base.attention_mask, batch.base.pos))
+        labels += [values[i] for i in batch.base.entity.tolist()]
     reps = torch.cat(reps)  # (80, 32)
     assert len(set(labels)) >= 2
     intervention = fit_feature_interchange(reps, labels, featurizer="pca")
     assert intervention.featurizer.n_features == 32
 
     batch = next(iter(dm.val_dataloader()))
-    source = read_site(model, layer, batch["source_input_ids"], batch["source_attention_mask"], batch["source_pos"])
+    base = batch.base
+    source = read_site(model, layer, batch.source.input_ids, batch.source.attention_mask, batch.source.pos)
 
     def run(module):
         return logits_at(
             model,
-            batch["base_input_ids"],
-            batch["base_attention_mask"],
-            batch["base_last"],
+            base.input_ids,
+            base.attention_mask,
+            base.last,
             layer=layer,
-            site_positions=batch["base_pos"],
-            intervention=lambda base: module(base, source),
+            site_positions=base.pos,
+            intervention=lambda states: module(states, source),
         )
 
-    clean = logits_at(model, batch["base_input_ids"], batch["base_attention_mask"], batch["base_last"])
+    clean = logits_at(model, base.input_ids, base.attention_mask, base.last)
     torch.testing.assert_close(run(FeatureInterchange(intervention.featurizer, [])), clean)
     swapped = run(FullVectorSwap())
     torch.testing.assert_close(
@@ -465,6 +467,12 @@ def _planted_ravel(n_entities=200, seed=0):
     a, b = rng.choice([-1, 1], n_entities), rng.choice([-1, 1], n_entities)
     x = np.stack([3 * a + 1.5 * rng.normal(size=n_entities), 2 * b + 0.6 * a, 0.5 * rng.normal(size=n_entities)], 1)
     return torch.tensor(x, dtype=torch.float32), a, b
+
+
+def _planted_batch(base, source, **fields) -> SimpleNamespace:
+    """What fitting and the dev metric read of a `PairBatch`, over planted states: each side's
+    entity, state `x` and label, the target, kind and attribute."""
+    return SimpleNamespace(base=base, source=source, side={"base": base, "source": source}.get, **fields)
 
 
 class _PlantedRavel(BenchmarkDataModule):
@@ -488,23 +496,20 @@ class _PlantedRavel(BenchmarkDataModule):
             label = np.where(kind == 0, (a[source] > 0), 2 + (b[base] > 0))
             base_label = np.where(kind == 0, (a[base] > 0), 2 + (b[base] > 0))
             self.batches[split] = [
-                {
-                    "base_entity": torch.tensor(base),
-                    "source_entity": torch.tensor(source),
-                    "base_x": x[base],
-                    "source_x": x[source],
-                    "kind": torch.tensor(kind),
-                    "attribute": torch.tensor(kind),
-                    "label": torch.tensor(label, dtype=torch.long),
-                    "base_label": torch.tensor(base_label, dtype=torch.long),
-                }
+                _planted_batch(
+                    SimpleNamespace(entity=torch.tensor(base), x=x[base], label=torch.tensor(base_label)),
+                    SimpleNamespace(entity=torch.tensor(source), x=x[source], label=None),
+                    target=torch.tensor(label, dtype=torch.long),
+                    kind=torch.tensor(kind),
+                    attribute=torch.tensor(kind),
+                )
             ]
 
     def loader(self, split, batch_size, shard=True):
         return self.batches[split]
 
     def site_labels(self, batch, side):
-        return self.a[batch[f"{side}_entity"].numpy()].tolist()
+        return self.a[batch.side(side).entity.numpy()].tolist()
 
     def dev_metric(self):
         from lit_interventions.metrics.disentangle import DevDisentangle
@@ -529,13 +534,13 @@ def _planted_module(intervention):
             self.printed.append(" ".join(map(str, args)))
 
         def site_representation(self, batch, side):
-            return batch[f"{side}_x"]
+            return batch.side(side).x
 
         def intervened_logits(self, batch):
-            x = self.intervention(batch["base_x"], batch["source_x"])
+            x = self.intervention(batch.base.x, batch.source.x)
             answer_a = (x[:, 0] > 0).long()
             answer_b = 2 + (x[:, 1] - 0.6 * torch.sign(x[:, 0]) > 0).long()
-            answer = torch.where(batch["attribute"] == 0, answer_a, answer_b)
+            answer = torch.where(batch.attribute == 0, answer_a, answer_b)
             return torch.nn.functional.one_hot(answer, 4).float()
 
     return Planted()
@@ -556,8 +561,8 @@ def test_C_is_chosen_by_dev_disentangle_where_accuracy_disagrees():
     # swapping axis 0 moves a and keeps b; swapping all is the full swap: the answer for b is b(E'),
     # right where b(E') = b(E)
     val = data.batches["val"][0]
-    iso = val["kind"] == 1
-    same_b = (b[val["base_entity"][iso].numpy()] == b[val["source_entity"][iso].numpy()]).mean()
+    iso = val.kind == 1
+    same_b = (b[val.base.entity[iso].numpy()] == b[val.source.entity[iso].numpy()]).mean()
     assert dev[0.001]["iso"] == 1.0 and dev[1.0]["cause"] == 1.0, dev
     assert dev[1.0]["iso"] == pytest.approx(same_b) and same_b < 0.6
     assert dev[0.001]["disentangle"] > dev[1.0]["disentangle"]

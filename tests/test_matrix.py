@@ -101,8 +101,8 @@ def test_mdas_on_causalgym_trains_on_cause_and_iso_pairs(tmp_path, tiny_lm_dir):
     assert sum(e.base_text != e.source_text for e in iso) > len(iso) // 2  # the nuisance variables differ
     assert all(e.kind == 0 for e in data.splits["dev"])  # scored on Cause pairs only
     batch = next(iter(data.loader("train", 80)))
-    expected = torch.where(batch["kind"] == 1, batch["base_label"], batch["source_label"])
-    assert torch.equal(batch["label"], expected)  # Iso: the base's own answer must stay
+    expected = torch.where(batch.kind == 1, batch.base.label, batch.source.label)
+    assert torch.equal(batch.target, expected)  # Iso: the base's own answer must stay
     assert "val/odds" in cli.trainer.callback_metrics
 
 
@@ -186,24 +186,24 @@ def test_das_at_a_sub_block_component(tmp_path, tiny_lm_dir):
     source = read_site(
         module.lm,
         1,
-        batch["source_input_ids"],
-        batch["source_attention_mask"],
-        batch["source_pos"],
+        batch.source.input_ids,
+        batch.source.attention_mask,
+        batch.source.pos,
         component="mlp_output",
     )
     captured = {}
     handle = mlp.register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
-    module.lm(input_ids=batch["source_input_ids"], attention_mask=batch["source_attention_mask"])
+    module.lm(input_ids=batch.source.input_ids, attention_mask=batch.source.attention_mask)
     handle.remove()
     rows = torch.arange(len(source))
-    torch.testing.assert_close(source, captured["h"][rows, batch["source_pos"]])  # the real MLP's output
+    torch.testing.assert_close(source, captured["h"][rows, batch.source.pos])  # the real MLP's output
     edited = logits_at(
         module.lm,
-        batch["base_input_ids"],
-        batch["base_attention_mask"],
-        batch["base_last"],
+        batch.base.input_ids,
+        batch.base.attention_mask,
+        batch.base.last,
         1,
-        batch["base_pos"],
+        batch.base.pos,
         lambda b: b + (source - b) @ W.T @ W,
         component="mlp_output",
     )

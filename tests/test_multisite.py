@@ -7,8 +7,9 @@ import pytest
 import torch
 from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
+from lit_interventions.core.batch import PairBatch
 from lit_interventions.modules.interchange import InterchangeModule
-from lit_interventions.modules.multisite import MultiSiteInterchangeModule, stack_batches
+from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 
 REGIONS = ["subject", "the", "object"]
 
@@ -72,28 +73,28 @@ def test_regions_trained_together_equal_each_region_alone(tiny_lm_dir, arch, pad
 def test_stacked_batch_keeps_each_row(tiny_lm_dir):
     datas = _datas(tiny_lm_dir("llama"), padding_side="left", pairs=4)
     parts = [next(iter(datas[region].loader("train", 3))) for region in ("subject", "object")]
-    # the second batch's bases are one column narrower, the first batch's sources are
-    parts[1] = {
-        k: (v[:, 1:] if k.startswith("base") and torch.is_tensor(v) and v.dim() == 2 else v)
-        for k, v in parts[1].items()
-    }
-    parts[1]["base_pos"], parts[1]["base_last"] = parts[1]["base_pos"] - 1, parts[1]["base_last"] - 1
-    parts[0] = {
-        k: (v[:, 1:] if k.startswith("source") and torch.is_tensor(v) and v.dim() == 2 else v)
-        for k, v in parts[0].items()
-    }
-    parts[0]["source_pos"], parts[0]["source_last"] = parts[0]["source_pos"] - 1, parts[0]["source_last"] - 1
-    stacked = stack_batches(parts, "left")
+    # the first batch's bases and the second's sources get one more padding column: the others are narrower
+    for part, side in ((parts[0], "base"), (parts[1], "source")):
+        states = part.side(side)
+        setattr(part, side, states.padded(states.input_ids.shape[1] + 1, "left"))
+    stacked = PairBatch.cat(parts, "left")
     for side, narrow, wide in (("base", 1, 0), ("source", 0, 1)):
-        assert stacked[f"{side}_input_ids"].shape == (6, parts[wide][f"{side}_input_ids"].shape[1])
+        joined, narrower, wider = stacked.side(side), parts[narrow].side(side), parts[wide].side(side)
+        assert joined.input_ids.shape == (6, wider.input_ids.shape[1])
         # the narrower batch is padded on the left: its positions shift by one and still point at the same tokens
         rows = torch.arange(3) + 3 * narrow
         torch.testing.assert_close(
-            stacked[f"{side}_input_ids"][rows, stacked[f"{side}_pos"][rows]],
-            parts[narrow][f"{side}_input_ids"][torch.arange(3), parts[narrow][f"{side}_pos"]],
+            joined.input_ids[rows, joined.pos[rows]], narrower.input_ids[torch.arange(3), narrower.pos]
         )
-        assert stacked[f"{side}_keys"][0][3 * narrow : 3 * narrow + 3] == parts[narrow][f"{side}_keys"][0]
-        assert stacked[f"{side}_keys"][1][3 * narrow] == parts[narrow][f"{side}_keys"][1][0] + 1
+        for region in joined.regions:
+            torch.testing.assert_close(
+                joined.input_ids[rows, joined.regions[region][rows]],
+                narrower.input_ids[torch.arange(3), narrower.regions[region]],
+            )
+        assert joined.keys[0][3 * narrow : 3 * narrow + 3] == narrower.keys[0]
+        assert joined.keys[1][3 * narrow] == narrower.keys[1][0] + 1
+        assert joined.sites == joined.pos.tolist()
+    assert torch.equal(stacked.target, torch.cat([part.target for part in parts]))
 
 
 def test_no_regions_is_an_error(tiny_lm_dir):

@@ -1,9 +1,12 @@
 """`cross_entropy_rows`: the float32 cross-entropy of (bfloat16) logits, a few rows at a time."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lit_interventions.core.batch import PairBatch, Side
 from lit_interventions.objectives import ROWS_AT_ONCE, CounterfactualLoss, cross_entropy_rows
 
 
@@ -35,7 +38,11 @@ def test_counterfactual_loss_is_the_mean_over_rows():
     logits, labels = torch.tensor([[0.0, 0.0], [2.0, 0.0]]), torch.tensor([0, 1])
     # rows: log 2; log(1 + e²) − 0
     expected = (torch.log(torch.tensor(2.0)) + torch.log1p(torch.exp(torch.tensor(2.0)))) / 2
-    assert CounterfactualLoss()(logits, {"source_label": labels}).item() == pytest.approx(expected.item(), rel=1e-6)
+    side, zeros = Side.of(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long)), labels * 0
+    batch = PairBatch(side, replace(side, label=labels), zeros, zeros, zeros)  # y_s: the source's labels
+    assert CounterfactualLoss()(logits, batch).item() == pytest.approx(expected.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="label_key='target'; choose one of"):
+        CounterfactualLoss(label_key="target")
 
 
 def test_shapes_are_checked():

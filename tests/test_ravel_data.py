@@ -191,10 +191,10 @@ def test_positions_point_at_the_last_entity_token(module):
     dm = module(source="mixed", padding_side="right")
     batch = next(iter(dm.val_dataloader()))
     names = dm.entity_names
-    for i in range(len(batch["label"])):
-        for side, entity in (("base", names[batch["base_entity"][i]]), ("source", names[batch["source_entity"][i]])):
-            ids = batch[f"{side}_input_ids"][i]
-            pos = batch[f"{side}_pos"][i]
+    for i in range(len(batch)):
+        for side, entity in (("base", names[batch.base.entity[i]]), ("source", names[batch.source.entity[i]])):
+            ids = batch.side(side).input_ids[i]
+            pos = batch.side(side).pos[i]
             up_to = dm.tokenizer.decode(ids[: pos + 1])
             assert up_to.endswith(entity), (up_to, entity)
             assert dm.tokenizer.decode(ids[pos]).strip() and entity.endswith(dm.tokenizer.decode(ids[pos]).strip()[-1])
@@ -215,11 +215,11 @@ def test_cause_and_iso_labels(module):
         if e.kind == CAUSE:
             n_cause += 1
             assert queried == target
-            assert e.source_label == dm.value_token(e.base_template, source_value)  # y = A*(E')
+            assert e.target == dm.value_token(e.base_template, source_value)  # y = A*(E')
         else:
             n_iso += 1
             assert queried != target
-            assert e.source_label == e.base_label  # y = A(E)
+            assert e.target == e.base_label  # y = A(E)
         assert names[e.base_entity] in e.base_template.replace("%s", names[e.base_entity])
     assert n_cause == n_iso == 30
     # London's country first token is " United", like New York's: never a Cause pair.
@@ -254,19 +254,19 @@ def test_cause_labels_are_the_model_own_answer(tiny_lm_dir, tmp_path, monkeypatc
     for split in dm.splits.values():
         for e in split:
             if e.kind != CAUSE:
-                assert e.source_label == e.base_label
+                assert e.target == e.base_label
                 continue
             n_cause += 1
             query = dm.encode(names[e.source_entity], e.base_template, dm.target_attribute)
-            assert e.source_label == predict_next(dm, model, [query])[0]  # the model's own answer
-            assert e.source_label != e.base_label  # the answer changes
+            assert e.target == predict_next(dm, model, [query])[0]  # the model's own answer
+            assert e.target != e.base_label  # the answer changes
             gold = dm.value_token(e.base_template, dm.values(dm.target_attribute)[e.source_entity])
-            changed += e.source_label != gold
+            changed += e.target != gold
     assert n_cause == 60 + 30 + 30 and changed > 0  # some labels differ from the gold value
     gold = RavelDataModule(**{**dm.hparams, "cause_label": "gold"})
     gold.setup()
     for e in (e for split in gold.splits.values() for e in split if e.kind == CAUSE):
-        assert e.source_label == gold.value_token(e.base_template, gold.values("Country")[e.source_entity])
+        assert e.target == gold.value_token(e.base_template, gold.values("Country")[e.source_entity])
 
 
 def test_wikipedia_sources(module):
@@ -278,16 +278,19 @@ def test_wikipedia_sources(module):
 def test_left_and_right_padding_agree(module):
     right = next(iter(module(padding_side="right").val_dataloader()))
     left = next(iter(module(padding_side="left").val_dataloader()))
-    assert (left["base_input_ids"] != right["base_input_ids"]).any()  # the padding did move
+    assert (left.base.input_ids != right.base.input_ids).any()  # the padding did move
     for side in ("base", "source"):
+        lt, r = left.side(side), right.side(side)
         for key in ("pos", "last"):
-            got = left[f"{side}_input_ids"].gather(1, left[f"{side}_{key}"][:, None])
-            want = right[f"{side}_input_ids"].gather(1, right[f"{side}_{key}"][:, None])
+            got = lt.input_ids.gather(1, getattr(lt, key)[:, None])
+            want = r.input_ids.gather(1, getattr(r, key)[:, None])
             assert (got == want).all()
-        assert left[f"{side}_keys"][0] == right[f"{side}_keys"][0]
-        assert all(s == 0 for s in right[f"{side}_keys"][1]) and any(s > 0 for s in left[f"{side}_keys"][1])
-    for key in ("label", "base_label", "attribute", "kind", "base_entity", "source_entity"):
-        assert (left[key] == right[key]).all()
+        assert lt.keys[0] == r.keys[0]
+        assert all(s == 0 for s in r.keys[1]) and any(s > 0 for s in lt.keys[1])
+        assert (lt.entity == r.entity).all()
+    assert (left.base.label == right.base.label).all() and left.source.label is right.source.label is None
+    for key in ("target", "attribute", "kind"):
+        assert (getattr(left, key) == getattr(right, key)).all()
 
 
 def test_seed_decides_the_examples(module):

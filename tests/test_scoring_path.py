@@ -29,11 +29,11 @@ def test_the_collate_carries_the_types_and_causalgym_fits_on_the_bases(tiny_lm_d
     data = _region_data(TASK, None, lm, REGION, None, SIZES)
     train_split = data.splits["train"]
     batch = next(iter(data.loader("train", 64)))
-    assert batch["base_type"] == [e.base_type for e in train_split]
-    assert batch["source_type"] == [e.source_type for e in train_split]
-    assert data.site_labels(batch, "base") == batch["base_type"] and set(batch["base_type"]) == {"sg", "pl"}
+    assert batch.base.types == [e.base_type for e in train_split]
+    assert batch.source.types == [e.source_type for e in train_split]
+    assert data.site_labels(batch, "base") == batch.base.types and set(batch.base.types) == {"sg", "pl"}
     # the label tokens are more classes than the types (' is', ' was', ' has' | ' are', ' were', ' have')
-    assert len(set(batch["base_label"].tolist())) > 2
+    assert len(set(batch.base.label.tolist())) > 2
     assert CausalGymDataModule.FIT_SIDES == ("base",)
     assert RavelDataModule.FIT_SIDES == ("base", "source")  # RAVEL fits on both sides, as before
     module = InterchangeModule(lm=lm, layer=LAYER, region=REGION)

@@ -7,6 +7,8 @@ and the planted module not to be imported."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from lit_interventions.artifacts.pretrained import artifact_kind, from_pretrained
+from lit_interventions.interventions.base import trusting_remote_code
 from lit_interventions.modules.steering_baselines import LoRAModule, LoReFTModule
 from lit_interventions.modules.steering_registry import (
     CHECKPOINT_KEY,
@@ -26,6 +29,7 @@ from lit_interventions.modules.steering_registry import (
 from tests.test_loreft import _batches, _fit, _loss
 
 PLANTED = "planted_steering_module"
+ROOT = Path(__file__).resolve().parents[1]
 REGISTERED = (
     "registered: loreft (lit_interventions.modules.steering_baselines.LoReFTModule), "
     "lora (lit_interventions.modules.steering_baselines.LoRAModule)"
@@ -87,7 +91,8 @@ def test_a_config_naming_an_unregistered_class_is_refused_and_nothing_is_importe
                 load(directory)
             assert str(error.value) == (
                 f"{directory / 'config.json'}: {class_path!r} is not a registered steering module, "
-                f"so nothing was imported; {REGISTERED}"
+                f"so nothing was imported; {REGISTERED}; register yours (register_steering_module) or pass "
+                "--trust_remote_code if you trust where it came from"
             )
     old = _crafted(tmp_path / "old", None, {"method": f"{name}.Evil", "model": "tiny"})  # an old card's method
     with pytest.raises(ValueError, match=f"'{name}.Evil' is not a registered steering module"):
@@ -171,3 +176,40 @@ def test_the_registry_refuses_a_name_twice_and_a_bad_path():
         register_steering_module("lora", LoRAModule)
     with pytest.raises(ValueError, match="class_path='Evil' must be 'package.module.Class'"):
         register_steering_module("evil", "Evil")
+
+
+def test_trusting_remote_code_imports_the_class_a_checkpoint_names(tmp_path, planted):
+    name, marker = planted
+    steering = {"kind": "steering", "weights": "intervention.safetensors", "method": "x", "model": "tiny"}
+    directory = _crafted(tmp_path / "trusted", {**steering, "class_path": f"{name}.Evil"})
+    with trusting_remote_code():
+        assert load_steering_checkpoint(directory) is None  # Evil.from_export ran
+    assert marker.read_text() == "built"
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_steer_takes_trust_remote_code_on_the_command_line(tmp_path, planted, trust):
+    """`lit-interventions steer --checkpoint DIR`: a class path outside the registry is one error
+    line with nothing imported; with --trust_remote_code true it is imported (the marker)."""
+    name, marker = planted
+    steering = {"kind": "steering", "weights": "intervention.safetensors", "method": "x", "model": "tiny"}
+    directory = _crafted(tmp_path / "artifact", {**steering, "class_path": f"{name}.Evil"})
+    done = subprocess.run(
+        [sys.executable, "-m", "lit_interventions", "steer", f"--checkpoint={directory}", f"--out={tmp_path / 'out'}"]
+        + (["--trust_remote_code=true"] if trust else []),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(marker.parent / "code")])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0  # the planted class builds nothing usable
+    if trust:
+        assert marker.read_text() == "built"
+    else:
+        assert done.returncode == 2 and not marker.exists()
+        assert done.stderr.strip().splitlines() == [
+            f"error: {directory / 'config.json'}: '{name}.Evil' is not a registered steering module, so nothing "
+            f"was imported; {REGISTERED}; register yours (register_steering_module) or pass --trust_remote_code "
+            "if you trust where it came from"
+        ]

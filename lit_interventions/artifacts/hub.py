@@ -30,6 +30,7 @@ from typing import Any
 
 from lit_interventions.artifacts.card import LIBRARY, model_card
 from lit_interventions.core.files import finite_values, write_atomically
+from lit_interventions.core.model_cache import hub_offline_reason
 
 CONFIG, README = "config.json", "README.md"
 INTERVENTION_FORMAT = "lit-interventions/intervention/v1"
@@ -236,7 +237,8 @@ def local_directory(
     local_files_only: bool = False,
 ) -> Path:
     """An existing local directory as it is; otherwise a hub id, downloaded (or taken from the
-    cache) with `huggingface_hub.snapshot_download`."""
+    cache) with `huggingface_hub.snapshot_download`. When the hub cannot be used (offline mode, no
+    network: `hub_offline_reason`) only the cache is read, so nothing waits on download retries."""
     path = Path(directory_or_hub_id).expanduser()
     if path.is_dir():
         return path
@@ -245,6 +247,7 @@ def local_directory(
         raise FileNotFoundError(f"{name!r} is neither a directory nor a hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
+    offline = None if local_files_only else hub_offline_reason()
     try:
         return Path(
             snapshot_download(
@@ -252,11 +255,16 @@ def local_directory(
                 revision=revision,
                 token=token,
                 cache_dir=cache_dir,
-                local_files_only=local_files_only,
+                local_files_only=local_files_only or offline is not None,
                 library_name=LIBRARY,
             )
         )
     except Exception as err:  # RepositoryNotFoundError, offline, no cached copy, ...
+        if offline is not None:
+            raise FileNotFoundError(
+                f"{name!r} is not a local directory, and as a hub id it is not in the Hugging Face cache "
+                f"({type(err).__name__}) while {offline}; download it where the hub can be reached (`hf download {name}`) or pass its directory"
+            ) from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise FileNotFoundError(
             f"{name!r} is not a local directory, and as a hub id it could not be downloaded "

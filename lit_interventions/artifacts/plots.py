@@ -1,8 +1,18 @@
-"""Figures: the CausalGym layer × region heatmap of the log odds-ratio."""
+"""Figures: the CausalGym layer × region heatmap of the log odds-ratio, RAVEL's attribute heatmap,
+and how every figure is written.
+
+`save_figure` writes a figure whole or not at all (`core.files.write_atomically`). The studies
+write their results first and their figures last; a figure that cannot be written (a full disk:
+an `OSError`) is `FigureNotWritten`, which `report_figures` turns into one `error:` line and exit
+status 1 at the command line, the results already on disk.
+"""
 
 from __future__ import annotations
 
+import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import matplotlib
@@ -11,7 +21,72 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lit_interventions.core.files import write_atomically  # noqa: E402
+
 DPI = 120
+FAILED = 1  # the exit status of a command whose results are written but a figure is not
+
+
+class FigureNotWritten(OSError):
+    """Figure `path` could not be written (`reason`: the `OSError`, e.g. no space left on the
+    device); `others`: how many more of the same run's figures were not written either. The
+    results it was drawn from are on disk."""
+
+    def __init__(self, path: str | Path, reason: OSError, others: int = 0):
+        self.path, self.reason, self.others = Path(path), reason, others
+        more = f" (nor {others} more)" if others else ""
+        super().__init__(
+            reason.errno,
+            f"figure {self.path} could not be written ({reason.strerror or reason}){more}; the results are "
+            "written: rerun the same command to draw the figures once there is room (nothing is recomputed)",
+        )
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason, self.others)
+
+
+def save_figure(fig, path: str | Path, **savefig) -> Path:
+    """`fig` saved to `path` whole or not at all (a temporary file beside it, then renamed; its
+    format from the suffix), and closed either way. An `OSError` is `FigureNotWritten`."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: fig.savefig(tmp, format=path.suffix[1:], **savefig))
+    except FigureNotWritten:
+        raise
+    except OSError as err:
+        raise FigureNotWritten(path, err) from err
+    finally:
+        plt.close(fig)
+    return path
+
+
+def save_figures(figures: Iterator[tuple[object, Path]], **savefig) -> list[Path]:
+    """Each (figure, path) of `figures` saved (`save_figure`), every one tried; the first that
+    could not be written is raised once all were tried, as `FigureNotWritten` counting the others."""
+    written, failed = [], []
+    for fig, path in figures:
+        try:
+            written.append(save_figure(fig, path, **savefig))
+        except FigureNotWritten as err:
+            failed.append(err)
+    if failed:
+        raise FigureNotWritten(failed[0].path, failed[0].reason, len(failed) - 1)
+    return written
+
+
+@contextmanager
+def report_figures() -> Iterator[None]:
+    """A command's block: `FigureNotWritten` inside it is one `error:` line on stderr and exit
+    status 1 (`FAILED`); the results are already written."""
+    try:
+        yield
+    except FigureNotWritten as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(FAILED) from None
 
 
 def _grid_size(n_rows: int, n_cols: int, col_labels: list[str]) -> tuple[float, float, float, float, float]:
@@ -90,18 +165,17 @@ def heatmap_figure(odds: np.ndarray, layers: list[int], regions: list[str], titl
 def odds_heatmap(odds: np.ndarray, layers: list[int], regions: list[str], title: str, path: str | Path) -> Path:
     """odds: (layers, regions) AvgOdds, NaN where a site was not run. Layer 0 at the bottom.
     Readable for 1..40 layers and 1..12 regions (see `heatmap_figure`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, _ = heatmap_figure(odds, layers, regions, title)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=DPI)
 
 
 def attribute_heatmap(rates: np.ndarray, rows: list[str], columns: list[str], title: str, path: str | Path) -> Path:
     """rates: (intervened attribute, queried attribute) in [0, 1], NaN where not run (RAVEL Fig. 3a)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(attribute_figure(rates, rows, columns, title), path, dpi=120)
+
+
+def attribute_figure(rates: np.ndarray, rows: list[str], columns: list[str], title: str):
+    """The figure of `attribute_heatmap`."""
     fig, ax = plt.subplots(figsize=(1.6 + 0.9 * len(columns), 1.2 + 0.6 * len(rows)))
     image = ax.imshow(np.ma.masked_invalid(rates), vmin=0, vmax=1, aspect="auto", cmap="viridis")
     for i in range(len(rows)):
@@ -115,6 +189,4 @@ def attribute_heatmap(rates: np.ndarray, rows: list[str], columns: list[str], ti
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, label="fraction of answers changed")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig

@@ -6,8 +6,10 @@
   the lock is held and the configuration matches; callers validate their inputs first, so a
   rejected run leaves nothing behind.
 - `DIR/results.sqlite`: the finished units (SQLite in WAL mode, one transaction per unit): a crash
-  at any byte loses at most the unit being written.
-- `DIR/<table>.csv`: exported from the database after each unit (temporary file + `os.replace`),
+  at any byte loses at most the unit being written. A file there that is not such a database
+  (random bytes, text, another program's tables) is refused with one line naming it, before
+  meta.json is written (`check_database`).
+- `DIR/<table>.csv`: exported from the database after each unit (`core.files.write_atomically`),
   so it is always whole. A CSV from before the database is imported once: its complete rows are
   kept, each damaged line is reported (file and line number) and its unit recomputed.
 - `DIR/ranks/rank-R/`: under torchrun or srun, rank R's own store (the same files); rank 0 merges
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -31,6 +34,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from lit_interventions.core.files import write_atomically
+from lit_interventions.core.signals import deferred
 
 DB_NAME = "results.sqlite"
 LOCK_NAME = ".lock"
@@ -90,16 +96,6 @@ class OutDirLock:
 # --- meta.json ---
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and `os.replace`: never a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def claim_out_dir(out: Path, meta: dict, what: str = "results", ignore: tuple = ()) -> None:
     """Make `out` hold the results of this configuration only: a directory written by another
     (a different model, data file or size) is refused before any work. Call it once the inputs
@@ -144,6 +140,7 @@ class ResultsStore:
         self.directory, self.tables = Path(directory), {t.name: t for t in tables}
         self.out = Path(out) if out is not None else self.directory
         self.directory.mkdir(parents=True, exist_ok=True)
+        check_database(self.directory / DB_NAME, tables)
         self.db = sqlite3.connect(self.directory / DB_NAME, isolation_level=None)  # transactions are ours
         self.db.execute("PRAGMA locking_mode=EXCLUSIVE")  # before WAL: no shared-memory index
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -164,12 +161,14 @@ class ResultsStore:
 
     def add(self, unit: dict[str, list[dict]]) -> None:
         """One finished unit ({table: rows}) in one transaction, then its tables' CSVs re-exported:
-        a crash anywhere leaves the unit either wholly in or wholly out."""
-        with self._transaction():
-            for name, rows in unit.items():
-                self._insert(self.tables[name], rows)
-        for name in unit:
-            self._export(self.tables[name])
+        a crash anywhere leaves the unit either wholly in or wholly out, and a signal (SIGTERM,
+        SIGINT) stops the run once both are done (`core.signals.deferred`)."""
+        with deferred():
+            with self._transaction():
+                for name, rows in unit.items():
+                    self._insert(self.tables[name], rows)
+            for name in unit:
+                self._export(self.tables[name])
 
     def absorb(self, directories: list[Path], position: Callable[[str, dict], int] | None = None) -> None:
         """Merge the stores in `directories` (the ranks' DIR/ranks/rank-R) into this one, in one
@@ -233,14 +232,11 @@ class ResultsStore:
         rows = self.rows(table.name)
         if not rows and not path.exists():
             return  # nothing finished yet: no file, as before
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(table.columns))
-            writer.writeheader()
-            writer.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=list(table.columns))
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomically(path, text.getvalue())
 
     def _import_once(self, table: Table) -> None:
         """Rows of a CSV written before the database (or by an older version): once, in one
@@ -252,6 +248,39 @@ class ResultsStore:
             if table.export and path.is_file():
                 self._insert(table, complete_rows(path, table))
             self.db.execute("INSERT INTO imported VALUES (?)", (table.name,))
+
+
+def check_database(path: Path, tables: list[Table]) -> None:
+    """Refuse (one ValueError naming `path` and what to do) a file at `path` that is not a results
+    database: not SQLite (random bytes, text), damaged (SQLite's quick check), or holding one of
+    `tables` with other columns. No file, or an empty one, is a new database."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        db = sqlite3.connect(path, isolation_level=None)
+        try:
+            db.execute("PRAGMA locking_mode=EXCLUSIVE")  # as the store opens it: no shared-memory index
+            names = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            found = {name: tuple(c[1] for c in db.execute(f"PRAGMA table_info({_quote(name)})")) for name in names}
+            (verdict,) = db.execute("PRAGMA quick_check(1)").fetchone()
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as err:
+        verdict = str(err)
+    if verdict != "ok":
+        raise ValueError(f"{path} is not a results database ({verdict}); {_WHAT_TO_DO}")
+    for table in tables:
+        if table.name in found and found[table.name] != table.columns:
+            raise ValueError(
+                f"{path} holds a table {table.name!r} with columns {list(found[table.name])}, not "
+                f"{list(table.columns)}: it is another program's database; {_WHAT_TO_DO}"
+            )
+
+
+_WHAT_TO_DO = (
+    "delete it (a rerun imports the rows of the CSV files beside it and redoes the rest) or choose another --out"
+)
 
 
 def complete_rows(path: Path, table: Table) -> list[dict]:
@@ -331,6 +360,7 @@ def open_results(
     out.mkdir(parents=True, exist_ok=True)
     lock = OutDirLock(out).acquire()
     try:
+        check_database(out / DB_NAME, tables)  # before meta.json is written: a refused run leaves nothing
         claim_out_dir(out, meta, what, ignore)
         store = ResultsStore(out, tables)
         try:

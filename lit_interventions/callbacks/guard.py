@@ -15,11 +15,18 @@ process exits non-zero.
 Metrics that are NaN by design can be skipped with `ignore` (fnmatch patterns): by default the
 per-concept AUROC `*/auroc/*`, which is NaN for a concept whose positives or negatives are not
 among the validation batches seen (e.g. with `limit_val_batches`).
+
+`DegenerateGuard` warns (one line, `DegenerateRunWarning`) when a run whose every number is finite
+exports a result that means nothing: a trained mask all 0/1 at a validation before training ends
+(saturated: it no longer learns), a trainable parameter that did not start at zero become zero
+everywhere (collapsed: the intervention does nothing), or every validation metric the same at
+each of two or more validations although the trained parameters changed.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -27,7 +34,9 @@ import torch
 from lightning import Callback
 
 from lit_interventions.core.lm import cache_dir
+from lit_interventions.core.quiet import OneLineWarning
 from lit_interventions.core.signals import Stopped, pending_signal
+from lit_interventions.interventions.capabilities import Tempered
 
 HUGE_LR = 1e3  # a learning rate above this is reported as the likely cause
 
@@ -59,15 +68,25 @@ def _in_cache(path: Path) -> bool:
         return False
 
 
-def likely_cause(trainer, pl_module) -> str:
-    """The most probable reason a run went non-finite, in words (checked in this order: the
-    learning rate, the frozen LM's weights, the dtype)."""
+def bad_learning_rate(trainer, pl_module) -> str | None:
+    """ "a bad learning rate (lr=...); ..." when the configured or scheduled lr is non-finite or
+    above `HUGE_LR`, else None."""
     hp = getattr(pl_module, "hparams", {}) or {}
     lrs = [hp.get("lr")] if "lr" in hp else []  # as configured; then as scheduled now
     lrs += [g.get("lr") for opt in (getattr(trainer, "optimizers", None) or []) for g in opt.param_groups]
     for lr in lrs:
         if isinstance(lr, (int, float)) and (not math.isfinite(lr) or abs(lr) > HUGE_LR):
             return f"a bad learning rate (lr={lr}); use a finite lr such as 1e-3"
+    return None
+
+
+def likely_cause(trainer, pl_module) -> str:
+    """The most probable reason a run went non-finite, in words (checked in this order: the
+    learning rate, the frozen LM's weights, the dtype)."""
+    hp = getattr(pl_module, "hparams", {}) or {}
+    bad_lr = bad_learning_rate(trainer, pl_module)
+    if bad_lr:
+        return bad_lr
     lm = (getattr(pl_module, "_frozen", None) or {}).get("lm")  # never load the LM just to diagnose
     if isinstance(lm, torch.nn.Module):
         found = _non_finite_weights(lm)
@@ -158,3 +177,100 @@ class SignalGuard(Callback):
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         self._check()
+
+
+class DegenerateRunWarning(OneLineWarning):
+    """A fit finished with finite numbers that mean nothing (see `DegenerateGuard`)."""
+
+
+def _trainable(pl_module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in pl_module.named_parameters() if p.requires_grad and p.is_floating_point()}
+
+
+class DegenerateGuard(Callback):
+    """Warn once per finding (`DegenerateRunWarning`, one line naming it and the likely cause):
+
+    - saturated: at a validation before the last training step, a trained mask (a `Tempered`
+      module's `weights()`, DBM's σ(m/T)) is all exactly 0 or 1, so its gradient is zero and it no
+      longer learns (at the last step a binary mask is what annealing T aims at);
+    - collapsed: a trainable parameter that did not start all zero is all zero at a validation
+      or when training ends (e.g. a unit-norm dictionary renormalised by an infinite norm);
+    - constant: every validation metric (`val/...`, `ignore` patterns skipped) had the same value
+      at each of two or more validations although the trainable parameters changed between the
+      first and the last.
+
+    Args:
+        ignore: fnmatch patterns of metric names left out of the constant check.
+    """
+
+    def __init__(self, ignore: list[str] | tuple[str, ...] = ("*/auroc/*",)):
+        self.ignore = list(ignore)
+        self._zero_at_start: set[str] = set()
+        self._validations: list[dict[str, float]] = []
+        self._first: dict[str, torch.Tensor] = {}
+        self._warned: set[str] = set()
+
+    def _warn(self, trainer, pl_module, key: str, finding: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        cause = (
+            bad_learning_rate(trainer, pl_module) or "an unstable objective or bad data; try a smaller learning rate"
+        )
+        warnings.warn(f"{finding}; likely cause: {cause}", DegenerateRunWarning, stacklevel=2)
+
+    def on_train_start(self, trainer, pl_module):
+        self._zero_at_start = {n for n, p in _trainable(pl_module).items() if not p.any()}
+        self._validations, self._first, self._warned = [], {}, set()
+
+    def _check_collapsed(self, trainer, pl_module, when: str) -> None:
+        for name, p in _trainable(pl_module).items():
+            if name not in self._zero_at_start and not p.any():
+                self._warn(
+                    trainer,
+                    pl_module,
+                    f"collapsed {name}",
+                    f"parameter {name} is all 0 {when}: the intervention does nothing",
+                )
+
+    def _check_saturated(self, trainer, pl_module, when: str) -> None:
+        for name, module in pl_module.named_modules():
+            weights = getattr(module, "weights", None)
+            if not (isinstance(module, Tempered) and callable(weights)):
+                continue
+            w = weights().detach()
+            if ((w == 0) | (w == 1)).all() and trainer.global_step < trainer.estimated_stepping_batches:
+                finding = f"the mask of {name or 'the module'} is all 0 or 1 {when} (before the last step): it is "
+                self._warn(trainer, pl_module, f"saturated {name}", finding + "saturated and no longer learns")
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.sanity_checking or trainer.state.fn != "fit":  # `validate` has nothing trained
+            return
+        when = f"at the validation of step {trainer.global_step}"
+        self._check_collapsed(trainer, pl_module, when)
+        self._check_saturated(trainer, pl_module, when)
+        metrics = {}
+        for name, value in trainer.callback_metrics.items():
+            number = _scalar(value) if name.startswith("val/") else None
+            if number is not None and not any(fnmatch(name, p) for p in self.ignore):
+                metrics[name] = number
+        self._validations.append(metrics)
+        if not self._first:
+            self._first = {n: p.detach().clone() for n, p in _trainable(pl_module).items()}
+
+    def on_train_end(self, trainer, pl_module):
+        self._check_collapsed(trainer, pl_module, "when training ends")
+        seen = self._validations
+        if len(seen) < 2 or not seen[0] or any(m != seen[0] for m in seen[1:]):
+            return
+        now = _trainable(pl_module)
+        if all(torch.equal(now[n], p) for n, p in self._first.items() if n in now):
+            return
+        values = ", ".join(f"{n} {v:.6g}" for n, v in sorted(seen[0].items()))
+        self._warn(
+            trainer,
+            pl_module,
+            "constant",
+            f"every validation metric was the same at all {len(seen)} "
+            f"validations ({values}) although the trained parameters changed: the result means nothing",
+        )

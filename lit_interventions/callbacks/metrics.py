@@ -102,7 +102,7 @@ class DisentangleCallback(_MetricCallback):
         return Disentanglement(len(self.attributes))
 
     def update(self, metric, outputs, batch):
-        metric.update(outputs["intervened"], batch["label"], batch["base_label"], batch["attribute"], batch["kind"])
+        metric.update(outputs["intervened"], batch.target, batch.base.label, batch.attribute, batch.kind)
 
     def log_values(self, pl_module, values, prefix, metric):
         logged = {f"{prefix}/{name}": values[name] for name in ("cause", "iso", "disentangle")}

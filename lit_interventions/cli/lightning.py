@@ -13,25 +13,26 @@ import importlib
 import inspect
 import os
 import sys
+import tempfile
 import warnings
-import zipfile
 from pathlib import Path
 
-import torch
 from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from lit_interventions.artifacts.checkpoint_io import AtomicCheckpointIO
+from lit_interventions.artifacts.checkpoint_io import AtomicCheckpointIO, read_checkpoint
 from lit_interventions.callbacks.dictionary import ExportDictionary
 from lit_interventions.callbacks.export import ExportIntervention
-from lit_interventions.callbacks.guard import NonFiniteError, NonFiniteGuard, SignalGuard
+from lit_interventions.callbacks.guard import DegenerateGuard, NonFiniteError, NonFiniteGuard, SignalGuard
 from lit_interventions.callbacks.progress import LineProgress, RunSummary
 from lit_interventions.cli.help import short_help
 from lit_interventions.cli.parsing import LINKED, SHARED, fail, first_reason, resolve_configs
+from lit_interventions.core.pair_checks import IdenticalPairsError
 from lit_interventions.core.quiet import quiet_lightning
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
@@ -128,6 +129,15 @@ class InterventionCLI(LightningCLI):
         # a model sized by its data (the SAE: the LM's hidden size, known once the data module is built)
         parser.link_arguments("data", "model.init_args.hidden_size", compute_fn=_hidden_size, apply_on="instantiate")
 
+    def _set_seed(self) -> None:
+        """LightningCLI's seeding without its "Seed set to N" line on stderr (config.yaml records
+        the seed), so that bad input found afterwards is the only line there."""
+        seed = self._get(self.config, "seed_everything")
+        if seed is False:
+            return
+        seed = seed_everything(None if seed is True else seed, workers=True, verbose=False)
+        (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
+
     def init_parser(self, **kwargs):
         return super().init_parser(**kwargs, exit_on_error=False)  # subcommand parsers too
 
@@ -148,7 +158,7 @@ class InterventionCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
-        ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
+        ckpt = check_checkpoint(ckpt_path)
         given = given_options(self._given)
         update, conflicts = {}, []
         for key, section in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
@@ -232,7 +242,8 @@ class InterventionCLI(LightningCLI):
 
 
 def writable_directory(path: str | os.PathLike, option: str) -> None:
-    """One error line when `path` is a file, or a directory that cannot be created or written."""
+    """One error line when `path` is a file, or a directory that cannot be created or written (a
+    file is created and removed there: permissions, a read-only file system, ACLs)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         fail(f"{option} {path} is a file, not a directory; pass a directory for the run's outputs")
@@ -240,13 +251,17 @@ def writable_directory(path: str | os.PathLike, option: str) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         fail(f"{option} {path} cannot be created ({err.strerror or type(err).__name__}); pass a writable directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        fail(f"{option} {path} is not writable; pass a writable directory")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        fail(f"{option} {path} is not writable ({err.strerror or type(err).__name__}); pass a writable directory")
 
 
 def trainer_defaults() -> dict:
-    """The callbacks every run gets: the guard, the exports and the final summary."""
-    return {"callbacks": [NonFiniteGuard(), SignalGuard(), ExportIntervention(), ExportDictionary(), RunSummary()]}
+    """The callbacks every run gets: the guards, the exports and the final summary."""
+    guards = [NonFiniteGuard(), DegenerateGuard(), SignalGuard()]
+    return {"callbacks": [*guards, ExportIntervention(), ExportDictionary(), RunSummary()]}
 
 
 def _ckpt_path(args: list[str]) -> str | None:
@@ -259,25 +274,45 @@ def _ckpt_path(args: list[str]) -> str | None:
 
 
 def _checkpoint_config(args: list[str]) -> list[str]:
-    """`validate`/`test --ckpt_path FILE` without `--config`: the run's saved config.yaml. A
-    checkpoint that is missing or unreadable is one error line naming it, before anything loads."""
-    path = _ckpt_path(args) if args[:1] and args[0] in ("fit", "validate", "test") else None
-    if path and path not in ("last", "best", "hpc", "registry"):  # Lightning's named checkpoints
-        if not Path(path).is_file():
-            fail(f"--ckpt_path {path}: no such checkpoint file")
-        if not zipfile.is_zipfile(path):  # torch.save's format; a truncated file loses its index at the end
-            fail(
-                f"--ckpt_path {path} is not a readable Lightning checkpoint (truncated, or another kind of "
-                "file); point it at a .ckpt file under the run's checkpoints/"
-            )
-    if (
-        args[:1]
-        and args[0] in ("validate", "test")
-        and not any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
+    """`fit`/`validate`/`test --ckpt_path FILE`: the file checked (`check_checkpoint`) before
+    anything loads; without `--config` (or `--model`), the run's saved config.yaml
+    (`RUN/config.yaml` beside `RUN/checkpoints/FILE.ckpt`), and one error line saying to pass it
+    when there is none."""
+    path = _ckpt_path(args) if args[:1] and args[0] in LIGHTNING_SUBCOMMANDS else None
+    if not path or path in ("last", "best", "hpc", "registry"):  # Lightning's named checkpoints
+        return args
+    check_checkpoint(path)
+    if any(
+        a in ("--config", "-c", "--model") or a.startswith(("--config=", "--model=", "--model.class_path"))
+        for a in args
     ):
-        if path and (Path(path).parent.parent / "config.yaml").is_file():
-            return [args[0], "--config", str(Path(path).parent.parent / "config.yaml"), *args[1:]]
-    return args
+        return args
+    config = run_config(Path(path))
+    if config is None:
+        fail(
+            f"--ckpt_path {path}: a checkpoint needs its run's config, and {Path(path).parent.parent / 'config.yaml'} "
+            "(where a run keeps it: RUN/config.yaml beside RUN/checkpoints/) does not exist; pass "
+            "--config RUN/config.yaml of the run that wrote the checkpoint"
+        )
+    return [args[0], "--config", str(config), *args[1:]]
+
+
+def run_config(ckpt: Path) -> Path | None:
+    """The config.yaml of the run that wrote `ckpt`: `RUN/checkpoints/FILE.ckpt` -> `RUN/config.yaml`
+    (or beside the checkpoint); None when there is none."""
+    for candidate in (ckpt.parent.parent / "config.yaml", ckpt.parent / "config.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def check_checkpoint(path: str) -> dict:
+    """The checkpoint `--ckpt_path` names (tensors memory-mapped), or one error line naming it:
+    missing, truncated, damaged, or a pickle that names code to run (refused; nothing in it runs)."""
+    try:
+        return read_checkpoint(path, mmap=True)
+    except (ValueError, FileNotFoundError) as err:
+        fail(f"--ckpt_path {err}")
 
 
 def train_main(args=None, run: bool = True):
@@ -299,3 +334,5 @@ def train_main(args=None, run: bool = True):
     except NonFiniteError as err:  # the guard stopped the run: one line, a failing exit, nothing exported
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from err
+    except IdenticalPairsError as err:  # found when the data is set up, before the LM loads: bad input
+        fail(str(err))

@@ -12,26 +12,18 @@ every block, so the cache also keeps their keys and values in the blocks above t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from lit_interventions.core.batch import Key, PairBatch, Side
 from lit_interventions.core.lm import num_layers
 from lit_interventions.core.sharding import input_device
 from lit_interventions.core.sites import RowPrefix, keys_values_above, read_layers
 
-Key = tuple[int, ...]
 PREFIXES = ("site", "all", "none")
-
-
-def input_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[Key], list[int]]:
-    """Unpadded token ids of each row, and the index of each row's first real token."""
-    keys, starts = [], []
-    for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
-        real = [i for i, m in enumerate(mask) if m]
-        keys.append(tuple(ids[i] for i in real))
-        starts.append(real[0])
-    return keys, starts
 
 
 class ActivationCache:
@@ -47,25 +39,18 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._states)
 
-    def states(
-        self,
-        layer: int | list[int],
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        keys: tuple[list[Key], list[int]] | None = None,
-    ) -> torch.Tensor:
-        """The residual stream at `layer` for a padded batch, (batch, seq, d), padding as zeros;
-        with a list, one layer per row (rows at different layers, `sites.stacked_hidden`).
-
-        `keys` is `input_keys(input_ids, attention_mask)` computed on the host (the CausalGym
-        collate function does), which spares a device-to-host copy per step on a GPU."""
-        keys, starts = keys if keys is not None else input_keys(input_ids, attention_mask)
+    def states(self, layer: int | list[int], side: Side) -> torch.Tensor:
+        """The residual stream at `layer` for one side of a batch, (batch, seq, d), padding as
+        zeros; with a list, one layer per row (rows at different layers, `sites.stacked_hidden`).
+        Inputs are found by the side's keys (`Side.keys`)."""
+        input_ids = side.input_ids
+        keys, starts = side.keys
         missing = [i for i, key in enumerate(keys) if key not in self._states]
         if missing:
             rows = torch.tensor(missing, device=input_ids.device)
             self._compute(
                 input_ids[rows],
-                attention_mask[rows],
+                side.attention_mask[rows],
                 [keys[i] for i in missing],
                 [starts[i] for i in missing],
                 [0] * len(missing),
@@ -78,23 +63,19 @@ class ActivationCache:
             out[i, starts[i] : starts[i] + len(key)] = self._states[key][index[layer]]
         return out
 
-    def at_site(self, layer: int | list[int], batch: dict, side: str) -> torch.Tensor:
-        """f(x) at each row's site on one side ("base" or "source") of a collated batch, (batch, d):
-        `states` at `layer` (or one layer per row), read at `{side}_pos`."""
-        states = self.states(
-            layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch.get(f"{side}_keys")
-        )
-        return states[torch.arange(len(states), device=states.device), batch[f"{side}_pos"]]
+    def at_site(self, layer: int | list[int], side: Side) -> torch.Tensor:
+        """f(x) at each row's site (`pos`) on one side of a batch, (batch, d): `states` at `layer`
+        (or one layer per row)."""
+        states = self.states(layer, side)
+        return states[torch.arange(len(states), device=states.device), side.pos]
 
-    def prefix(
-        self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int]
-    ) -> tuple[int, torch.Tensor] | None:
-        """The keys and values of the blocks above `layer` for the batch's first c columns,
+    def prefix(self, layer: int, side: Side) -> tuple[int, torch.Tensor] | None:
+        """The keys and values of the blocks above `layer` for the side's first c columns,
         (n_above, 2, batch, heads, c, head_dim), padding as zeros, for `sites.logits_at(prefix=)`;
         c is as many columns as are cached for every row and before every site. None: c = 0."""
-        keys, starts = keys
+        keys, starts = side.keys
         stored = [start + self._prefix[key].shape[-2] if key in self._prefix else 0 for key, start in zip(keys, starts)]
-        c = min(stored + list(sites))
+        c = min(stored + side.sites)
         if c <= 0 or layer >= self._n_blocks - 1:
             return None
         skip = layer - self.layers[0]  # blocks between the lowest layer and this one are not needed
@@ -109,9 +90,7 @@ class ActivationCache:
         """The most first tokens whose keys and values are cached for any input."""
         return max((stored.shape[-2] for stored in self._prefix.values()), default=0)
 
-    def row_prefix(
-        self, layer: int, keys: tuple[list[Key], list[int]], sites: list[int], width: int | None = None
-    ) -> RowPrefix | None:
+    def row_prefix(self, layer: int, side: Side, width: int | None = None) -> RowPrefix | None:
         """Each row's own cached keys and values of the blocks above `layer` before its site, for
         `sites.stacked_hidden`: unlike `prefix`, a row whose site is late does not rerun the
         columns between the batch's earliest site and its own. None: no row has any.
@@ -122,8 +101,8 @@ class ActivationCache:
         rescore a site exactly)."""
         if layer >= self._n_blocks - 1:
             return None
-        keys, starts = keys
-        lengths = self._cached_before(keys, starts, sites)
+        keys, starts = side.keys
+        lengths = self._cached_before(keys, starts, side.sites)
         if max(lengths) == 0:
             return None
         width = max(lengths) if width is None else width
@@ -139,10 +118,10 @@ class ActivationCache:
                 mask[i, width - n :] = 1
         return RowPrefix([start + n for start, n in zip(starts, lengths)], out, mask)
 
-    def run_starts(self, keys: tuple[list[Key], list[int]], sites: list[int]) -> list[int]:
+    def run_starts(self, side: Side) -> list[int]:
         """Where each row's run begins in `row_prefix` (`RowPrefix.ends`): after its cached columns."""
-        keys, starts = keys
-        return [start + n for start, n in zip(starts, self._cached_before(keys, starts, sites))]
+        keys, starts = side.keys
+        return [start + n for start, n in zip(starts, self._cached_before(keys, starts, side.sites))]
 
     def _cached_before(self, keys: list[Key], starts: list[int], sites: list[int]) -> list[int]:
         """How many of each row's columns before its site have cached keys and values."""
@@ -183,14 +162,18 @@ class ActivationCache:
 
     @torch.no_grad()
     def fill(
-        self, batches, sides: tuple[str, ...] = ("base", "source"), batch_size: int = 64, prefix: str = "site"
+        self,
+        batches: Iterable[PairBatch],
+        sides: tuple[str, ...] = ("base", "source"),
+        batch_size: int = 64,
+        prefix: str = "site",
     ) -> int:
         """Compute every input of `batches` not cached yet, before they are needed: deduplicated,
         sorted by length and run `batch_size` at a time, so the frozen forwards are few and full
         instead of one small one per training step. Returns how many inputs were computed.
 
         `prefix`: which tokens' keys and values above the lowest layer to keep as well. "site": a
-        base's tokens before its site (`base_pos`), what a training step at that site reads;
+        base's tokens before its site, what a training step at that site reads;
         "all": every token of every input (a sweep: its regions put the site anywhere); "none"."""
         if prefix not in PREFIXES:
             raise ValueError(f"prefix={prefix!r}: choose one of {PREFIXES}")
@@ -198,13 +181,11 @@ class ActivationCache:
             prefix = "none"  # no block above the last one
         todo: dict[Key, int] = {}  # input -> how many first tokens need keys and values
         for batch in batches:
-            for side in sides:
-                if f"{side}_input_ids" not in batch:
-                    continue
-                ids, mask = batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"]
-                keys, starts = batch.get(f"{side}_keys") or input_keys(ids, mask)
-                if prefix == "site" and side == "base" and "base_pos" in batch:
-                    firsts = [site - start for site, start in zip(batch["base_pos"].tolist(), starts)]
+            for name in sides:
+                side = batch.side(name)
+                keys, starts = side.keys
+                if prefix == "site" and name == "base":
+                    firsts = [site - start for site, start in zip(side.sites, starts)]
                 else:
                     firsts = [len(key) if prefix == "all" else 0 for key in keys]
                 for key, first in zip(keys, firsts):

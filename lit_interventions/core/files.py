@@ -1,8 +1,10 @@
 """Files that are whole or absent, and numbers that are finite: the one place for each check.
 
-- `write_atomically`: every file the package writes (artifacts, results, caches, downloads) goes
-  through a temporary file beside it and `os.replace`, so a reader sees the old file or the new
-  one, never half of one.
+- `write_atomically`: every file the package writes (artifacts, results, figures, caches,
+  downloads) goes through a temporary file beside it and `os.replace`, so a reader sees the old
+  file or the new one, never half of one; the file gets the permissions `open` would give it.
+- `read_utf8`: a data file's text, or one error naming the file and the first byte that is not
+  UTF-8.
 - `check_finite` refuses tensors with NaN or infinite values before they are written or used;
   `finite_values` keeps the finite numbers of a metrics dict (a model card's, a config's).
 """
@@ -17,12 +19,25 @@ from pathlib import Path
 
 import torch
 
+_UMASK = os.umask(0o022)  # read once, at import (it can only be read by setting it)
+os.umask(_UMASK)
+
+
+def read_utf8(path: str | Path) -> str:
+    """The text of `path` decoded as UTF-8; a ValueError naming the file and the first bad byte
+    when it is in another encoding (Latin-1, cp1252)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+
 
 def write_atomically(path: str | Path, content: str | bytes | Callable[[Path], object]) -> Path:
     """Write `content` to `path` through a temporary file beside it, then `os.replace` it over
     `path`. `content`: text, bytes, or a function that writes the file at the path it is given
     (`safetensors.torch.save_file`, a streamed download). The temporary file is removed when
-    anything fails, the exception is raised as it is, and `path` keeps what it held."""
+    anything fails, the exception is raised as it is, and `path` keeps what it held. The file's
+    mode is what `open` gives a new file (0o666 less the umask), not the temporary file's 0o600."""
     path = Path(path)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     tmp = Path(name)
@@ -35,6 +50,7 @@ def write_atomically(path: str | Path, content: str | bytes | Callable[[Path], o
                 f.write(content)
                 f.flush()
                 os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # a writer given the path may have made a file of its own
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -10,8 +10,10 @@ the returned states and logits are on the device of the inputs.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from functools import cache
 
 import torch
 from torch import nn
@@ -46,6 +48,14 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@cache
+def _cache_keyword(body: type) -> str:
+    """The keyword a decoder body's forward takes its key/value cache by: `cache` in recent
+    transformers, `past_key_values` before it (the new name avoids the deprecation warning)."""
+    parameters = inspect.signature(body.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def run_body(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -58,12 +68,13 @@ def run_body(
     hidden state is on the device of `input_ids` (a dispatched model ends on its last device)."""
     if positions is None:
         positions = position_ids(attention_mask)
-    out = model.base_model(
+    body = model.base_model
+    out = body(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=positions,
-        past_key_values=past,
         use_cache=past is not None,
+        **{_cache_keyword(type(body)): past},
     )
     if out.last_hidden_state.device != input_ids.device:
         out.last_hidden_state = out.last_hidden_state.to(input_ids.device)

@@ -5,7 +5,8 @@
   `smollm2-135m-instruct`;
 - a `.gguf` file;
 - a local directory saved with `save_pretrained`;
-- a Hugging Face hub id such as `EleutherAI/pythia-70m` (needs network access).
+- a Hugging Face hub id such as `EleutherAI/pythia-70m` (downloaded once; without network, or with
+  HF_HUB_OFFLINE=1, its cached copy is loaded, and an id the cache lacks is one error at once).
 
 GGUF weights are dequantized by transformers, which takes 30-70 s; the result is cached once as
 safetensors under `$LIT_INTERVENTIONS_CACHE` (default `~/.cache/lit_interventions`), so later
@@ -33,10 +34,12 @@ from lit_interventions.core.model_cache import (  # noqa: F401  (re-exported: th
     MANIFEST,
     STAGING,
     cache_dir,
+    cached_snapshot,
     check_converted,
     clean_stale_staging,
     converted_dir,
     discard,
+    hub_offline_reason,
     write_manifest,
 )
 from lit_interventions.core.sharding import LoadOptions, check_module_names, keep_4bit_differentiable
@@ -154,7 +157,30 @@ def resolve(name: str) -> str:
         return str(convert_gguf(path))
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
-    return name  # a hub id
+    return _hub_model(name)
+
+
+def _hub_model(name: str) -> str:
+    """A hub id as transformers loads it: the id itself while the hub answers; its cached snapshot
+    directory when the hub cannot be used (offline mode, no network), so that nothing waits on
+    download retries; one ValueError at once when the cache has none."""
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a path, not a hub id
+        what = "a file, not a model directory" if Path(name).expanduser().exists() else "no such directory"
+        raise ValueError(
+            f"Cannot load lm={name!r}: {what}. Use an embedded name ({', '.join(EMBEDDED)}), a .gguf file, "
+            "a local model directory (saved with save_pretrained), or a hub id such as 'EleutherAI/pythia-70m'."
+        )
+    reason = hub_offline_reason()
+    if reason is None:
+        return name
+    cached = cached_snapshot(name)
+    if cached is None:
+        raise ValueError(
+            f"Cannot load lm={name!r}: it is not an embedded name ({', '.join(EMBEDDED)}), a .gguf file or a "
+            f"local model directory, and as a hub id it is not in the Hugging Face cache while {reason}; "
+            f"download it where the hub can be reached (`hf download {name}`) or pass a local model directory."
+        )
+    return cached
 
 
 def _unknown(name: str, err: Exception) -> ValueError:

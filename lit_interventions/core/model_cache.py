@@ -3,6 +3,11 @@
 records each of its files (size, mtime, sha256), the integrity check against it, and the removal
 of damaged copies and of staging directories left by killed conversions. The conversion itself
 is `lm.convert_gguf`.
+
+Hub ids live in Hugging Face's own cache: `hub_offline_reason` says whether the hub can be used
+now (offline mode, or an endpoint that does not answer one quick request) and `cached_snapshot`
+finds a hub id's cached copy, so that a run without network loads from the cache or fails at
+once instead of waiting on download retries.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ import os
 import shutil
 import time
 import warnings
+from functools import lru_cache
 from pathlib import Path
+
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import get_session, snapshot_download
 
 MANIFEST = "manifest.json"  # in a converted directory: size, mtime and sha256 of every file written
 STAGING = ".converting-"  # prefix of a conversion in progress (renamed to its target when complete)
@@ -182,3 +191,36 @@ def discard(directory: Path) -> None:
     except OSError:
         return  # another process moved it first (or it is gone)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- hub ids
+
+HUB_PROBE_TIMEOUT_S = 5.0  # one request to the hub's endpoint: no answer in this time is offline
+
+
+def hub_offline_reason() -> str | None:
+    """Why the Hugging Face hub cannot be used now, or None when it answers: offline mode
+    (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE), or an endpoint (HF_ENDPOINT) that does not answer one
+    request within HUB_PROBE_TIMEOUT_S (asked once per process)."""
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    if hf_constants.HF_HUB_OFFLINE or str(env).upper() in hf_constants.ENV_VARS_TRUE_VALUES:
+        return "HF_HUB_OFFLINE is set"
+    return _unreachable(hf_constants.ENDPOINT)
+
+
+@lru_cache(maxsize=4)
+def _unreachable(endpoint: str) -> str | None:
+    try:
+        get_session().head(endpoint, timeout=HUB_PROBE_TIMEOUT_S)
+    except Exception as err:  # connection refused, DNS, timeout, a proxy refusing: no answer from the hub
+        return f"{endpoint} cannot be reached ({type(err).__name__})"
+    return None  # any HTTP answer: reachable
+
+
+def cached_snapshot(repo_id: str, **options) -> str | None:
+    """The directory of `repo_id`'s cached snapshot (`options`: revision, cache_dir), or None
+    when the cache has none. Touches no network."""
+    try:
+        return snapshot_download(repo_id, local_files_only=True, **options)
+    except Exception:  # LocalEntryNotFoundError, or a name the hub would refuse (HFValidationError)
+        return None

@@ -1,9 +1,28 @@
-"""Quiet Lightning runs: no adverts, no deprecation warnings a user cannot act on."""
+"""Quiet Lightning runs: no adverts, no deprecation warnings a user cannot act on, and the
+warnings a user acts on (`OneLineWarning`) shown as one line."""
 
 from __future__ import annotations
 
 import logging
 import warnings
+
+
+class OneLineWarning(UserWarning):
+    """A warning about the run a user acts on: a command shows it as one line on stderr,
+    `warning: <message>` (no file, line number or source line)."""
+
+
+def _one_line(format_warning):
+    """`warnings.formatwarning` that gives a `OneLineWarning` as one line and formats the rest with
+    `format_warning` (recording warnings, `catch_warnings(record=True)`, is left as it is)."""
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if issubclass(category, OneLineWarning):
+            return f"warning: {message}\n"
+        return format_warning(message, category, filename, lineno, line)
+
+    formatwarning.one_line = True
+    return formatwarning
 
 
 class _NoAdverts(logging.Filter):
@@ -15,7 +34,8 @@ class _NoAdverts(logging.Filter):
 
 def quiet_lightning() -> None:
     """Drop Lightning's adverts and torch's `LeafSpec` deprecation (raised by Lightning's own
-    `_pytree` helper, nothing a user can act on). Idempotent."""
+    `_pytree` helper, nothing a user can act on), and show a `OneLineWarning` as one line.
+    Idempotent."""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoAdverts) for f in logger.filters):
         logger.addFilter(_NoAdverts())
@@ -24,6 +44,8 @@ def quiet_lightning() -> None:
     )
     # train_main passes the command line as `args` (with --config names resolved): not a mistake
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended to run from within Python")
+    if not getattr(warnings.formatwarning, "one_line", False):
+        warnings.formatwarning = _one_line(warnings.formatwarning)
 
 
 class _NoOptionalKernel(logging.Filter):

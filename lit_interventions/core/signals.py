@@ -7,7 +7,9 @@ teardown (as it does Lightning's own `SIGTERMException`, which ends the block th
 Results already written stay: the sweeps' finished rows (a rerun resumes from them) and a fit's
 checkpoints. A `Stopped` raised where Python swallows exceptions (a finalizer) is raised again at
 the next training or validation batch of a Lightning run (`callbacks.guard.SignalGuard`, which
-asks `pending_signal()`).
+asks `pending_signal()`), at the next unit of a sweep (`raise_pending()`), and at the latest when
+the block ends: a signal never ends in exit status 0. Inside `deferred()` (the results store
+writing a unit) a signal waits for the block's end.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PENDING: list[int] = []  # signals received inside `stop_on_signals`, newest last
+_DEFERRED: list[None] = []  # one entry per `deferred()` block the run is in
 
 
 class Stopped(BaseException):
@@ -36,12 +39,33 @@ class Stopped(BaseException):
 
 def _raise_stopped(signum, frame) -> None:
     _PENDING.append(signum)
-    raise Stopped(signum)
+    if not _DEFERRED:
+        raise Stopped(signum)
 
 
 def pending_signal() -> int | None:
     """The signal received inside `stop_on_signals`, if any (None: none)."""
     return _PENDING[-1] if _PENDING else None
+
+
+def raise_pending() -> None:
+    """Raise `Stopped` again if a signal was received (and its first `Stopped` swallowed): a loop
+    calls it between its units of work."""
+    if _PENDING:
+        raise Stopped(_PENDING[-1])
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """A block that ends whole: a signal received inside it is raised (`Stopped`) when it ends,
+    not where it is (a unit's rows stored and their CSV exported: both or neither)."""
+    _DEFERRED.append(None)
+    try:
+        yield
+    finally:
+        _DEFERRED.pop()
+    if not _DEFERRED:
+        raise_pending()
 
 
 @contextmanager
@@ -57,6 +81,7 @@ def stop_on_signals() -> Iterator[None]:
         signal.signal(signum, _raise_stopped)
     try:
         yield
+        raise_pending()  # received, but its `Stopped` swallowed where it was raised
     except Stopped as stop:
         _exit(stop.signum)
     except SystemExit as done:
@@ -78,6 +103,8 @@ def _is_lightning_sigterm(done: SystemExit) -> bool:
 
 
 def _exit(signum: int) -> None:
+    for other in SIGNALS:  # a second signal while the line is written would end with a traceback
+        signal.signal(other, signal.SIG_IGN)
     name = signal.Signals(signum).name
     print(f"stopped by {name}: what finished before it is kept (results written so far, checkpoints)", file=sys.stderr)
     raise SystemExit(128 + signum) from None

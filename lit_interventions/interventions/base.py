@@ -179,6 +179,11 @@ def trusting_remote_code(trust: bool = True) -> Iterator[None]:
         _TRUST_REMOTE_CODE.reset(token)
 
 
+def remote_code_trusted() -> bool:
+    """Whether this block runs inside `trusting_remote_code()` (unregistered class paths load)."""
+    return _TRUST_REMOTE_CODE.get()
+
+
 def loadable_class(path: object, where: str | Path) -> type:
     """The class a saved artifact names at `where` (a file, for the message). A registered class
     path gives its class. The project's own modules may be imported to register their classes;
@@ -317,17 +322,23 @@ def load_pretrained(directory: str | Path, *, trust_remote_code: bool = False) -
     return _rebuild(config["class_path"], tensors, config.get("config", {}), where, trust_remote_code)
 
 
-def read_weights(weights: Path, named_in: Path) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file `weights` that the config `named_in` names; one clear
-    error when it is missing, unreadable or holds non-finite values."""
+def read_weights(weights: Path, named_in: Path | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file `weights` (that the config `named_in` names); one clear
+    error naming the file when it is missing, unreadable (truncated, empty, another kind of file:
+    a pickle is never unpickled) or holds non-finite values."""
     from safetensors.torch import load_file
 
     try:
         tensors = load_file(weights)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{weights}: no such file ({named_in} names it as the weights)") from None
+        named = f" ({named_in} names it as the weights)" if named_in is not None else ""
+        raise FileNotFoundError(f"{weights}: no such file{named}") from None
     except Exception as err:  # truncated, empty, not safetensors
-        raise ValueError(f"{weights} is unreadable ({type(err).__name__}); restore the file or save it again") from None
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise ValueError(
+            f"{weights} is unreadable ({type(err).__name__}{': ' + detail if detail else ''}); "
+            "restore the file or save it again"
+        ) from None
     check_finite(tensors, weights, "load")
     return tensors
 

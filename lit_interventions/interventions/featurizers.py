@@ -32,7 +32,13 @@ from sklearn.decomposition import PCA
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 
-from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
+from lit_interventions.interventions.base import (
+    Intervention,
+    class_path,
+    loadable_class,
+    read_weights,
+    register_intervention,
+)
 from lit_interventions.interventions.feature_selection import (  # noqa: F401  (re-exported: feature selection)
     CLASSIFIERS,
     DEFAULT_C_GRID,
@@ -122,10 +128,9 @@ class SAEFeaturizer(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> SAEFeaturizer:
-        """From a safetensors file holding W1, b1, W2, b2 (as `modules/sae.py` writes it)."""
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(path))
+        """From a safetensors file holding W1, b1, W2, b2 (as `modules/sae.py` writes it); a
+        missing, damaged or foreign file is one error naming it (`read_weights`)."""
+        tensors = read_weights(Path(path))
         missing = {"W1", "b1", "W2", "b2"} - set(tensors)
         if missing:
             raise ValueError(f"{path} lacks the SAE tensor(s) {sorted(missing)}; it holds {sorted(tensors)}")

@@ -93,6 +93,8 @@ class FeatureInterchangeFit(_Fitted):
             raise FileNotFoundError(
                 f"sae={sae!r}: no such file (train one: lit-interventions fit --config configs/sae.yaml)"
             )
+        if sae:
+            SAEFeaturizer.load(sae)  # a damaged or foreign file fails here, before the LM loads
         if select_by not in self.SELECT_BY:
             raise ValueError(f"select_by={select_by!r} is not one of {', '.join(self.SELECT_BY)}")
         if max_features is not None and (not isinstance(max_features, int) or max_features < 1):

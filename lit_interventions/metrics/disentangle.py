@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
-CAUSE, ISO = 0, 1
+from lit_interventions.core.batch import CAUSE, ISO, PairBatch
 
 
 class Disentanglement(Metric):
@@ -66,14 +66,14 @@ class Disentanglement(Metric):
 
 
 class DevDisentangle:
-    """Cause, Iso and Disentangle of one intervention over RAVEL batches (the collated fields
-    label, base_label, attribute, kind): the dev score fitted interventions are chosen by."""
+    """Cause, Iso and Disentangle of one intervention over RAVEL batches (each `PairBatch`'s
+    target, base label, attribute and kind): the dev score fitted interventions are chosen by."""
 
     def __init__(self, num_attributes: int):
         self.metric = Disentanglement(num_attributes)
 
-    def update(self, logits: torch.Tensor, batch: dict) -> None:
-        fields = [batch[k].to(logits.device) for k in ("label", "base_label", "attribute", "kind")]
+    def update(self, logits: torch.Tensor, batch: PairBatch) -> None:
+        fields = [t.to(logits.device) for t in (batch.target, batch.base.label, batch.attribute, batch.kind)]
         self.metric.update(logits, *fields)
 
     def compute(self) -> dict[str, float]:

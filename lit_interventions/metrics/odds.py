@@ -8,16 +8,18 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
+from lit_interventions.core.batch import PairBatch
+
 
 def _gap(logits: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """log p(first) − log p(second): the softmax normaliser cancels, so logits suffice."""
     return logits.gather(-1, first[:, None])[:, 0] - logits.gather(-1, second[:, None])[:, 0]
 
 
-def label_ids(batch: dict) -> torch.Tensor:
+def label_ids(batch: PairBatch) -> torch.Tensor:
     """Each row's (y_b, y_s) token ids, (batch, 2): the only rows of the LM head the odds read
     (`final_logits(..., vocab=label_ids(batch))` gives the label logits, columns y_b and y_s)."""
-    return torch.stack([batch["base_label"], batch["source_label"]], dim=1)
+    return torch.stack([batch.base.label, batch.source.label], dim=1)
 
 
 def log_odds_ratio(

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_interventions.core.batch import PairBatch
 from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import BLOCK_OUTPUT, Site, final_logits, read_site, run_body, site_hook
@@ -149,15 +150,16 @@ class InterchangeModule(SiteModule):
 
     # --- several sites, composed ----------------------------------------------------------------
 
-    def _positions(self, batch: dict, side: str, site: Site) -> torch.Tensor:
+    def _positions(self, batch: PairBatch, side: str, site: Site) -> torch.Tensor:
         """The token of `site` in each row of one side: a region's last token, or the last token."""
+        states = batch.side(side)
         if site.position == "last":
-            return batch[f"{side}_last"]
+            return states.last
         if site.position != "region":
             raise ValueError(f"an interchange site reads one token per row, not position={site.position!r}")
         if site.region is None:
-            return batch[f"{side}_pos"]
-        regions = batch.get(f"{side}_region_pos", {})
+            return states.pos
+        regions = states.regions
         if site.region not in regions:
             raise ValueError(
                 f"region {site.region!r} is not in every {side} sentence of this batch "
@@ -165,7 +167,7 @@ class InterchangeModule(SiteModule):
             )
         return regions[site.region]
 
-    def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
+    def intervened_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
         if self.sites is None:
             return super().intervened_logits(batch, vocab)
         sites = self.sites
@@ -173,8 +175,8 @@ class InterchangeModule(SiteModule):
             read_site(
                 self.lm,
                 site.layer,
-                batch["source_input_ids"],
-                batch["source_attention_mask"],
+                batch.source.input_ids,
+                batch.source.attention_mask,
                 self._positions(batch, "source", site),
                 component=site.component,
             )
@@ -188,12 +190,12 @@ class InterchangeModule(SiteModule):
                         site.layer,
                         site.component,
                         _writer(part, source, self._positions(batch, "base", site)),
-                        batch["base_input_ids"].device,
+                        batch.base.input_ids.device,
                     )
                 )
-            hidden = run_body(self.lm, batch["base_input_ids"], batch["base_attention_mask"]).last_hidden_state
+            hidden = run_body(self.lm, batch.base.input_ids, batch.base.attention_mask).last_hidden_state
         rows = torch.arange(len(hidden), device=hidden.device)
-        return final_logits(self.lm, hidden[rows, batch["base_last"]], vocab)
+        return final_logits(self.lm, hidden[rows, batch.base.last], vocab)
 
     def setup(self, stage: str) -> None:
         data = self.trainer.datamodule if self._trainer is not None else None
@@ -252,7 +254,7 @@ class InterchangeModule(SiteModule):
             return None  # fitted or fixed: fit only runs validation
         logits = self.intervened_logits(batch)
         loss = self.objective(logits, batch, self.intervention)
-        size = len(batch["base_input_ids"])
+        size = len(batch)
         if isinstance(self.intervention, Penalised):
             self.log("train/mask_size", self.intervention.penalty(), batch_size=size)
         if isinstance(self.intervention, Tempered) and torch.is_tensor(self.intervention.temperature):  # DBM's T
@@ -279,10 +281,10 @@ class InterchangeModule(SiteModule):
         clean = self.clean_logits(batch) if "clean" in self.eval_outputs else None
         labels = self.label_logits(batch) if "label_logits" in self.eval_outputs else None
         loss = self.objective.task_loss(intervened, batch)
-        self.log(f"{stage}/loss", loss, batch_size=len(batch["base_input_ids"]), sync_dist=True)
+        self.log(f"{stage}/loss", loss, batch_size=len(batch), sync_dist=True)
         return {"intervened": intervened, "clean": clean, "label_logits": labels}
 
-    def label_logits(self, batch: dict, clean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def label_logits(self, batch: PairBatch, clean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(p(· | b), p*(· | b, s)) at the base's last token of the two labels alone, (batch, 2)
         each, columns y_b and y_s (`label_ids`): what the odds read. Only those rows of the LM
         head are computed (the softmax normaliser cancels in the odds ratio). `clean`: the

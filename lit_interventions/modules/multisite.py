@@ -23,10 +23,10 @@ from functools import partial
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
+from lit_interventions.core.batch import PairBatch
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.core.loaders import ResumableLoader
@@ -37,57 +37,12 @@ from lit_interventions.interventions.capabilities import Annealed, Penalised, is
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective, cross_entropy_rows
 
-
-def stack_batches(batches: list[dict], padding_side: str = "right") -> dict:
-    """One batch from several collated CausalGym batches: ids and masks padded to the widest
-    (on `padding_side`, shifting positions and cache keys when on the left), rows in order."""
-    stacked = {}
-    for side in ("base", "source"):
-        width = max(batch[f"{side}_input_ids"].shape[1] for batch in batches)
-        ids, masks, positions, lasts, labels, keys, starts, sites = [], [], [], [], [], [], [], []
-        for batch in batches:
-            pad = width - batch[f"{side}_input_ids"].shape[1]
-            spec, shift = ((pad, 0), pad) if padding_side == "left" else ((0, pad), 0)
-            ids.append(F.pad(batch[f"{side}_input_ids"], spec))
-            masks.append(F.pad(batch[f"{side}_attention_mask"], spec))
-            positions.append(batch[f"{side}_pos"] + shift)
-            lasts.append(batch[f"{side}_last"] + shift)
-            labels.append(batch[f"{side}_label"])
-            keys += batch[f"{side}_keys"][0]
-            starts += [start + shift for start in batch[f"{side}_keys"][1]]
-            sites += [site + shift for site in batch.get(f"{side}_pos_list") or batch[f"{side}_pos"].tolist()]
-        stacked |= {
-            f"{side}_input_ids": torch.cat(ids),
-            f"{side}_attention_mask": torch.cat(masks),
-            f"{side}_pos": torch.cat(positions),
-            f"{side}_last": torch.cat(lasts),
-            f"{side}_label": torch.cat(labels),
-            f"{side}_keys": (keys, starts),
-            f"{side}_pos_list": sites,
-        }
-    return stacked
-
-
 SiteKey = tuple[int, str]  # (layer, region)
 
 
 def site_name(layer: int, region: str) -> str:
     """The name of site (layer, region) among the module's interventions: "layer/region"."""
     return f"{layer}/{region}"
-
-
-def _rows_at(batch: dict, rows: list[int]) -> dict:
-    """The rows `rows` of a stacked batch, in that order (tensors, cache keys and site lists alike)."""
-    part, index = {}, None
-    for name, value in batch.items():
-        if torch.is_tensor(value):
-            index = torch.tensor(rows, device=value.device) if index is None else index
-            part[name] = value[index]
-        elif name.endswith("_keys"):
-            part[name] = ([value[0][i] for i in rows], [value[1][i] for i in rows])
-        else:
-            part[name] = [value[i] for i in rows]
-    return part
 
 
 class MultiSiteInterchangeModule(SiteModule):
@@ -210,7 +165,7 @@ class MultiSiteInterchangeModule(SiteModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._steps = checkpoint["steps"]  # the loaders skip the batches these steps used
 
-    def _logits(self, stacked: dict, layers: list[int], edit: Callable, groups: list[list[int]]) -> torch.Tensor:
+    def _logits(self, stacked: PairBatch, layers: list[int], edit: Callable, groups: list[list[int]]) -> torch.Tensor:
         """Logits at the bases' last tokens with each row's site edited by `edit` (all rows at
         once, (batch, d) -> (batch, d)): one stacked forward for all layers per group of rows
         (`groups`: the row indices of each region), then the LM head
@@ -234,22 +189,18 @@ class MultiSiteInterchangeModule(SiteModule):
         logits, a = [], 0
         for layer in sorted(set(layers)):
             b = a + layers.count(layer)
-            part = _rows_at(stacked, list(range(a, b)))
+            part = stacked.base.rows(range(a, b))
             rows = edited[a:b]
-            start = (
-                None
-                if cache is None
-                else cache.states(layer, part["base_input_ids"], part["base_attention_mask"], part["base_keys"])
-            )
-            prefix = None if cache is None else cache.prefix(layer, part["base_keys"], part["base_pos_list"])
+            start = None if cache is None else cache.states(layer, part)
+            prefix = None if cache is None else cache.prefix(layer, part)
             logits.append(
                 logits_at(
                     self.lm,
-                    part["base_input_ids"],
-                    part["base_attention_mask"],
-                    part["base_last"],
+                    part.input_ids,
+                    part.attention_mask,
+                    part.last,
                     layer=layer,
-                    site_positions=part["base_pos"],
+                    site_positions=part.pos,
                     intervention=lambda _, rows=rows: rows,
                     start_states=start,
                     prefix=prefix,
@@ -259,27 +210,27 @@ class MultiSiteInterchangeModule(SiteModule):
         return torch.cat(logits)
 
     def _stacked_logits(
-        self, stacked: dict, layers: list[int], edit: Callable, groups: list[list[int]]
+        self, stacked: PairBatch, layers: list[int], edit: Callable, groups: list[list[int]]
     ) -> torch.Tensor:
         """`_logits` by `sites.stacked_hidden`, one forward per group of rows (a region's rows
         have runs of similar length, so little padding): each row runs the blocks from its own
         site's column on (the keys and values before it are cached, `ActivationCache.row_prefix`)."""
         cache = self.activations
-        base = cache.states(layers, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_keys"])
-        edited = edit(base[torch.arange(len(base), device=base.device), stacked["base_pos"]])
+        base = cache.states(layers, stacked.base)
+        edited = edit(base[torch.arange(len(base), device=base.device), stacked.base.pos])
         hidden = []
         for rows in groups:
-            part, index = _rows_at(stacked, rows), torch.tensor(rows, device=base.device)
+            part, index = stacked.base.rows(rows), torch.tensor(rows, device=base.device)
             at = [layers[i] for i in rows]
-            prefix = cache.row_prefix(min(at), part["base_keys"], part["base_pos_list"])
+            prefix = cache.row_prefix(min(at), part)
             hidden.append(
                 stacked_hidden(
                     self.lm,
-                    part["base_input_ids"],
-                    part["base_attention_mask"],
-                    part["base_last"],
+                    part.input_ids,
+                    part.attention_mask,
+                    part.last,
                     at,
-                    part["base_pos"],
+                    part.pos,
                     lambda _, new=edited[index]: new,
                     base[index],
                     prefix,
@@ -288,23 +239,21 @@ class MultiSiteInterchangeModule(SiteModule):
         order = torch.tensor([i for rows in groups for i in rows], device=base.device)
         return final_logits(self.lm, torch.cat(hidden)[torch.argsort(order)])  # rows back in stacked order
 
-    def _site_states(self, stacked: dict, layers: list[int], side: str) -> torch.Tensor:
+    def _site_states(self, stacked: PairBatch, layers: list[int], side: str) -> torch.Tensor:
         """f(x) at each row's site on `side`, at the row's own layer, (batch, d)."""
-        cache = self.activations
-        ids, mask, positions = stacked[f"{side}_input_ids"], stacked[f"{side}_attention_mask"], stacked[f"{side}_pos"]
+        cache, states = self.activations, stacked.side(side)
         if cache is not None:
-            return cache.at_site(layers, stacked, side)
-        found = read_layers(self.lm, sorted(set(layers)), ids, mask)
-        rows = torch.arange(len(ids), device=ids.device)
-        return torch.stack([found[layer][i, p] for i, layer, p in zip(rows.tolist(), layers, positions.tolist())])
+            return cache.at_site(layers, states)
+        found = read_layers(self.lm, sorted(set(layers)), states.input_ids, states.attention_mask)
+        return torch.stack([found[layer][i, p] for i, (layer, p) in enumerate(zip(layers, states.sites))])
 
     def training_step(self, batch: dict, batch_idx):
-        """`batch` is {site name: collated batch, or None once that site's loader is exhausted}."""
+        """`batch` is {site name: its `PairBatch`, or None once that site's loader is exhausted}."""
         present = [site for site in self.sites if batch.get(site_name(*site)) is not None]
         parts = [batch[site_name(*site)] for site in present]
-        stacked = stack_batches(parts, self.hparams.padding_side)
+        stacked = PairBatch.cat(parts, self.hparams.padding_side)
         stacked = self.transfer_batch_to_device(stacked, self.device, 0)
-        sizes = [len(part["base_label"]) for part in parts]
+        sizes = [len(part) for part in parts]
         bounds = [0, *accumulate(sizes)]  # site i: rows bounds[i]:bounds[i+1]
         layers = [layer for (layer, _), size in zip(present, sizes) for _ in range(size)]
         source = self._site_states(stacked, layers, "source")
@@ -324,7 +273,7 @@ class MultiSiteInterchangeModule(SiteModule):
         logits = self._logits(stacked, layers, edit, list(regions.values()))
         # per row, then each site's mean: slicing the (rows, vocab) logits per site would cost a
         # vocabulary-wide zero-filled gradient per site in the backward (sites² × rows × vocab)
-        per_row = cross_entropy_rows(logits, stacked["source_label"])
+        per_row = cross_entropy_rows(logits, stacked.source.label)
         losses = [per_row[a:b].mean() for a, b in zip(bounds, bounds[1:])]
         if self.objective.sparsity:  # + λ·penalty() of each site's own intervention
             losses = [loss + self.objective.sparsity * f.penalty() for loss, f in zip(losses, interventions)]

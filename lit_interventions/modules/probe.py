@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from lit_interventions.artifacts.checkpoint_io import read_checkpoint
 from lit_interventions.core.loaders import split_loader
 from lit_interventions.interventions.base import register_intervention
 
@@ -235,5 +236,7 @@ def train_probe(
 
 
 def load_probe(path: str | Path) -> ProbeModule:
-    """A probe saved by `train_probe(save_to=...)`, in eval mode (check its site before use)."""
+    """A probe saved by `train_probe(save_to=...)`, in eval mode (check its site before use). A
+    damaged or crafted file is one ValueError naming it (`read_checkpoint`), before it is built."""
+    read_checkpoint(path)
     return ProbeModule.load_from_checkpoint(str(path), map_location="cpu", weights_only=True).eval()

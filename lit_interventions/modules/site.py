@@ -1,8 +1,8 @@
 """What every interchange objective shares: a frozen LM, one site (layer, token position per
 example) and an intervention module mapping (f(b), f(s)) to f*.
 
-A batch holds `base_*` and `source_*` token ids, attention masks, site positions (`*_pos`), last
-positions (`*_last`) and host-side cache keys (`*_keys`), as the data modules collate them.
+A batch is a `PairBatch` (`core.batch`): a base and a source side, each with its token ids,
+attention mask, site positions (`pos`) and last positions (`last`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from lightning import LightningModule
 
-from lit_interventions.core.cache import ActivationCache, input_keys
+from lit_interventions.core.batch import PairBatch
+from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import check_dtype, load_config, load_lm
 from lit_interventions.core.sharding import LoadOptions, is_dispatched
 from lit_interventions.core.sites import BLOCK_OUTPUT, logits_at, read_site, site_layer
@@ -106,66 +107,59 @@ class SiteModule(FrozenLMModule):
         """Where in the block the site is (`sites.COMPONENTS`); the residual stream by default."""
         return self.hparams.get("component") or BLOCK_OUTPUT
 
-    def _states(self, batch, side: str) -> torch.Tensor | None:
-        """The cached residual stream at the layer for one side of the batch (None: no cache)."""
+    def _states(self, batch: PairBatch) -> torch.Tensor | None:
+        """The cached residual stream at the layer of the batch's bases (None: no cache)."""
         cache = self.activations
-        if cache is None:
-            return None
-        return cache.states(
-            self.hparams.layer, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch.get(f"{side}_keys")
-        )
+        return None if cache is None else cache.states(self.hparams.layer, batch.base)
 
-    def _prefix(self, batch) -> tuple[int, torch.Tensor] | None:
+    def _prefix(self, batch: PairBatch) -> tuple[int, torch.Tensor] | None:
         """The cached keys and values above the layer of the base's columns before every site."""
         cache = self.activations
-        if cache is None:
-            return None
-        keys = batch.get("base_keys") or input_keys(batch["base_input_ids"], batch["base_attention_mask"])
-        sites = batch.get("base_pos_list") or batch["base_pos"].tolist()
-        return cache.prefix(self.hparams.layer, keys, sites)
+        return None if cache is None else cache.prefix(self.hparams.layer, batch.base)
 
-    def site_representation(self, batch, side: str = "source") -> torch.Tensor:
+    def site_representation(self, batch: PairBatch, side: str = "source") -> torch.Tensor:
         """f(x) at the site of one side ("base" or "source") of the batch, (batch, d)."""
-        cache = self.activations
+        cache, states = self.activations, batch.side(side)
         if cache is None:
             return read_site(
                 self.lm,
                 self.hparams.layer,
-                batch[f"{side}_input_ids"],
-                batch[f"{side}_attention_mask"],
-                batch[f"{side}_pos"],
+                states.input_ids,
+                states.attention_mask,
+                states.pos,
                 component=self.component,
             )
-        return cache.at_site(self.hparams.layer, batch, side)
+        return cache.at_site(self.hparams.layer, states)
 
-    def intervened_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
+    def intervened_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab); only of the
         token ids `vocab` (batch, n) if given."""
         source = self.site_representation(batch, "source")
+        base = batch.base
         return logits_at(
             self.lm,
-            batch["base_input_ids"],
-            batch["base_attention_mask"],
-            batch["base_last"],
+            base.input_ids,
+            base.attention_mask,
+            base.last,
             layer=self.hparams.layer,
-            site_positions=batch["base_pos"],
-            intervention=lambda base: self.intervention(base, source),
-            start_states=self._states(batch, "base"),
+            site_positions=base.pos,
+            intervention=lambda states: self.intervention(states, source),
+            start_states=self._states(batch),
             vocab=vocab,
             prefix=self._prefix(batch),
             component=self.component,
         )
 
-    def clean_logits(self, batch: dict[str, torch.Tensor], vocab: torch.Tensor | None = None) -> torch.Tensor:
+    def clean_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the unintervened model p(· | b) at the base's last token, (batch, vocab); only
         of the token ids `vocab` (batch, n) if given."""
         return logits_at(
             self.lm,
-            batch["base_input_ids"],
-            batch["base_attention_mask"],
-            batch["base_last"],
+            batch.base.input_ids,
+            batch.base.attention_mask,
+            batch.base.last,
             layer=self.hparams.layer,
-            start_states=self._states(batch, "base"),
+            start_states=self._states(batch),
             vocab=vocab,
             prefix=self._prefix(batch),
         )

@@ -23,14 +23,19 @@ then `cls(**hyper_parameters)` and `load_state_dict`.
 from __future__ import annotations
 
 import inspect
-import pickle
 from pathlib import Path
 
-import torch
-
 from lit_interventions.artifacts.card import LIBRARY
+from lit_interventions.artifacts.checkpoint_io import read_checkpoint
 from lit_interventions.artifacts.hub import CONFIG, class_path, read_config
-from lit_interventions.interventions.base import CARD, import_class, read_tensors, read_weights, weights_path
+from lit_interventions.interventions.base import (
+    CARD,
+    import_class,
+    read_tensors,
+    read_weights,
+    remote_code_trusted,
+    weights_path,
+)
 
 CHECKPOINT_KEY = "steering_module"  # the registered name a Lightning checkpoint records
 _REGISTRY: dict[str, str] = {}  # name -> class path
@@ -56,17 +61,25 @@ def registered_steering_modules() -> dict[str, str]:
 
 def steering_module_class(key: object, where: str | Path) -> type:
     """The registered class `key` names (a registered name or class path, compared as a string);
-    `where` is the file that recorded it, for the message. Any other key is refused, unimported."""
+    `where` is the file that recorded it, for the message. Any other key is refused, unimported,
+    unless inside `trusting_remote_code()` (`steer --trust_remote_code`), where a class path is
+    imported as it is."""
     for name, path in _REGISTRY.items():
         if isinstance(key, str) and key in (name, path):
-            cls = import_class(path)
-            if not callable(getattr(cls, "from_export", None)):
-                raise ValueError(f"steering module {name!r}: {path} has no from_export(tensors, card, lm)")
-            return cls
+            return _with_from_export(import_class(path), name)
+    if remote_code_trusted() and isinstance(key, str) and "." in key:
+        return _with_from_export(import_class(key), key)
     known = ", ".join(f"{name} ({path})" for name, path in _REGISTRY.items())
     raise ValueError(
-        f"{where}: {key!r} is not a registered steering module, so nothing was imported; registered: {known}"
+        f"{where}: {key!r} is not a registered steering module, so nothing was imported; registered: {known}; "
+        "register yours (register_steering_module) or pass --trust_remote_code if you trust where it came from"
     )
+
+
+def _with_from_export(cls: type, name: str) -> type:
+    if not callable(getattr(cls, "from_export", None)):
+        raise ValueError(f"steering module {name!r}: {class_path(cls)} has no from_export(tensors, card, lm)")
+    return cls
 
 
 def load_steering_checkpoint(path: str | Path, lm: str | None = None):
@@ -93,19 +106,7 @@ def load_steering_checkpoint(path: str | Path, lm: str | None = None):
 
 
 def _from_lightning_checkpoint(path: Path, lm: str | None):
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such checkpoint file")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        lines = str(err).splitlines()
-        reason = next((line.strip() for line in lines if "Unsupported global" in line), lines[0] if lines else "")
-        raise ValueError(
-            f"{path} holds more than tensors and plain data ({reason}); it is read with weights_only=True "
-            "and never unpickled further"
-        ) from None
-    except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(f"{path} is not a readable Lightning checkpoint ({type(err).__name__})") from None
+    checkpoint = read_checkpoint(path)  # weights_only: one ValueError naming a damaged or crafted file
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
     if not isinstance(hparams, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError(f"{path} is not a Lightning checkpoint of a steering module (no hyper_parameters, state_dict)")

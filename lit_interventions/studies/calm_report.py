@@ -5,11 +5,13 @@ run's config, and the files DIR/results.csv, DIR/summary.csv and DIR/summary.jso
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections import Counter
 from pathlib import Path
 
+from lit_interventions.core.files import write_atomically
 from lit_interventions.studies.calm_data import POSITION
 from lit_interventions.studies.calm_plan import CalmArgs, CalmPlan
 
@@ -102,11 +104,13 @@ def _mean(values) -> float:
 
 
 def write_results(out_dir: Path, results: list[dict], summary: list[dict], config: dict, probes: dict) -> None:
-    """DIR/results.csv, DIR/summary.csv, and DIR/summary.json (config, probes, summary, results)."""
+    """DIR/results.csv, DIR/summary.csv, and DIR/summary.json (config, probes, summary, results),
+    each written whole (a temporary file renamed over it)."""
     for name, rows in (("results.csv", results), ("summary.csv", summary)):
-        with open(out_dir / name, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomically(Path(out_dir) / name, text.getvalue())
     payload = {"config": config, "probes": probes, "summary": summary, "results": results}
-    (out_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_atomically(Path(out_dir) / "summary.json", json.dumps(payload, indent=2) + "\n")

@@ -1,15 +1,20 @@
-"""The CausalGym sweep's report: summary.csv (Acc, overall odds, selectivity) and the heatmaps."""
+"""The CausalGym sweep's report: summary.csv (Acc, overall odds, selectivity), then the heatmaps."""
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-from lit_interventions.artifacts.plots import odds_heatmap
+from lit_interventions.artifacts.plots import DPI, heatmap_figure, save_figures
+from lit_interventions.core.files import write_atomically
+from lit_interventions.datamodules.templates import load_task
+
+SUMMARY_COLUMNS = ["task", "method", "accuracy", "overall_odds", "selectivity"]
 
 
 def overall(cells: dict[tuple[int, str], float], regions=None) -> float:
@@ -29,14 +34,46 @@ def summarise(
     out: Path,
     scored: dict[str, list[str]] | None = None,
 ) -> list[dict]:
-    """summary.csv and one heatmap per task and method. `scored` ({task: regions}, default: all
-    of them) limits the overall odds and the selectivity to the regions from the first
-    label-variable region on, as the paper's code does; the heatmaps show every region."""
+    """summary.csv (`write_summary`), then one heatmap per task and method (`write_heatmaps`):
+    the summary rows. `scored` ({task: regions}, default: all of them) limits the overall odds and
+    the selectivity to the regions from the first label-variable region on, as the paper's code
+    does; the heatmaps show every region."""
+    summary = write_summary(results, accuracy, out, scored)
+    write_heatmaps(results, regions, summary, out)
+    return summary
+
+
+def store_rows(store, tasks: list[str], names: list[str], layers: list[int]) -> list[dict]:
+    """The results rows of a sweep's store (`artifacts.results.ResultsStore`) of these tasks,
+    methods and layers."""
+    return [
+        r for r in store.rows("results") if r["task"] in tasks and r["method"] in names and int(r["layer"]) in layers
+    ]
+
+
+def store_summary(store, tasks, names, layers, templates, out: Path) -> list[dict]:
+    """summary.csv of a sweep's store rows of these tasks, methods and layers (`write_summary`),
+    the overall odds over each task's scored regions."""
+    accuracy = {r["task"]: float(r["accuracy"]) for r in store.rows("accuracy")}
+    scored = {task: load_task(task, templates).scored_regions for task in tasks}
+    return write_summary(store_rows(store, tasks, names, layers), accuracy, out, scored)
+
+
+def _cells(results: list[dict]) -> dict[tuple[str, str], dict[tuple[int, str], dict]]:
+    """{(task, method): {(layer, region): row}}, in the rows' order."""
     grouped = defaultdict(dict)
     for row in results:
         grouped[(row["task"], row["method"])][(int(row["layer"]), row["region"])] = row
+    return grouped
+
+
+def summary_rows(
+    results: list[dict], accuracy: dict[str, float], scored: dict[str, list[str]] | None = None
+) -> list[dict]:
+    """One row per (task, method): its Acc, overall odds and, where every site has the control,
+    selectivity (see `summarise`)."""
     summary = []
-    for (task, method), cells in grouped.items():
+    for (task, method), cells in _cells(results).items():
         odds = {site: float(r["odds"]) for site, r in cells.items()}
         kept = None if scored is None else scored[task]
         line = {
@@ -50,20 +87,37 @@ def summarise(
                 {s: float(r["odds"]) - float(r["control_odds"]) for s, r in cells.items()}, kept
             )
         summary.append(line)
+    return summary
+
+
+def write_summary(
+    results: list[dict], accuracy: dict[str, float], out: Path, scored: dict[str, list[str]] | None = None
+) -> list[dict]:
+    """DIR/summary.csv (`summary_rows`), written whole; its rows."""
+    summary = summary_rows(results, accuracy, scored)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=SUMMARY_COLUMNS)
+    writer.writeheader()
+    writer.writerows(summary)
+    write_atomically(Path(out) / "summary.csv", text.getvalue())
+    return summary
+
+
+def write_heatmaps(results: list[dict], regions: dict[str, list[str]], summary: list[dict], out: Path) -> list[Path]:
+    """DIR/heatmaps/TASK_METHOD.png, the layer × region odds of each (task, method) of `summary`,
+    its overall odds in the title; every one tried, the first not written raised
+    (`plots.FigureNotWritten`)."""
+    return save_figures(_heatmaps(_cells(results), regions, summary, Path(out)), dpi=DPI)
+
+
+def _heatmaps(grouped, regions, summary, out: Path):
+    for line in summary:
+        task, method = line["task"], line["method"]
+        cells = grouped[(task, method)]
         layers = sorted({layer for layer, _ in cells})
         names = [r for r in regions[task] if any((layer, r) in cells for layer in layers)]
         matrix = np.full((len(layers), len(names)), np.nan)
-        for (layer, region), value in odds.items():
-            matrix[layers.index(layer), names.index(region)] = value
-        odds_heatmap(
-            matrix,
-            layers,
-            names,
-            f"{task} · {method} · overall odds {line['overall_odds']:.2f}",
-            out / "heatmaps" / f"{task}_{method}.png",
-        )
-    with (out / "summary.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["task", "method", "accuracy", "overall_odds", "selectivity"])
-        writer.writeheader()
-        writer.writerows(summary)
-    return summary
+        for (layer, region), row in cells.items():
+            matrix[layers.index(layer), names.index(region)] = float(row["odds"])
+        title = f"{task} · {method} · overall odds {line['overall_odds']:.2f}"
+        yield heatmap_figure(matrix, layers, names, title)[0], out / "heatmaps" / f"{task}_{method}.png"

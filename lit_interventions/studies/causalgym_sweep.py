@@ -14,10 +14,10 @@ is trained at every layer and region of the task together, in one loop per metho
 the paper's setup per site, `MultiSiteInterchangeModule`: one stacked forward per step, each row
 entering at its own layer; `causalgym_training`); each site (layer, region) then fits the
 closed-form methods on the base train states, and every method at every site of the unit is
-scored with the same 1-D interchange and
-the same odds metric as `train.py` (`InterchangeModule.score`) in stacked no-grad forwards
-(`stacked_scoring`: each row enters at its site's layer, runs only the blocks above it, and many
-sites and methods share each forward; `--stacked_scoring false`: site by site).
+scored with the same 1-D interchange and the same odds metric as `train.py`
+(`InterchangeModule.score`) in stacked no-grad forwards (`stacked_scoring`: each row enters at its
+site's layer, runs only the blocks above it, and many sites and methods share each forward;
+`--stacked_scoring false`: site by site).
 
 Writes, resumably (a rerun skips finished sites and reuses trained interventions; an interruption
 loses at most one unit's scoring (one site's, site by site) or one unit's training loop):
@@ -27,7 +27,10 @@ loses at most one unit's scoring (one site's, site by site) or one unit's traini
 - DIR/METHOD/TASK_LAYER.safetensors: a trained method's interventions (DAS: {region: W (k × d)}).
 Finished sites are kept in DIR/results.sqlite (one transaction per unit, or per site) and results.csv exported
 from it, whole, after each (`lit_interventions.artifacts.results`); one run at a time holds DIR/.lock. So are
-each task's Acc and the finished units (a rerun skips them whole).
+each task's Acc and the finished units (a rerun skips them whole). Every file is written whole (a temporary
+file renamed over it), the results before the figures: a figure that cannot be written (a full disk) is one
+`error:` line naming it and exit status 1, the results kept. SIGTERM / SIGINT: exit status 143 / 130, the
+finished units kept (`lit_interventions.core.signals`).
 
 The units of work are (task, layers) (`sweep_units`; `--layers_per_unit` splits a task's layers).
 Under torchrun or srun each process, whenever it is free, takes the next unit with work left (the
@@ -50,14 +53,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from lit_interventions.artifacts.plots import report_figures
 from lit_interventions.artifacts.results import Table
 from lit_interventions.cli.studies import choose_layers, choose_names, run_cli
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.core.signals import raise_pending
 from lit_interventions.datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
 from lit_interventions.studies import distributed
-from lit_interventions.studies.causalgym_report import overall, summarise
+from lit_interventions.studies.causalgym_report import overall, store_rows, store_summary, summarise, write_heatmaps
 from lit_interventions.studies.causalgym_scoring import (
     CONTROL,
     StackedScoringFailed,
@@ -234,26 +239,26 @@ def _sweep(store, units, setup: Setup, done, accuracy) -> None:
     `accuracy` ({task: Acc})."""
     model = load_lm(setup.lm, setup.dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # modules follow it
     regions = setup.regions
-    progress = tqdm(total=sum(len(regions[task]) * len(layers) for task, layers in units), desc="sites", unit="site")
-    for task, layers in units:
-        cache = ActivationCache(model, layers)  # one cache per unit: every layer, computed once for its sentences
-        accuracy[task] = task_accuracy(
-            task, setup.templates, setup.lm, setup.sizes, cache, setup.dtype, setup.batch_size
-        )
+    total = sum(len(regions[task]) * len(layers) for task, layers in units)
+    with tqdm(total=total, desc="sites", unit="site") as progress:  # closed on its own line, however it ends
+        for task, layers in units:
+            cache = ActivationCache(model, layers)  # one cache per unit: every layer, computed once for its sentences
+            accuracy[task] = task_accuracy(
+                task, setup.templates, setup.lm, setup.sizes, cache, setup.dtype, setup.batch_size
+            )
 
-        @functools.cache
-        def data_of(region, kind=None, task=task):
-            """A region's data module (kind: None, or the control task), tokenised once per task."""
-            return _region_data(task, setup.templates, setup.lm, region, kind, setup.sizes)
+            @functools.cache
+            def data_of(region, kind=None, task=task):
+                """A region's data module (kind: None, or the control task), tokenised once per task."""
+                return _region_data(task, setup.templates, setup.lm, region, kind, setup.sizes)
 
-        todo = {
-            (layer, region): [m for m in setup.methods if (task, m.name, layer, region) not in done]
-            for layer in layers
-            for region in regions[task]
-        }
-        trained = _train_unit(store.out, task, todo, data_of, cache, setup)
-        _score_sites(store, task, todo, data_of, cache, setup, trained, progress)
-    progress.close()
+            todo = {
+                (layer, region): [m for m in setup.methods if (task, m.name, layer, region) not in done]
+                for layer in layers
+                for region in regions[task]
+            }
+            trained = _train_unit(store.out, task, todo, data_of, cache, setup)
+            _score_sites(store, task, todo, data_of, cache, setup, trained, progress)
 
 
 def _plan(units, names: list[str], control: bool):
@@ -278,22 +283,6 @@ def _plan(units, names: list[str], control: bool):
         return todo, (done, with_control)
 
     return plan
-
-
-def _summary(tasks, names, layers, templates, regions, out: Path):
-    """summary(store): summary.csv and the heatmaps of the rows of these tasks, methods and layers."""
-
-    def summary(store) -> list[dict]:
-        accuracy = {r["task"]: float(r["accuracy"]) for r in store.rows("accuracy")}
-        results = [
-            r
-            for r in store.rows("results")
-            if r["task"] in tasks and r["method"] in names and int(r["layer"]) in layers
-        ]
-        scored = {task: load_task(task, templates).scored_regions for task in tasks}
-        return summarise(results, accuracy, regions, out, scored)
-
-    return summary
 
 
 def run_sweep(
@@ -363,17 +352,31 @@ def run_sweep(
         todo, (done, with_control) = run.start(
             _plan(units, names, control), hint=" (--layers_per_unit splits a task's layers into more units)"
         )  # the template file is known by its sha256
-        for task, group in run.take(todo, cost=lambda unit: len(unit[1]) * len(regions[unit[0]])):  # its sites
-            accuracy = {}
-            _sweep(run.store, [(task, group)], setup, done, accuracy)
-            finished = [
-                {"task": task, "layer": layer, "method": m, "control": int(control)}
-                for layer in group
-                for m in names
-                if control or (task, layer, m) not in with_control
-            ]
-            run.store.add({"accuracy": [{"task": task, "accuracy": accuracy[task]}], "finished": finished})
-        return run.finish(_position(units), _summary(tasks, names, layers, templates, regions, out))
+        _run_units(run, todo, setup, done, with_control)
+        summary = run.finish(
+            _position(units),
+            partial(store_summary, tasks=tasks, names=names, layers=layers, templates=templates, out=out),
+        )
+        if ranks.is_main:  # the figures last: one not written leaves the results as they are
+            write_heatmaps(store_rows(run.main, tasks, names, layers), regions, summary, out)
+        return summary
+
+
+def _run_units(run, todo, setup: Setup, done: set, with_control: set) -> None:
+    """This rank's units of `todo` (the most sites first), each swept (`_sweep`), then its Acc and
+    its finished (task, layer, method) stored together."""
+    names, control = [m.name for m in setup.methods], setup.control
+    for task, group in run.take(todo, cost=lambda unit: len(unit[1]) * len(setup.regions[unit[0]])):  # its sites
+        accuracy = {}
+        raise_pending()  # a signal a library swallowed stops the sweep between units
+        _sweep(run.store, [(task, group)], setup, done, accuracy)
+        finished = [
+            {"task": task, "layer": layer, "method": m, "control": int(control)}
+            for layer in group
+            for m in names
+            if control or (task, layer, m) not in with_control
+        ]
+        run.store.add({"accuracy": [{"task": task, "accuracy": accuracy[task]}], "finished": finished})
 
 
 def _position(units: list[tuple[str, tuple[int, ...]]]):
@@ -393,4 +396,5 @@ def _position(units: list[tuple[str, tuple[int, ...]]]):
 
 def main(args=None) -> None:
     """`lit-interventions sweep causalgym`."""
-    run_cli(distributed.printed_by_rank_zero(run_sweep), __doc__, args)
+    with report_figures():
+        run_cli(distributed.printed_by_rank_zero(run_sweep), __doc__, args)

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from lit_interventions.callbacks.resume import SaveProgress
 from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.files import write_atomically
 from lit_interventions.interventions.base import Intervention, import_class
 from lit_interventions.interventions.registry import MethodSpec, method_spec
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
@@ -108,9 +109,7 @@ def unchanged_sites(datas: dict, cache: ActivationCache, batch_size: int = 64) -
     found = set()
     for (layer, region), data in datas.items():
         batches = (move_data_to_device(batch, device) for batch in data.loader("train", batch_size))
-        if all(
-            torch.equal(cache.at_site(layer, batch, "base"), cache.at_site(layer, batch, "source")) for batch in batches
-        ):
+        if all(torch.equal(cache.at_site(layer, batch.base), cache.at_site(layer, batch.source)) for batch in batches):
             found.add((layer, region))
     return found
 
@@ -154,8 +153,8 @@ def _write(path: Path, regions: dict[str, dict[str, torch.Tensor]], config: dict
         for name, tensor in named.items()
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path.with_suffix(".tmp"), metadata={"config": json.dumps(config)} if config else None)
-    path.with_suffix(".tmp").replace(path)  # never a half-written file
+    metadata = {"config": json.dumps(config)} if config else None
+    write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))  # never a half-written file
 
 
 def _frozen(method: MethodSpec, tensors: dict[str, torch.Tensor], config: dict):

@@ -10,12 +10,15 @@ method configs are fixed) and scores the test split with the validation metric
 
 - `DIR/summary.csv`: method, attribute, cause, iso, disentangle (one row per target attribute,
   plus an `average` row per method: RAVEL's Disentangle is averaged over attributes);
+- `DIR/table.csv`: the `average` rows;
 - `DIR/changes.csv` and `DIR/<method>_changes.png`: how often intervening on attribute A (row)
   changes the model's answer about attribute B (column), the paper's Figure 3a;
 
-and resumes: a rerun skips the (method, attribute) cells already done. Finished cells are kept in
-`DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it, whole, after each
-(`lit_interventions.artifacts.results`); one run at a time holds `DIR/.lock`.
+the results first and the figures last, every file whole (a temporary file renamed over it); a
+figure that cannot be written (a full disk) is one `error:` line naming it, exit status 1, the
+results kept. It resumes: a rerun skips the (method, attribute) cells already done. Finished
+cells are kept in `DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it,
+whole, after each (`lit_interventions.artifacts.results`); one run at a time holds `DIR/.lock`.
 
 Under torchrun or srun each process takes the next cell left whenever it is free, and writes
 `DIR/ranks/rank-R/`, and rank 0 merges them into the files one process would have written
@@ -34,10 +37,12 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from lit_interventions.artifacts.plots import attribute_heatmap
-from lit_interventions.artifacts.results import Table, write_atomically
+from lit_interventions.artifacts.plots import attribute_figure, report_figures, save_figures
+from lit_interventions.artifacts.results import Table
 from lit_interventions.cli.studies import choose_layers, choose_names, read_rows, run_cli
+from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
+from lit_interventions.core.signals import raise_pending
 from lit_interventions.datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
 from lit_interventions.interventions.capabilities import Fitted
 from lit_interventions.studies import distributed
@@ -196,22 +201,31 @@ def run_ravel_sweep(
 
     with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
         todo, _ = run.start(plan)
-        mine = run.take(
-            todo, cost=lambda cell: method_options[cell[0]][1]
-        )  # the trained methods' cells first (3 epochs)
-        for method, attribute in tqdm(mine, desc="RAVEL cells", unit="cell"):
+        _run_cells(run, todo, method_options, data_options, seed, data.attributes)
+        lines = run.finish(_position(cells), lambda store: summarise(out, methods, attributes))
+        if ranks.is_main:  # the figures last: one not written leaves the results as they are
+            write_heatmaps(out, methods, attributes, data.attributes)
+        return lines
+
+
+def _run_cells(run, todo, method_options: dict, data_options: dict, seed: int, all_attributes: list[str]) -> None:
+    """This rank's cells of `todo` (the trained methods' first), each fitted and scored
+    (`run_cell`), then its change rates and scores stored together."""
+    mine = run.take(todo, cost=lambda cell: method_options[cell[0]][1])  # the trained methods' cells first (3 epochs)
+    with tqdm(mine, desc="RAVEL cells", unit="cell") as progress:  # closed on its own line, however it ends
+        for method, attribute in progress:
+            raise_pending()  # a signal a library swallowed stops the sweep between cells
             options, n_epochs = method_options[method]
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
             changes = [
                 {"method": method, "intervened": attribute, "queried": b, "change_rate": metrics[f"test/change/{b}"]}
-                for b in data.attributes
+                for b in all_attributes
                 if f"test/change/{b}" in metrics
             ]
             scores = {k: metrics[f"test/{k}"] for k in ("cause", "iso", "disentangle")}
             run.store.add(
                 {"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]}
             )  # both or neither
-        return run.finish(_position(cells), lambda store: summarise(out, methods, attributes, data.attributes))
 
 
 def _position(cells: list[tuple[str, str]]):
@@ -220,10 +234,10 @@ def _position(cells: list[tuple[str, str]]):
     return lambda table, row: index.get((row["method"], row["attribute" if table == "summary" else "intervened"]), -1)
 
 
-def summarise(out: Path, methods: list[str], attributes: list[str], all_attributes: list[str]) -> list[dict]:
-    """Per-method averages over the attributes, and one change heatmap per method."""
+def summarise(out: Path, methods: list[str], attributes: list[str]) -> list[dict]:
+    """Per-method averages over the attributes, written to DIR/table.csv (whole): the rows of
+    summary.csv for these methods and attributes, each method's followed by its average."""
     rows = [r for r in read_rows(out / "summary.csv") if r["method"] in methods and r["attribute"] in attributes]
-    changes = read_rows(out / "changes.csv")
     lines = []
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
@@ -232,14 +246,6 @@ def summarise(out: Path, methods: list[str], attributes: list[str], all_attribut
         if mine:
             average = {k: float(np.mean([float(r[k]) for r in mine])) for k in ("cause", "iso", "disentangle")}
             lines.append({"method": method, "attribute": "average", **average})
-        matrix = np.full((len(attributes), len(all_attributes)), np.nan)
-        for c in changes:
-            if c["method"] == method and c["intervened"] in attributes and c["queried"] in all_attributes:
-                matrix[attributes.index(c["intervened"]), all_attributes.index(c["queried"])] = float(c["change_rate"])
-        if not np.isnan(matrix).all():
-            attribute_heatmap(
-                matrix, attributes, all_attributes, f"{method}: P(answer changes)", out / f"{method}_changes.png"
-            )
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=SUMMARY_COLUMNS)
     writer.writeheader()
@@ -248,6 +254,27 @@ def summarise(out: Path, methods: list[str], attributes: list[str], all_attribut
     return lines
 
 
+def write_heatmaps(out: Path, methods: list[str], attributes: list[str], all_attributes: list[str]) -> list[Path]:
+    """DIR/<method>_changes.png for each method with a change rate in DIR/changes.csv (RAVEL Fig.
+    3a); every one tried, the first not written raised (`plots.FigureNotWritten`)."""
+    changes = read_rows(out / "changes.csv")
+
+    def figures():
+        for method in methods:
+            matrix = np.full((len(attributes), len(all_attributes)), np.nan)
+            for c in changes:
+                if c["method"] == method and c["intervened"] in attributes and c["queried"] in all_attributes:
+                    matrix[attributes.index(c["intervened"]), all_attributes.index(c["queried"])] = float(
+                        c["change_rate"]
+                    )
+            if not np.isnan(matrix).all():
+                title = f"{method}: P(answer changes)"
+                yield attribute_figure(matrix, attributes, all_attributes, title), out / f"{method}_changes.png"
+
+    return save_figures(figures(), dpi=120)
+
+
 def main(args=None) -> None:
     """`lit-interventions sweep ravel`."""
-    run_cli(distributed.printed_by_rank_zero(run_ravel_sweep), __doc__, args)
+    with report_figures():
+        run_cli(distributed.printed_by_rank_zero(run_ravel_sweep), __doc__, args)

@@ -21,34 +21,19 @@ from __future__ import annotations
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from lit_interventions.core.batch import PairBatch, Side
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.sites import final_logits, stacked_hidden
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
-from lit_interventions.modules.multisite import stack_batches
 
 CLEAN = None  # the job of a site's unintervened rows, p(· | b)
 TASK, CONTROL = "task", "control"  # whose labels a job's logits are
-LABELS = ("base_label", "source_label", "label")  # what a control batch may change
 
 
-def _rows_of(batch: dict, rows: list[int]) -> dict:
-    """The rows `rows` of a collated batch: what `stack_batches` reads of each side."""
-    part, index = {}, torch.tensor(rows, device=batch["base_input_ids"].device)
-    for side in ("base", "source"):
-        for name in ("input_ids", "attention_mask", "pos", "last", "label"):
-            part[f"{side}_{name}"] = batch[f"{side}_{name}"][index]
-        keys, starts = batch[f"{side}_keys"]
-        part[f"{side}_keys"] = ([keys[i] for i in rows], [starts[i] for i in rows])
-        if batch.get(f"{side}_pos_list"):
-            part[f"{side}_pos_list"] = [batch[f"{side}_pos_list"][i] for i in rows]
-    return part
-
-
-def _runs(cache: ActivationCache, batch: dict) -> list[int]:
+def _runs(cache: ActivationCache, batch: PairBatch) -> list[int]:
     """The columns each base row runs in `stacked_hidden`: from after its cached ones to its logits."""
-    sites = batch.get("base_pos_list") or batch["base_pos"].tolist()
-    starts = cache.run_starts(batch["base_keys"], sites)
-    return [last - start for last, start in zip(batch["base_last"].tolist(), starts)]
+    starts = cache.run_starts(batch.base)
+    return [last - start for last, start in zip(batch.base.last.tolist(), starts)]
 
 
 def _pieces(runs: dict[object, dict[int, int]], rows: int):
@@ -99,10 +84,9 @@ def score_stacked(
         todo[key] = {i: run for i, (run, skip) in enumerate(zip(runs[id(batch)], same)) if not skip}
     logits = {}  # job -> its rows' label logits, (n, columns), in row order (unchanged rows: not filled)
     for chunk in _pieces(todo, rows):
-        parts = [_rows_of(jobs[key][0], index) for key, index in chunk]
-        stacked = stack_batches(parts)
+        stacked = Side.cat([jobs[key][0].base.rows(index) for key, index in chunk])
         layers = [key[1][0] for key, index in chunk for _ in index]
-        base = cache.states(layers, stacked["base_input_ids"], stacked["base_attention_mask"], stacked["base_keys"])
+        base = cache.states(layers, stacked)
         bounds = [0]
         for _, index in chunk:
             bounds.append(bounds[-1] + len(index))
@@ -117,14 +101,14 @@ def score_stacked(
 
         vocab = torch.cat([jobs[key][1][index] for key, index in chunk])
         # a fixed prefix width: a row's key length does not depend on the rows beside it (exact resumes)
-        prefix = cache.row_prefix(min(layers), stacked["base_keys"], stacked["base_pos_list"], width)
+        prefix = cache.row_prefix(min(layers), stacked, width)
         hidden = stacked_hidden(
             model,
-            stacked["base_input_ids"],
-            stacked["base_attention_mask"],
-            stacked["base_last"],
+            stacked.input_ids,
+            stacked.attention_mask,
+            stacked.last,
             layers,
-            stacked["base_pos"],
+            stacked.pos,
             edit,
             base,
             prefix,
@@ -172,7 +156,7 @@ def _edits(cache: ActivationCache, jobs: dict) -> tuple[dict, dict]:
             continue
         layer = key[1][0]
         if (layer, id(batch)) not in states:  # f(b), f(s) at the site, shared by the site's methods
-            states[(layer, id(batch))] = [cache.at_site(layer, batch, side) for side in ("base", "source")]
+            states[(layer, id(batch))] = [cache.at_site(layer, side) for side in (batch.base, batch.source)]
         base, source = states[(layer, id(batch))]
         edited[key] = f(base, source).to(base.dtype)
         unchanged[key] = (edited[key] == base).all(dim=-1)
@@ -194,7 +178,7 @@ def _jobs(tasks: dict, device) -> tuple[dict, dict]:
         shared = {
             (region, i): task == CONTROL
             and i < len(evals[TASK].get(region, ()))
-            and _same_inputs(evals[TASK][region][i], batch)
+            and evals[TASK][region][i].same_inputs(batch)
             for region, batches in evals[task].items()
             for i, batch in enumerate(batches)
         }
@@ -214,18 +198,3 @@ def _jobs(tasks: dict, device) -> tuple[dict, dict]:
     return {
         key: (batch, labels.repeat(1, width // labels.shape[1]), f) for key, (batch, labels, f) in jobs.items()
     }, read_from
-
-
-def _same_inputs(a: dict, b: dict) -> bool:
-    """Whether two collated eval batches differ at most in their labels."""
-    return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a if k not in LABELS)
-
-
-def _equal(x, y) -> bool:
-    if torch.is_tensor(x):
-        return torch.is_tensor(y) and x.shape == y.shape and torch.equal(x, y)
-    if isinstance(x, (list, tuple)):
-        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
-    return type(x) is type(y) and x == y

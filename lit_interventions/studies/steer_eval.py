@@ -28,9 +28,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from lit_interventions.artifacts.plots import report_figures
 from lit_interventions.cli.studies import claim_out_dir, run_cli
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.sharding import LoadOptions
+from lit_interventions.interventions.base import trusting_remote_code
 from lit_interventions.metrics.judge import Judge, chat_prompt, generate_replies, make_judge
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 from lit_interventions.studies.steer_report import (
@@ -202,12 +204,14 @@ def plan_steer_eval(
     seed,
     device_map,
     quantization,
+    trust_remote_code=False,
 ) -> SteerPlan:
     """Check every argument, load the steerers, draw up the cells and claim the output directory
     (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
     placement = LoadOptions(device_map, quantization)
     factors = _check_settings(dictionary, checkpoint, factors, instructions, max_new_tokens, temperature, batch_size)
-    steerers = _load_steerers(dictionary, checkpoint, lm)
+    with trusting_remote_code(trust_remote_code):
+        steerers = _load_steerers(dictionary, checkpoint, lm)
     if dictionary is None:
         factors = [1.0]
     lm = _steered_lm(steerers, lm)
@@ -311,6 +315,7 @@ def run_steer_eval(
     seed: int = 0,
     device_map: str | int | dict | None = None,
     quantization: str | None = None,
+    trust_remote_code: bool = False,
 ) -> list[dict]:
     """Run (or resume) the steering evaluation; returns the summary rows.
 
@@ -328,6 +333,8 @@ def run_steer_eval(
         out: output directory. seed: instruction sampling and generation seed.
         device_map, quantization: a steered LM larger than one device (`lit_interventions.core.sharding`):
             e.g. "auto" and "4bit".
+        trust_remote_code: import a class path a checkpoint names that is not a registered steering
+            module (only for checkpoints whose source you trust: importing runs its code).
     """
     plan = plan_steer_eval(
         dictionary=dictionary,
@@ -345,6 +352,7 @@ def run_steer_eval(
         seed=seed,
         device_map=device_map,
         quantization=quantization,
+        trust_remote_code=trust_remote_code,
     )
     rows = run_cells(plan)
     cells = {(c, float(f)) for names in plan.cells_of.values() for c in names for f in plan.factors}
@@ -363,6 +371,9 @@ def main(args=None) -> None:
             help="judge backend and options, e.g. {backend: openai, base_url: ..., model: ..., api_key_env: ...}",
         )
 
-    summary = run_cli(run_steer_eval, __doc__, args, customize, errors=(ValueError, FileNotFoundError, ConnectionError))
+    with report_figures():  # steering.png not written: one line, the CSVs kept
+        summary = run_cli(
+            run_steer_eval, __doc__, args, customize, errors=(ValueError, FileNotFoundError, ConnectionError)
+        )
     if summary:
         print(f"mean overall over {len(summary)} concepts: {np.mean([r['overall'] for r in summary]):.3f}")

@@ -1,10 +1,11 @@
 """The steering evaluation's results: DIR/generations.jsonl read back (to resume), each concept's
 factor chosen on the select half and reported on the other, and DIR/factors.csv, DIR/summary.csv
-and DIR/steering.png written."""
+and then DIR/steering.png written, each whole."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import warnings
 from collections import Counter, defaultdict
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_interventions.artifacts.plots import save_figure
 from lit_interventions.core.files import write_atomically
 
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
@@ -49,15 +51,17 @@ def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    """The rows as CSV with these columns (other keys are left out)."""
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    """The rows as CSV with these columns (other keys are left out), written whole."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomically(path, text.getvalue())
 
 
 def plot_factors(factor_rows: list[dict], path: Path) -> Path:
-    """Mean over concepts of each score against the factor, one line per half."""
+    """Mean over concepts of each score against the factor, one line per half; written whole, or
+    `plots.FigureNotWritten`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,9 +82,7 @@ def plot_factors(factor_rows: list[dict], path: Path) -> Path:
     axes[0].set_ylabel("judge score (0-2), mean over concepts")
     axes[-1].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def read_generations(path: Path) -> list[dict]:
@@ -125,7 +127,8 @@ def keep_whole_cells(path: Path, rows: list[dict], instructions: int) -> list[di
 
 def write_report(out: Path, rows: list[dict], cells: set[tuple[str, float]]) -> list[dict]:
     """Choose and report from the rows of the (concept, factor) `cells` of this run (others in the
-    file are left out): DIR/factors.csv, DIR/summary.csv and DIR/steering.png; the summary rows."""
+    file are left out): DIR/factors.csv and DIR/summary.csv, then DIR/steering.png (a figure not
+    written is `plots.FigureNotWritten`, the CSVs kept); the summary rows."""
     rows = [r for r in rows if (r["concept"], float(r["factor"])) in cells]
     summary, factor_rows = choose_and_report(rows)
     write_csv(out / "factors.csv", factor_rows, FACTOR_COLUMNS)
