@@ -9,7 +9,7 @@ A saved artifact is one directory, the same on disk and on the hub:
 
     d = Dictionary.from_pretrained("checkpoints/axbench/builtin-diffmean")   # a directory ...
     d = Dictionary.from_pretrained("someone/smollm2-diffmean-l15")           # ... or a hub id
-    das = DASIntervention.from_pretrained("runs/das/.../version_0")          # any intervention class
+    das = RotatedSpaceIntervention.from_pretrained("runs/das/.../version_0")  # any intervention class
     x = from_pretrained("someone/repo")              # whichever config.json says (lit_interventions.from_pretrained)
     d.push_to_hub("someone/smollm2-diffmean-l15")    # save_pretrained to a temporary dir + upload
 
