@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -36,6 +39,19 @@ def oracle(known):
         ]
 
     return predict_next
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_command(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A command as a user runs it, in a subprocess from the repository root, its output
+    captured: `python -m lit_interventions ARGS`, or `python train.py ARGS` when ARGS starts with
+    train.py. `env`: variables set on top of this process's environment."""
+    head = [sys.executable] if args[0] == "train.py" else [sys.executable, "-m", "lit_interventions"]
+    return subprocess.run(
+        [*head, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def csv_rows(path: Path) -> list[dict]:

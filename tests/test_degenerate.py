@@ -5,9 +5,6 @@ that gets neither."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,8 +14,8 @@ from lit_interventions.datamodules.causalgym import CausalGymDataModule
 import train
 from lit_interventions.callbacks.guard import DegenerateRunWarning
 from lit_interventions.core.pair_checks import IdenticalPairsError, refuse_identical_pairs
+from tests.helpers import run_command
 
-ROOT = Path(__file__).resolve().parents[1]
 CAUSALGYM = [  # 24 training examples in batches of 4: 6 steps, validations after steps 3 and 6
     "--model.layer=1",
     "--data.train_pairs=12",
@@ -113,25 +110,16 @@ def test_the_check_refuses_only_when_every_pair_is_identical():
         refuse_identical_pairs([Example([1, 2], [1, 2]), Example([4], [4])], "dev", "x")
 
 
-def _console_fit(config: str, *args: str) -> subprocess.CompletedProcess:
-    """`python -m lit_interventions fit --config CONFIG ARGS` in a subprocess, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "lit_interventions", "fit", "--config", config, *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_the_console_script_refuses_identical_pairs_in_one_line(tmp_path, tiny_lm_dir):
-    done = _console_fit(
+    done = run_command(
+        "fit",
+        "--config",
         "configs/das.yaml",
         f"--model.lm={tiny_lm_dir('gpt2')}",
         "--data.task=same",
         f"--data.templates={_templates(tmp_path, 'dog')}",
         *["--model.layer=1", "--data.train_pairs=12", "--data.eval_pairs=4", f"--trainer.default_root_dir={tmp_path}"],
+        timeout=600,
     )
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -142,13 +130,16 @@ def test_the_console_script_refuses_identical_pairs_in_one_line(tmp_path, tiny_l
 def test_the_console_script_shows_the_warning_as_one_line(tmp_path, tiny_lm_dir):
     """A saturated DBM run, as a user runs it: exit 0 (the run finished), each finding on one
     `warning:` line of stderr, with no file name, line number or source line around it."""
-    done = _console_fit(
+    done = run_command(
+        "fit",
+        "--config",
         "configs/dbm.yaml",
         f"--model.lm={tiny_lm_dir('gpt2')}",
         *CAUSALGYM,
         "--model.lr=1e30",
         "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={tmp_path}",
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if "saturated" in line or "means nothing" in line]

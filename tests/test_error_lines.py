@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -35,21 +34,13 @@ from lit_interventions.interventions.base import save_pretrained
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 from lit_interventions.modules.probe import load_probe
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
-from tests.helpers import free_port
+from tests.helpers import free_port, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model.layer=1", "--data.train_pairs=4", "--data.eval_pairs=2"]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _command(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m lit_interventions ARGS` (or `python train.py ARGS` when ARGS starts with train.py)."""
-    head = [sys.executable] if args[0] == "train.py" else [sys.executable, "-m", "lit_interventions"]
-    return subprocess.run(
-        [*head, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
 
 
 def _one_line(done: subprocess.CompletedProcess) -> str:
@@ -128,7 +119,7 @@ def _latin1_templates(tmp_path: Path) -> Path:
 def test_a_latin1_template_file_is_one_line_through_train_py(tmp_path, tiny_lm_dir):
     path = _latin1_templates(tmp_path)
     byte = path.read_bytes().index(b"\xe9")
-    done = _command(
+    done = run_command(
         "train.py",
         "fit",
         "--config",
@@ -229,7 +220,7 @@ def test_a_damaged_checkpoint_is_one_line_before_anything_loads(tmp_path, capsys
 def test_a_crafted_checkpoint_is_refused_unrun_by_the_console_script(tmp_path):
     marker = tmp_path / "ran"
     path = _crafted_ckpt(tmp_path / "planted.ckpt", marker)
-    done = _command("test", "--config", "das.yaml", "--ckpt_path", str(path))
+    done = run_command("test", "--config", "das.yaml", "--ckpt_path", str(path))
     assert _one_line(done) == (
         f"--ckpt_path {path} holds more than tensors and plain data (it names exec); it is read with "
         "weights_only=True and never unpickled further, so nothing in it ran; use a .ckpt file a run wrote "
@@ -371,7 +362,7 @@ def _lone_ckpt(path: Path) -> Path:
 @pytest.mark.slow
 def test_a_lone_checkpoint_says_to_pass_its_runs_config(tmp_path):
     path = _lone_ckpt(tmp_path / "copied" / "here" / "lone.ckpt")
-    done = _command("test", "--ckpt_path", str(path))
+    done = run_command("test", "--ckpt_path", str(path))
     assert _one_line(done) == (
         f"--ckpt_path {path}: a checkpoint needs its run's config, and {tmp_path / 'copied' / 'config.yaml'} "
         "(where a run keeps it: RUN/config.yaml beside RUN/checkpoints/) does not exist; pass "
@@ -408,7 +399,7 @@ def test_an_unknown_hub_id_without_network_fails_at_once(tmp_path, offline):
     if offline == "HF_HUB_OFFLINE=1":
         env["HF_HUB_OFFLINE"] = "1"
     started = time.monotonic()
-    done = _command(
+    done = run_command(
         "fit",
         "--config",
         "das.yaml",
@@ -512,6 +503,6 @@ def test_every_case_is_one_line_from_the_console_script(tmp_path, tiny_lm_dir, n
     args, start = _case(name, tmp_path, tiny_lm_dir("llama"), marker)
     if args[0] in ("fit", "validate"):
         args.append(f"--trainer.default_root_dir={tmp_path / 'runs'}")
-    line = _one_line(_command(*args))
+    line = _one_line(run_command(*args))
     assert line.startswith(start), line
     assert not marker.exists()

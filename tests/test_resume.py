@@ -3,9 +3,7 @@ same final weights (bit for bit) and validation metric, and no "not resumable" w
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from torch.utils.data import DataLoader
 
 import train
 from lit_interventions.core.loaders import ResumableLoader, split_loader
+from tests.helpers import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_RESUMABLE = "not resumable"
@@ -84,17 +83,9 @@ def test_the_console_script_resumes_a_killed_fit_exactly(tmp_path, tiny_lm_dir):
     process could have been killed right after it), resumed with --ckpt_path, gives the
     uninterrupted run's direction and val/odds, without Lightning's "not resumable" warning."""
     lm = tiny_lm_dir("gpt2")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def run(root: Path, *extra: str) -> subprocess.CompletedProcess:
-        done = subprocess.run(
-            [sys.executable, "-m", "lit_interventions", *_args(lm, root, *extra)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        done = run_command(*_args(lm, root, *extra), env={"PYTHONPATH": str(ROOT)}, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 

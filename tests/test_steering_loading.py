@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -26,9 +25,11 @@ from lit_interventions.modules.steering_registry import (
     register_steering_module,
     registered_steering_modules,
 )
+from tests.helpers import run_command
 from tests.test_loreft import _batches, _fit, _loss
 
 PLANTED = "planted_steering_module"
+
 ROOT = Path(__file__).resolve().parents[1]
 REGISTERED = (
     "registered: loreft (lit_interventions.modules.steering_baselines.LoReFTModule), "
@@ -194,14 +195,12 @@ def test_steer_takes_trust_remote_code_on_the_command_line(tmp_path, planted, tr
     name, marker = planted
     steering = {"kind": "steering", "weights": "intervention.safetensors", "method": "x", "model": "tiny"}
     directory = _crafted(tmp_path / "artifact", {**steering, "class_path": f"{name}.Evil"})
-    done = subprocess.run(
-        [sys.executable, "-m", "lit_interventions", "steer", f"--checkpoint={directory}", f"--out={tmp_path / 'out'}"]
-        + (["--trust_remote_code=true"] if trust else []),
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(marker.parent / "code")])},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = run_command(
+        "steer",
+        f"--checkpoint={directory}",
+        f"--out={tmp_path / 'out'}",
+        *(["--trust_remote_code=true"] if trust else []),
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(marker.parent / "code")])},
     )
     assert done.returncode != 0  # the planted class builds nothing usable
     if trust:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 import sys
 import tempfile
@@ -132,11 +133,13 @@ class InterventionCLI(LightningCLI):
     def _set_seed(self) -> None:
         """LightningCLI's seeding without its "Seed set to N" line on stderr (config.yaml records
         the seed), so that bad input found afterwards is the only line there."""
-        seed = self._get(self.config, "seed_everything")
-        if seed is False:
-            return
-        seed = seed_everything(None if seed is True else seed, workers=True, verbose=False)
-        (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
+        seed_log = logging.getLogger(seed_everything.__module__)
+        level = seed_log.level
+        seed_log.setLevel(logging.WARNING)
+        try:
+            super()._set_seed()
+        finally:
+            seed_log.setLevel(level)
 
     def init_parser(self, **kwargs):
         return super().init_parser(**kwargs, exit_on_error=False)  # subcommand parsers too

@@ -88,8 +88,9 @@ class Side:
         return self._host
 
     def _map(self, fn) -> Side:
-        """This side with `fn` applied to each tensor (host-side fields and keys carried over)."""
-        moved = replace(
+        """This side with `fn` applied to each tensor (host-side fields carried over; the keys are
+        the caller's to carry)."""
+        return replace(
             self,
             **{
                 f.name: fn(getattr(self, f.name))
@@ -98,7 +99,6 @@ class Side:
             },
             regions={region: fn(positions) for region, positions in self.regions.items()},
         )
-        return moved
 
     def to(self, device, **kwargs) -> Side:
         """On `device`, keeping the host-side keys (read here first, while the ids are on the host)."""
