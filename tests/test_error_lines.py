@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -387,6 +388,27 @@ def test_a_checkpoint_in_its_run_directory_takes_the_runs_config(tmp_path, capsy
     (run / "config.yaml").unlink()
     line = _main_line(["validate", f"--ckpt_path={path}"], capsys)
     assert line.startswith(f"--ckpt_path {path}: a checkpoint needs its run's config, and {run / 'config.yaml'} (")
+
+
+def test_a_runs_config_naming_foreign_code_is_not_used_unasked(tmp_path, capsys):
+    """A config.yaml found beside a checkpoint (not given by the user) that names a class outside
+    lit_interventions and Lightning is refused, unimported; given with --config, it is the user's."""
+    run = tmp_path / "run"
+    path = _lone_ckpt(run / "checkpoints" / "epoch=0.ckpt")
+    (run / "config.yaml").write_text(
+        "model:\n  class_path: lit_interventions.modules.interchange.InterchangeModule\n"
+        "  init_args:\n    intervention: {class_path: planted_code.Evil}\n"
+        "trainer:\n  callbacks: [{class_path: lightning.pytorch.callbacks.ModelCheckpoint}]\n"
+    )
+    line = _main_line(["test", f"--ckpt_path={path}"], capsys)
+    assert line == (
+        f"--ckpt_path {path}: its run's {run / 'config.yaml'} names class_path 'planted_code.Evil', outside "
+        f"lit_interventions and Lightning, so it was not used (importing it runs its code); if you trust it, "
+        f"pass --config {run / 'config.yaml'}"
+    )
+    assert "planted_code" not in sys.modules
+    given = ["test", "--config", str(run / "config.yaml"), "--ckpt_path", str(path)]
+    assert _checkpoint_config(given) == given  # given by the user: used as it is
 
 
 # ----------------------------------------------------------------------------- 6. a hub id without network

@@ -18,6 +18,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import yaml
 from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.seed import seed_everything
@@ -297,7 +298,37 @@ def _checkpoint_config(args: list[str]) -> list[str]:
             "(where a run keeps it: RUN/config.yaml beside RUN/checkpoints/) does not exist; pass "
             "--config RUN/config.yaml of the run that wrote the checkpoint"
         )
+    foreign = foreign_class_paths(config)
+    if foreign:
+        fail(
+            f"--ckpt_path {path}: its run's {config} names class_path {foreign[0]!r}, outside lit_interventions "
+            f"and Lightning, so it was not used (importing it runs its code); if you trust it, pass --config {config}"
+        )
     return [args[0], "--config", str(config), *args[1:]]
+
+
+TRUSTED_PACKAGES = ("lit_interventions.", "lightning.")  # class paths a run's config.yaml may name unasked
+
+
+def foreign_class_paths(config: Path) -> list[str]:
+    """The dotted `class_path` values in `config` (a YAML file, read as data) outside
+    `TRUSTED_PACKAGES`: what a config picked up beside a checkpoint, not given by the user, would
+    make LightningCLI import. A short class name (no dot) names a class already imported."""
+    try:
+        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        fail(f"{config} is not a readable YAML config ({type(err).__name__}); pass --config with a valid one")
+    found, todo = [], [data]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            path = value.get("class_path")
+            if isinstance(path, str) and "." in path and not path.startswith(TRUSTED_PACKAGES):
+                found.append(path)
+            todo += list(value.values())
+        elif isinstance(value, list):
+            todo += value
+    return sorted(found)
 
 
 def run_config(ckpt: Path) -> Path | None:
