@@ -10,6 +10,7 @@ concept_genres_map}). The built-in set in `datamodules/data/axbench/` is ours (s
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,12 +112,39 @@ def _read_metadata(path: Path) -> list[dict]:
     return rows
 
 
+FILES = (
+    "metadata.jsonl",
+    "train_data.parquet",
+    "train_data.jsonl",
+    "latent_eval_data.parquet",
+    "latent_eval_data.jsonl",
+)
+
+
+def fetch_command(directory: Path) -> str:
+    """The command that downloads AxBench's Concept10 into `directory` (and its larger set)."""
+    return f"`lit-interventions data axbench-concept10 --out {shlex.quote(str(directory))}` (or axbench-concept500)"
+
+
+def check_concept_dir(directory: Path) -> None:
+    """A FileNotFoundError naming the command that fetches AxBench when `directory` does not exist
+    or holds none of a concept directory's files."""
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"Concept directory {directory} does not exist; fetch AxBench with {fetch_command(directory)}"
+        )
+    if not any((directory / name).is_file() for name in FILES):
+        raise FileNotFoundError(
+            f"Concept directory {directory} holds no AxBench files (metadata.jsonl, train_data.parquet, "
+            f"latent_eval_data.parquet); fetch them with {fetch_command(directory)}"
+        )
+
+
 def load_concepts(concept_dir: str | Path | None = None) -> ConceptData:
     """Read a concept directory (None: our built-in set); concept ids become 0..C-1 in metadata order
     (sorted by the published id), -1 stays the shared negative pool."""
     directory = BUILTIN_DIR if concept_dir is None else Path(concept_dir)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"Concept directory {directory} does not exist")
+    check_concept_dir(directory)
     metadata = sorted(_read_metadata(directory / "metadata.jsonl"), key=lambda row: int(row["concept_id"]))
     train, train_path = _read_table(directory, "train_data")
     evaluation, eval_path = _read_table(directory, "latent_eval_data")

@@ -9,7 +9,9 @@
   sentence's type; RAVEL: bases and sources, by their entity's target value), read by
   `modules.interchange.fit_states` for `train.py` and the CausalGym sweep alike;
 - `dev_metric()`: the metric a fitted intervention's candidates are chosen by on the dev split
-  (None: the intervention keeps its default).
+  (None: the intervention keeps its default);
+- `usage_example()`: one example of the data as `lit-interventions generate` takes it (prompt,
+  source, and the spans whose last tokens are the site), written to the model card (None: none).
 
 The train loader is resumable (`core.loaders.ResumableLoader`, exact): a fit resumed with
 `--ckpt_path` from a checkpoint saved mid-epoch skips the batches already used, in the order the
@@ -46,6 +48,9 @@ class BenchmarkDataModule(LightningDataModule):
         raise ValueError(f"{type(self).__name__} gives no labels to fit a closed-form intervention on (site_labels)")
 
     def dev_metric(self) -> Metric | None:
+        return None
+
+    def usage_example(self) -> dict[str, str] | None:
         return None
 
     def train_dataloader(self) -> ResumableLoader | DataLoader:

@@ -236,6 +236,18 @@ class CausalGymDataModule(BenchmarkDataModule):
         """What this data is scored by: the log odds-ratio and IIA."""
         return [OddsCallback()]
 
+    def usage_example(self) -> dict[str, str]:
+        """The first eval pair: its base as the prompt, its source, and the text of the site's
+        region in each (`generate --span` / `--source_span`)."""
+        pair = self.pairs["eval"][0]
+        (b0, b1), (s0, s1) = pair.base.spans[self.region], pair.source.spans[self.region]
+        return {
+            "prompt": pair.base.text,
+            "source": pair.source.text,
+            "span": pair.base.text[b0:b1],
+            "source_span": pair.source.text[s0:s1],
+        }
+
     def site_labels(self, batch: PairBatch, side: str) -> list[str]:
         """The class of each site state a closed-form intervention is fitted on: its sentence's
         type (e.g. singular or plural; CausalGym's code groups the base states by it), not the

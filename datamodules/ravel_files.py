@@ -13,6 +13,7 @@ Files of one entity type `<type>` in a directory (RAVEL, Huang et al. 2024, §3)
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,16 +64,34 @@ def entity_types(ravel_dir: str | Path | None = None) -> list[str]:
     return sorted(p.name[len(prefix) : -len(suffix)] for p in directory.glob(f"{prefix}*{suffix}"))
 
 
+def fetch_command(directory: Path) -> str:
+    """The command that downloads the published RAVEL files into `directory`."""
+    return f"`lit-interventions data ravel --out {shlex.quote(str(directory))}`"
+
+
+def check_ravel_dir(directory: Path) -> list[str]:
+    """The entity types in `directory`; a ValueError naming the command that fetches RAVEL when
+    the directory does not exist or holds no RAVEL files."""
+    if not directory.is_dir():
+        raise ValueError(f"RAVEL directory {directory} does not exist; fetch RAVEL with {fetch_command(directory)}")
+    types = entity_types(directory)
+    if not types:
+        nested = sorted({p.parent for p in directory.glob(f"*/{FILES['entities'].format('*')}")})
+        where = (
+            f"; {nested[0]} does: pass that directory" if nested else f"; fetch RAVEL with {fetch_command(directory)}"
+        )
+        raise ValueError(
+            f"RAVEL directory {directory} holds no RAVEL files ({FILES['entities'].format('<type>')}){where}"
+        )
+    return types
+
+
 def load_ravel(ravel_dir: str | Path | None, entity_type: str) -> RavelData:
     """Read the five files of `entity_type` from `ravel_dir` (None: our built-in data)."""
     directory = Path(ravel_dir) if ravel_dir is not None else BUILTIN_RAVEL
-    if not directory.is_dir():
-        raise ValueError(f"RAVEL directory {str(directory)!r} does not exist")
-    types = entity_types(directory)
+    types = check_ravel_dir(directory)
     if entity_type not in types:
-        raise ValueError(
-            f"Unknown entity type {entity_type!r} in {directory}; types present: {', '.join(types) or 'none'}"
-        )
+        raise ValueError(f"Unknown entity type {entity_type!r} in {directory}; types present: {', '.join(types)}")
     raw = {}
     for key, pattern in FILES.items():
         path = directory / pattern.format(entity_type)
@@ -107,6 +126,8 @@ def load_ravel(ravel_dir: str | Path | None, entity_type: str) -> RavelData:
 def read_json_object(path: Path) -> dict:
     """The JSON object in `path`; a ValueError naming the file (and the line of a JSON error)
     when it is not UTF-8 text, not JSON or not an object."""
+    if path.is_file() and path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty; restore the file or fetch RAVEL again with {fetch_command(path.parent)}")
     try:
         data = json.loads(read_utf8(path))
     except OSError as err:

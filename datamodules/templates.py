@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,11 +247,32 @@ def parse_task(name: str, spec: dict, path: Path | str = "<dict>") -> TaskTempla
     )
 
 
+def _fetch(directory: Path) -> str:
+    """How to get CausalGym's published templates into `directory`."""
+    out = shlex.quote(str(directory))
+    return (
+        f"fetch CausalGym's templates with `lit-interventions data causalgym --out {out}` and pass "
+        f"--data.templates {shlex.quote(str(directory / 'templates.json'))}"
+    )
+
+
 def load_templates(path: str | Path | None = None) -> dict[str, dict]:
     """The raw task entries of a template file (default: our built-in file of 29 tasks)."""
     path = Path(path) if path is not None else BUILTIN_TEMPLATES
+    if path.is_dir():
+        inside = path / "templates.json"
+        if inside.is_file():
+            raise FileNotFoundError(f"--data.templates {path} is a directory; pass the file in it: {inside}")
+        raise FileNotFoundError(
+            f"--data.templates {path} is a directory, not a JSON file, and holds no templates.json; {_fetch(path)}"
+        )
     if not path.is_file():
-        raise FileNotFoundError(f"Template file not found: {path} (--data.templates must name a JSON file)")
+        raise FileNotFoundError(
+            f"Template file not found: {path} (--data.templates must name a JSON file); "
+            f"{_fetch(path.parent if path.suffix == '.json' else path)}"
+        )
+    if path.stat().st_size == 0:
+        raise ValueError(f"Template file {path} is empty; {_fetch(path.parent)}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:

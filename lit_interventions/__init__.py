@@ -13,7 +13,9 @@ What a notebook imports; each name's module says more:
 - data modules, one per benchmark (`lit_interventions.datamodules`), and the metric callbacks
   that score them (`lit_interventions.callbacks.metrics`);
 - artifacts: `from_pretrained` loads any saved intervention or dictionary
-  (`lit_interventions.artifacts`).
+  (`lit_interventions.artifacts`);
+- using them: `apply(lm, artifact, ...)` edits a loaded LM while it generates, `generate_pair`
+  gives a prompt's continuation without and with it (`lit_interventions.inference`).
 """
 
 __version__ = "0.1.0"
@@ -29,6 +31,10 @@ _quiet_imports()  # before peft imports bitsandbytes, which logs an optional ker
 # transformers and scikit-learn with the rest.
 _API = {
     "Dictionary": "lit_interventions.artifacts.dictionary",
+    "apply": "lit_interventions.inference.apply",
+    "encode_text": "lit_interventions.inference.positions",
+    "span_position": "lit_interventions.inference.positions",
+    "generate_pair": "lit_interventions.inference.generate",
     "from_pretrained": "lit_interventions.artifacts.pretrained",
     "AUROCCallback": "lit_interventions.callbacks.metrics",
     "DisentangleCallback": "lit_interventions.callbacks.metrics",
@@ -162,9 +168,13 @@ __all__ = [
     "SteeringModule",
     "__version__",
     "TrainedConceptMethod",
+    "apply",
+    "encode_text",
     "from_pretrained",
+    "generate_pair",
     "load_lm",
     "load_tokenizer",
     "register_concept_method",
     "register_intervention",
+    "span_position",
 ]

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from lit_interventions.cli.commands import COMMANDS, TRAIN, main, resolve, run
 from lit_interventions.cli.parsing import find_config
 from lit_interventions.core.quiet import quiet_lightning
+from tests.helpers import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,6 +244,71 @@ def test_train_py_to_a_file_prints_progress_lines_and_no_adverts(tmp_path, tiny_
     assert any(line.startswith("epoch 0 validation") and "val/odds" in line for line in text.splitlines())
     assert "\r" not in text and text.strip().splitlines()[-1] == f"files in {tmp_path}/agr_sv_num_pp/layer1/version_0"
     assert "💡" not in text + done.stderr and "LeafSpec" not in done.stderr
+
+
+def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] of the TensorBoard event files in `directory` (not below it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_console_script_test_and_validate_write_inside_the_run_they_score(tmp_path, tiny_lm_dir):
+    """`train.py fit`, then `test` and `validate --ckpt_path RUN/checkpoints/X.ckpt`: their events,
+    config and hparams go to RUN/test/ and RUN/validate/ (a run of their own in TensorBoard, nested
+    in the run), no version_1 appears beside the run, and the run's own files are unchanged."""
+    fit = run_command(
+        "train.py", "fit", "--config", "das.yaml", f"--model.lm={tiny_lm_dir('gpt2')}", *SMALL,
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    run_dir = tmp_path / "agr_sv_num_pp" / "layer1" / "version_0"
+    (checkpoint,) = (run_dir / "checkpoints").glob("*.ckpt")
+    fitted = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    for subcommand, split in (("test", "test"), ("validate", "val")):
+        done = run_command(
+            "train.py", subcommand, "--ckpt_path", str(checkpoint), "--trainer.enable_progress_bar=false"
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = done.stdout.strip().splitlines()
+        assert out[-1] == f"files in {run_dir / subcommand}"
+        shown = {line.split()[0]: float(line.split()[1]) for line in out[out.index(f"{subcommand}: metrics") + 1 : -1]}
+        scored = run_dir / subcommand
+        assert sorted(p.name.split(".")[0] for p in scored.iterdir()) == ["config", "events", "hparams"]
+        logged = _scalars(scored)
+        assert sorted(logged) == sorted([*shown, "epoch", "hp_metric"]) and f"{split}/odds" in shown
+        for tag, value in shown.items():
+            assert logged[tag] == [(0, pytest.approx(value, abs=5e-5))], tag
+        assert yaml.safe_load((scored / "config.yaml").read_text())["ckpt_path"] == str(checkpoint)
+    assert [p.name for p in run_dir.parent.iterdir()] == ["version_0"]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == fitted
+    assert "train/loss" in _scalars(run_dir)  # the fit's own events stay the run's
+
+
+def _option_help(text: str, option: str) -> str:
+    """The help of `option` in a --help text, on one line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{option} "))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 8)), len(lines))
+    return " ".join(line.strip() for line in lines[start:end])
+
+
+@pytest.mark.parametrize(
+    "args,shown",
+    [
+        (("train.py", "fit", "--config", "das.yaml"), "0"),  # das.yaml: seed_everything: 0
+        (("fit",), "True"),  # no config: Lightning's default, a random seed
+        (("test", "--config", "configs/das.yaml"), "0"),
+    ],
+)
+def test_console_script_help_shows_the_configs_seed(args, shown):
+    done = run_command(*args, "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _option_help(done.stdout, "--seed_everything") == (
+        f"--seed_everything SEED_EVERYTHING the seed (true: a random one) (type: int | bool, default: {shown})"
+    )
 
 
 def test_the_console_script_is_declared():

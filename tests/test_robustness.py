@@ -420,7 +420,7 @@ def test_non_finite_dictionary_vectors_are_refused(tmp_path, bad):
 
 def test_dictionary_writes_are_atomic(tmp_path, monkeypatch):
     """A write killed midway leaves the previous file whole and no temporary behind."""
-    from lit_interventions.artifacts import dictionary
+    from lit_interventions.artifacts import dictionary, dictionary_files
 
     weights = _saved_dictionary(tmp_path)
     before = weights.read_bytes()
@@ -429,7 +429,7 @@ def test_dictionary_writes_are_atomic(tmp_path, monkeypatch):
         Path(path).write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dictionary, "save_file", killed)
+    monkeypatch.setattr(dictionary_files, "save_file", killed)  # the weights writer
     with pytest.raises(KeyboardInterrupt):
         dictionary.Dictionary.load(weights).save(weights)
     assert weights.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [

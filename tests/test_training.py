@@ -8,6 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 import train
+from lit_interventions.core.lm import load_tokenizer
+from lit_interventions.core.sites import logits_at, read_site
+from lit_interventions.inference.apply import apply
+from lit_interventions.inference.positions import encode_text, span_position
 
 
 def _fit(tmp_path, lm_dir, *extra):
@@ -54,6 +58,34 @@ def test_fit_exports_a_unit_norm_direction_with_a_card(fitted):
     assert card["layer"] == 1 and card["region"] == "subject" and card["task"] == "agr_sv_num_pp" and card["k"] == 1
     assert card["metrics"]["val/odds"] == pytest.approx(cli.trainer.callback_metrics["val/odds"].item())
     torch.testing.assert_close(basis, cli.model.intervention.basis.detach())
+
+
+def test_the_exported_run_applies_to_its_recorded_example(fitted, tiny_lm_dir):
+    """The run's config.json records what `apply` checks (layer count, model type) and one eval
+    pair with the site's spans; applied to that pair at those spans, the run's directory gives
+    the trained module's own interchange logits."""
+    cli, log_dir = fitted
+    config = json.loads((log_dir / "config.json").read_text())
+    assert config["num_layers"] == 3 and config["model_type"] == "gpt_neox" and config["needs_source"] is True
+    example = config["example"]
+    pair = cli.datamodule.pairs["eval"][0]
+    assert (example["prompt"], example["source"]) == (pair.base.text, pair.source.text)
+    assert example["span"] == pair.base.text[slice(*pair.base.spans["subject"])]
+    tok, lm = load_tokenizer(tiny_lm_dir("gpt_neox")), cli.model.lm
+    base, source = encode_text(tok, example["prompt"]), encode_text(tok, example["source"])
+    at, source_at = (
+        span_position(tok, example["prompt"], example["span"]),
+        span_position(tok, example["source"], example["source_span"]),
+    )
+    with apply(lm, str(log_dir), tokenizer=tok, source=example["source"], positions=at, source_positions=source_at):
+        applied = lm(**base).logits[:, -1]
+    state = read_site(lm, 1, source["input_ids"], source["attention_mask"], torch.tensor([source_at]))
+    last = torch.tensor([base["input_ids"].shape[1] - 1])
+    intervention = cli.model.intervention
+    own = logits_at(
+        lm, base["input_ids"], base["attention_mask"], last, 1, torch.tensor([at]), lambda h: intervention(h, state)
+    )
+    torch.testing.assert_close(applied, own, rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_holds_only_the_intervention(fitted):

@@ -5,10 +5,14 @@ made it, and how to load it. `lit_interventions.artifacts.hub` writes it beside 
 from __future__ import annotations
 
 import json
+import shlex
 
 from huggingface_hub import ModelCard, ModelCardData
 
 LIBRARY = "lit-interventions"
+# the example texts of the "Use" section: an interchange's base and source; a steering prompt
+EXAMPLE_PROMPT, EXAMPLE_SOURCE = "The author near the keys", "The authors near the keys"
+STEERING_PROMPT = "Write one sentence about your day."
 # what the model card calls each kind of artifact
 NOUNS = {
     "intervention": "intervention",
@@ -96,20 +100,87 @@ def model_card(config: dict):
     lines += ["## Command", "", "```bash", config.get("command") or "not recorded", "```", ""]
     if config.get("training") and config.get("training") != config.get("command"):
         lines += [f"How it was trained: {config['training']}", ""]
-    lines += ["## Use", "", "```python"]
+    lines += use_section(config)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _example_options(config: dict) -> tuple[str, list[str]]:
+    """(generate's options, apply's keyword arguments) for the artifact's kind of edit."""
+    kind = config.get("kind", "intervention")
+    if kind == "dictionary":
+        concept = (config.get("concepts") or ["0"])[0]
+        return f"--concept {shlex.quote(concept)} --factor 1.0", [f"concept={json.dumps(concept)}", "factor=1.0"]
+    if kind == "intervention" and config.get("needs_source"):
+        example = _example(config)
+        cli = f"--source {shlex.quote(example['source'])}"
+        kwargs = ["tokenizer=tok", f"source={json.dumps(example['source'])}"]
+        if example.get("span") and example.get("source_span"):
+            cli += f" --span {shlex.quote(example['span'])} --source_span {shlex.quote(example['source_span'])}"
+            kwargs += [
+                f"positions=span_position(tok, {json.dumps(example['prompt'])}, {json.dumps(example['span'])})",
+                f"source_positions=span_position(tok, {json.dumps(example['source'])}, "
+                f"{json.dumps(example['source_span'])})",
+            ]
+        return cli, kwargs
+    return "", []
+
+
+def _example(config: dict) -> dict:
+    """The interchange example the card shows: the one config.json records (a pair of its data,
+    with the site's spans), else a generic pair read at the last tokens."""
+    example = config.get("example")
+    if isinstance(example, dict) and all(isinstance(example.get(k), str) for k in ("prompt", "source")):
+        return example
+    return {"prompt": EXAMPLE_PROMPT, "source": EXAMPLE_SOURCE}
+
+
+def use_section(config: dict) -> list[str]:
+    """How to use it: `lit-interventions generate` and `serve` on it, and the Python call
+    (`lit_interventions.apply`), each runnable as written once REPO_OR_DIRECTORY is replaced."""
+    kind, model = config.get("kind", "intervention"), config.get("model")
+    lines = ["## Use", ""]
+    if kind == "sae":
+        return lines + [
+            "```python",
+            "from lit_interventions import from_pretrained",
+            'sae = from_pretrained("REPO_OR_DIRECTORY")   # encode / decode a site\'s states',
+            "```",
+            "",
+        ]
+    cli, kwargs = _example_options(config)
+    interchange = bool(config.get("needs_source"))
+    prompt = _example(config)["prompt"] if interchange else STEERING_PROMPT
+    generate = f"lit-interventions generate --artifact REPO_OR_DIRECTORY --prompt {shlex.quote(prompt)}"
+    serve = [] if interchange else ["lit-interventions serve --artifact REPO_OR_DIRECTORY --port 8000"]
+    names = "apply, encode_text, load_lm, load_tokenizer" + (
+        ", span_position" if any("span_position" in k for k in kwargs) else ""
+    )
+    lines += [
+        "Generate with it, beside the unsteered continuation"
+        + (", or serve it (OpenAI-compatible):" if serve else ":"),
+        "",
+        "```bash",
+        f"{generate} {cli}".rstrip(),
+        *serve,
+        "```",
+        "",
+        "```python",
+        f"from lit_interventions import {names}",
+        "",
+        f"lm, tok = load_lm({json.dumps(model)}), load_tokenizer({json.dumps(model)})",
+        f'ids = encode_text(tok, {json.dumps(prompt)})["input_ids"]',
+        "with apply(",  # one argument a line, with a trailing comma: as ruff formats it
+        "    lm,",
+        '    "REPO_OR_DIRECTORY",',
+        *(f"    {kwarg}," for kwarg in kwargs),
+        ") as model:",
+        "    print(tok.decode(model.generate(ids, max_new_tokens=20)[0]))",
+    ]
     if kind == "dictionary":
         lines += [
-            "from lit_interventions.artifacts.dictionary import Dictionary",
-            "from lit_interventions.core.lm import load_lm",
             "",
-            'd = Dictionary.from_pretrained("REPO_OR_DIRECTORY")',
-            'scores = d.detect(["some text"])              # (texts, concepts)',
-            "with d.steer(load_lm(d.model), d.concepts[0], factor=1.0) as lm: ...",
+            "from lit_interventions import Dictionary",
+            "",
+            'scores = Dictionary.from_pretrained("REPO_OR_DIRECTORY").detect(["some text"])  # (texts, concepts)',
         ]
-    else:
-        lines += [
-            "from lit_interventions import from_pretrained",
-            f'{kind} = from_pretrained("REPO_OR_DIRECTORY")   # loaded by config.json\'s kind',
-        ]
-    lines += ["```", ""]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return [*lines, "```", ""]

@@ -31,17 +31,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from lit_interventions.artifacts.dictionary_files import (  # noqa: F401  (FORMAT, WEIGHTS_NAME re-exported)
+    FORMAT,
+    REDO,
+    WEIGHTS_NAME,
+    dictionary_paths,
+    read_dictionary,
+    write_weights,
+)
 from lit_interventions.artifacts.hub import dictionary_config, local_directory, push_object, write_hub_files
 from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import hidden_size, load_lm, load_tokenizer, num_layers
-from lit_interventions.core.sites import check_layer, read_layers, residual_hook
+from lit_interventions.core.sites import BLOCK_OUTPUT, check_layer, read_layers, residual_hook
 from lit_interventions.core.surprisal import bos_prefix
+from lit_interventions.inference.edits import STEERING_RULE, ApplyRequest, Edit, check_site, check_width, concept_rows
 from lit_interventions.interventions.additive import add_vector
 
-FORMAT = "lit-interventions/concept-dictionary/v1"
-WEIGHTS_NAME = "dictionary.safetensors"  # the weights file of a save_pretrained directory
 LATENTS = ("linear", "relu")  # h·w, ReLU(h·w)
 _RELU_BY_NAME = ("reft_r1", "ssv")  # the latent of a card that does not say it
 
@@ -49,45 +55,6 @@ _RELU_BY_NAME = ("reft_r1", "ssv")  # the latent of a card that does not say it
 def latent_values(values: torch.Tensor, latent: str) -> torch.Tensor:
     """Ψ from the projections h·w: ReLU(h·w) for latent "relu", h·w itself for "linear"."""
     return torch.relu(values) if latent == "relu" else values
-
-
-def _paths(path: str | Path) -> tuple[Path, Path]:
-    path = Path(path)
-    if path.is_dir():  # a save_pretrained (or run) directory: dictionary.safetensors + its card
-        path = path / WEIGHTS_NAME
-    stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
-    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
-
-
-def _card_path(weights: Path, card_path: Path) -> tuple[Path, bool]:
-    """NAME.json, or the directory's config.json (the hub layout) when there is no NAME.json.
-    The flag says whether it is config.json."""
-    hub = weights.parent / "config.json"
-    if not card_path.is_file() and hub.is_file() and card_path.name != "config.json":
-        return hub, True
-    return card_path, False
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else ""
-
-
-def _check_finite(vectors, max_activations, concepts, where: Path, doing: str) -> None:
-    """Vectors must be finite; max_activations may be NaN (never validated) but not ±inf."""
-    vectors = torch.as_tensor(vectors)
-    bad = (~torch.isfinite(vectors.float())).reshape(len(vectors), -1).any(-1) if vectors.dim() else torch.zeros(0)
-    peaks = torch.as_tensor(max_activations).float().reshape(-1)
-    inf = torch.isinf(peaks)
-    if bad.any() or inf.any():
-        rows = bad.nonzero().flatten().tolist() or inf.nonzero().flatten().tolist()
-        names = ", ".join(repr(concepts[r]) if r < len(concepts) else str(r) for r in rows[:3])
-        what = "vectors" if bad.any() else "max_activations"
-        raise ValueError(
-            f"{where}: {doing} a dictionary whose {what} hold NaN/inf ({len(rows)} of "
-            f"{len(peaks if what == 'max_activations' else vectors)} concepts, e.g. {names}); the "
-            "training diverged: retrain it (NonFiniteGuard stops such runs)"
-        )
 
 
 @dataclass
@@ -136,7 +103,7 @@ class Dictionary:
         """Write `path` (.safetensors; the suffix is added if missing) and the card beside it
         (.json), each atomically (a temporary file renamed over it: a killed write leaves the old
         file or none, never half of one). NaN/inf vectors are refused. Returns the .safetensors path."""
-        weights, card_path = _paths(path)
+        weights, card_path = dictionary_paths(path)
         card = self.card_dict()
         self._write_weights(weights)
         write_atomically(card_path, json.dumps(card, indent=2) + "\n")
@@ -159,10 +126,7 @@ class Dictionary:
         }
 
     def _write_weights(self, weights: Path) -> None:
-        _check_finite(self.vectors, self.max_activations, self.concepts, weights, "refusing to write")
-        weights.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"vectors": self.vectors.contiguous(), "max_activations": self.max_activations.contiguous()}
-        write_atomically(weights, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+        write_weights(weights, self.vectors, self.max_activations, self.concepts)
 
     # --- the Hugging Face layout (lit_interventions.artifacts.hub) ---------------------------------------------
 
@@ -193,76 +157,11 @@ class Dictionary:
     def load(cls, path: str | Path) -> Dictionary:
         """Read a dictionary from its .safetensors path, its .json card path or their stem. A file
         that cannot be read, or vectors holding NaN/inf, is a ValueError naming the file."""
-        weights, card_path = _paths(path)
-        card_path, hub = _card_path(weights, card_path)
-        for needed in (weights, card_path):
-            if not needed.is_file():
-                raise FileNotFoundError(
-                    f"no dictionary file {needed} (a dictionary is NAME.safetensors + NAME.json, "
-                    "or a directory of dictionary.safetensors + config.json)"
-                )
-        redo = "re-export it (rerun the fit that wrote it) or restore a good copy"
+        fields, weights, card_path = read_dictionary(path)
         try:
-            tensors = load_file(weights)
-        except Exception as err:  # SafetensorError (truncated, empty, text), OSError
-            raise ValueError(
-                f"{weights} is not a readable safetensors file ({type(err).__name__}: {_first_line(err)}); {redo}"
-            ) from err
-        try:
-            card = json.loads(card_path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as err:
-            raise ValueError(
-                f"{card_path} is not a readable JSON card ({type(err).__name__}: {_first_line(err)}); {redo}"
-            ) from err
-        if not isinstance(card, dict):
-            raise ValueError(f"{card_path} is not a dictionary card (a JSON object); {redo}")
-        missing = sorted({"concepts", "model", "layer", "method"} - set(card))
-        if missing:
-            raise ValueError(f"{card_path} is not a dictionary card: it lacks {missing}; {redo}")
-        missing = {"vectors", "max_activations"} - set(tensors)
-        if missing:
-            raise ValueError(f"{weights} is not a concept dictionary: it lacks {sorted(missing)}")
-        if tensors["vectors"].dim() != 2:
-            raise ValueError(
-                f"{weights}: vectors must be (concepts, hidden_size); got shape "
-                f"{tuple(tensors['vectors'].shape)}; {redo}"
-            )
-        if card.get("hidden_size") not in (None, tensors["vectors"].shape[1]):
-            raise ValueError(
-                f"{card_path} says hidden_size {card['hidden_size']} but the vectors have {tensors['vectors'].shape[1]}"
-            )
-        _check_finite(tensors["vectors"], tensors["max_activations"], card["concepts"], weights, "refusing to load")
-        known = {
-            "format",
-            "model",
-            "layer",
-            "method",
-            "latent",
-            "hidden_size",
-            "num_concepts",
-            "concepts",
-            "training_data",
-            "auroc",
-        }
-        if hub:  # what config.json adds to the card (rebuilt by save_pretrained); a copied "training" command
-            known |= {"library_name", "kind", "weights", "class_path", "base_model", "site", "metrics"}
-            if card.get("command") is not None and card.get("command") == card.get("training"):
-                known.add("command")
-        try:
-            return cls(
-                vectors=tensors["vectors"],
-                max_activations=tensors["max_activations"],
-                concepts=card["concepts"],
-                model=card["model"],
-                layer=card["layer"],
-                method=card["method"],
-                latent=card.get("latent"),
-                training_data=card.get("training_data"),
-                auroc=card.get("auroc"),
-                card={k: v for k, v in card.items() if k not in known},
-            )
+            return cls(**fields)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"{weights} and {card_path} do not agree: {err}; {redo}") from err
+            raise ValueError(f"{weights} and {card_path} do not agree: {err}; {REDO}") from err
 
     # --- concepts and models -----------------------------------------------------------------
 
@@ -354,6 +253,18 @@ class Dictionary:
             out.append(latents.amax(1).cpu())
         return torch.cat(out) if out else torch.zeros(0, len(self.concepts))
 
+    def steering_vectors(
+        self, concept: str | int | None = None, factor: float = 1.0
+    ) -> dict[str, dict[int, torch.Tensor]]:
+        """{concept: {layer: α·w}} for `concept` (a name or row; None: every concept), with α =
+        factor × the concept's max activation (`steering_alpha`): what `steer` adds at every
+        token, Φ(h_i) = h_i + α·w (the export formats' capability)."""
+        rows = range(len(self.concepts)) if concept is None else [self.index(concept)]
+        return {
+            self.concepts[row]: {self.layer: self.steering_alpha(row, factor) * self.vectors[row].float()}
+            for row in rows
+        }
+
     def steering_alpha(self, concept: str | int, factor: float) -> float:
         """α = factor × the concept's max activation on the eval set (AxBench §3.3)."""
         row = self.index(concept)
@@ -364,6 +275,24 @@ class Dictionary:
                 "validated); pass alpha= directly"
             )
         return factor * peak
+
+    def edits(self, config: dict, request: ApplyRequest, where: str = "the dictionary") -> list[Edit]:
+        """What `lit_interventions.apply` does with it: Φ(h_i) = h_i + α·w_c after block `layer`,
+        α = factor × the concept's max activation (`steering_alpha`), at every position unless
+        the request names others; the concept and factor may differ per batch row."""
+        card = {**config, "model": self.model}
+        check_width(self.hidden_size, request.lm, card, where)
+        check_site(self.layer, BLOCK_OUTPUT, request.lm, card, where)
+        chosen = concept_rows(request, self.concepts, len(self.concepts), where)
+        for row in chosen if isinstance(chosen, list) else [chosen]:
+            self.steering_alpha(row, 1.0)  # refuses a concept never validated (no max activation)
+
+        def steer(states: torch.Tensor, rows: torch.Tensor, inputs=None) -> torch.Tensor:
+            concept = request.per_row(chosen, rows, torch.long)
+            alpha = request.per_row(request.factor, rows) * self.max_activations.to(rows.device)[concept]
+            return states + (alpha[:, None] * self.vectors.to(states.device)[concept]).to(states.dtype)
+
+        return [Edit(steer, request.positions.resolved(STEERING_RULE), self.layer)]
 
     @contextmanager
     def steer(self, lm, concept: str | int, factor: float = 1.0, alpha: float | None = None, dtype: str = "float32"):

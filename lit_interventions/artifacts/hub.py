@@ -151,9 +151,11 @@ def artifact_config(
 def intervention_config(intervention, card: dict, weights: str = "intervention.safetensors") -> dict:
     """config.json of an intervention: its class path and config, plus the card's model, site,
     data, metrics and command (any further card field is kept)."""
-    return artifact_config(
+    config = artifact_config(
         "intervention", intervention, card, weights, file_format=INTERVENTION_FORMAT, config=intervention.config()
     )
+    config["needs_source"] = not getattr(intervention, "edits_base_alone", False)  # an interchange (`apply`)
+    return config
 
 
 def dictionary_config(dictionary, weights: str = "dictionary.safetensors") -> dict:

@@ -8,6 +8,7 @@ from lightning import Callback
 
 from lit_interventions.artifacts.hub import export_dir, intervention_config, trainer_command, write_hub_files_beside
 from lit_interventions.core.files import finite_values
+from lit_interventions.core.lm import num_layers
 from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: older imports)
     CARD,
     WEIGHTS,
@@ -17,6 +18,16 @@ from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: 
     save_intervention,
     write_tensors,
 )
+
+
+def _site(site) -> dict:
+    """A `Site` as config.json records it."""
+    return {
+        "layer": site.layer,
+        "component": site.component,
+        "position": site.position,
+        **({"region": site.region} if site.region is not None else {}),
+    }
 
 
 def _metrics(trainer) -> dict[str, float]:
@@ -51,6 +62,12 @@ class ExportIntervention(Callback):
         }
         if hp.get("component") not in (None, "block_output"):
             card["component"] = hp.get("component")
+        lm_config = getattr(getattr(pl_module, "lm", None), "config", None)
+        if lm_config is not None:  # what `apply` checks an LM against
+            card.update(num_layers=num_layers(lm_config), model_type=getattr(lm_config, "model_type", None))
+        sites = getattr(pl_module, "sites", None)
+        if sites:  # composed sites: one per part, in the parts' order
+            card["site"] = {"sites": [_site(site) for site in sites]}
         if "task" in data_hp:  # CausalGym
             card.update(
                 region=getattr(trainer.datamodule, "region", hp.get("region")),
@@ -58,6 +75,9 @@ class ExportIntervention(Callback):
                 templates=data_hp.get("templates") or "builtin",
                 control=data_hp.get("control"),
             )
+        example = getattr(trainer.datamodule, "usage_example", None)
+        if callable(example) and example() is not None:  # the model card's "Use" runs on it
+            card["example"] = example()
         directory = export_dir(trainer, log_dir)
         save_intervention(directory, intervention, card)
         write_hub_files_beside(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
 
 def _scalars(metrics) -> dict[str, float]:
@@ -39,28 +39,48 @@ def _shown(path: str | Path) -> str:
         return str(path)
 
 
+def end_progress_display(trainer, pl_module, hook: str | None = None) -> None:
+    """Leave the progress bar finished on screen before a summary is printed below it.
+
+    Lightning runs the progress bar callback after the others (it is appended to the trainer's
+    callbacks), so a summary printed in an end hook would come before the bar's own end: tqdm's bar
+    of the stage is closed in that `hook` (`on_test_end`, `on_validation_end`) and drawn once more
+    when it closes; rich's live display is stopped only at teardown and redraws the bar below
+    everything printed until then. Here the tqdm hook runs first (closing a closed bar does
+    nothing), and rich's live display is stopped (its teardown finds it stopped).
+    """
+    bar = trainer.progress_bar_callback
+    if isinstance(bar, TQDMProgressBar) and hook is not None:
+        getattr(bar, hook)(trainer, pl_module)
+    live = getattr(getattr(bar, "progress", None), "live", None)  # RichProgressBar.progress: a rich Progress
+    if live is not None and getattr(live, "is_started", False):
+        live.stop()
+
+
 class RunSummary(Callback):
     """At the end of fit, validate and test, rank 0 prints the last value of every logged metric
-    (sorted, aligned) and the run directory."""
+    (sorted, aligned) and the run directory, below the finished progress bar (the last lines on
+    screen)."""
 
-    def _report(self, trainer, what: str) -> None:
+    def _report(self, trainer, pl_module, what: str, hook: str | None = None) -> None:
         directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
+        end_progress_display(trainer, pl_module, hook)
         print(
             f"\n{what} metrics\n{metrics_table(_scalars(trainer.callback_metrics))}\nfiles in {_shown(directory)}",
             flush=True,
         )
 
     def on_fit_end(self, trainer, pl_module):
-        self._report(trainer, "fit: final")
+        self._report(trainer, pl_module, "fit: final")
 
     def on_validation_end(self, trainer, pl_module):
         if trainer.state.fn == "validate":
-            self._report(trainer, "validate:")
+            self._report(trainer, pl_module, "validate:", "on_validation_end")
 
     def on_test_end(self, trainer, pl_module):
-        self._report(trainer, "test:")
+        self._report(trainer, pl_module, "test:", "on_test_end")
 
 
 class LineProgress(ProgressBar):

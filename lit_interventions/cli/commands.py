@@ -9,6 +9,9 @@ exit code 2) for every job this package runs.
     lit-interventions steer               --config configs/steer_eval.yaml --checkpoint DIR
     lit-interventions syntaxgym           --suites DIR --out FILE
     lit-interventions serve-judge         --lm smollm2-135m-instruct --port 8000
+    lit-interventions generate            --artifact DIR_OR_HUB_ID --prompt TEXT [--concept C --factor F]
+    lit-interventions serve               --artifact DIR_OR_HUB_ID [--lm NAME] --port 8000
+    lit-interventions export              --artifact DIR_OR_HUB_ID --to FORMAT --out DIR
     lit-interventions data                NAME --out DIR
 
 `python -m lit_interventions ...` is the same command (torchrun runs it with `-m lit_interventions`).
@@ -50,6 +53,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "steer": ("lit_interventions.studies.steer_eval:main", "AxBench steering evaluation"),
     "syntaxgym": ("lit_interventions.studies.syntaxgym:main", "SyntaxGym accuracy of a frozen LM"),
     "serve-judge": ("lit_interventions.serving.judge_server:main", "serve a local chat model as an OpenAI-style judge"),
+    "generate": (
+        "lit_interventions.inference.cli:generate_main",
+        "generate with a trained artifact applied, beside the unsteered continuation",
+    ),
+    "serve": (
+        "lit_interventions.serving.steered_server:main",
+        "serve an LM with artifacts applied: OpenAI-compatible chat and text completions",
+    ),
+    "export": (
+        "lit_interventions.export.cli:main",
+        "write an artifact in another tool's format (peft, gguf-control-vector, pyvene, lm-eval)",
+    ),
     "data": (
         "lit_interventions.cli.data:main",
         "download a published dataset (CausalGym, SyntaxGym, RAVEL, AxBench), sha256-checked",

@@ -42,7 +42,8 @@ def _config_section(args: list[str], key: str) -> str | None:
 
 
 def _config_values(args: list[str], key: str) -> dict:
-    """The `init_args` of `key` (or the `trainer` section) in the `--config` files of `args`."""
+    """The `init_args` of `key` (or the `trainer` section, or {"seed_everything": value}) in the
+    `--config` files of `args`."""
     import yaml
 
     values = {}
@@ -51,8 +52,10 @@ def _config_values(args: list[str], key: str) -> dict:
             (arg.split("=", 1) + [None])[:2] if "=" in arg else (arg, args[i + 1] if i + 1 < len(args) else None)
         )
         if name in ("--config", "-c") and value and Path(value).is_file():
-            section = (yaml.safe_load(Path(value).read_text()) or {}).get(key) or {}
-            if isinstance(section, dict):
+            section = (yaml.safe_load(Path(value).read_text()) or {}).get(key)
+            if key == "seed_everything" and section is not None:  # a top-level value, not a section
+                values[key] = section
+            elif isinstance(section, dict):
                 values.update(section.get("init_args", section) if key != "trainer" else section)
     return {k: v for k, v in values.items() if k != "class_path"}
 
@@ -78,7 +81,8 @@ def short_help(args: list[str]) -> None:
         )
     else:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume training from this checkpoint")
-    parser.add_argument("--seed_everything", type=int | bool, default=True, help="the seed (true: a random one)")
+    seed = _config_values(args, "seed_everything").get("seed_everything", True)  # a config's seed, as shown
+    parser.add_argument("--seed_everything", type=int | bool, default=seed, help="the seed (true: a random one)")
     notes = []
     for key in ("model", "data"):
         class_path = _config_section(args, key)

@@ -4,7 +4,8 @@
 What every Lightning run gets here: no Lightning adverts, a run directory named by what it
 is (`runs/das/agr_sv_num_pp/layer9/version_0`), line-based progress when stdout is not a terminal,
 a final table of the metrics with the run directory, and `test`/`validate --ckpt_path` that use
-the checkpoint's own model and data settings.
+the checkpoint's own model and data settings and write their results inside the run that wrote
+the checkpoint (`RUN/test/`, `RUN/validate/`).
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ class InterventionCLI(LightningCLI):
         if self.subcommand in ("validate", "test"):
             if not any(a.startswith("--verbose") for a in self._given):
                 self.config[self.subcommand]["verbose"] = False  # RunSummary prints the metrics
-            # scoring a checkpoint in a new run directory: nothing of the checkpoint callback's state matters
+            # scoring a checkpoint: nothing of the checkpoint callback's state matters
             warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
     def instantiate_classes(self):
@@ -231,7 +232,14 @@ class InterventionCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):  # checkpoints whole or not at all
             config["plugins"] = [*plugins, AtomicCheckpointIO()]
         if config.get("logger") in (None, True):  # the default TensorBoard logger, named by the run
-            config["logger"] = TensorBoardLogger(save_dir=root, name=run_name(self.model, self.datamodule))
+            ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+            scored = scored_run(self.subcommand, ckpt_path)
+            if scored is not None:  # RUN/version_N/test/: beside the run's own events, a run of its own in TensorBoard
+                config["logger"] = TensorBoardLogger(
+                    scored.parent, name="", version=scored.name, sub_dir=self.subcommand
+                )
+            else:
+                config["logger"] = TensorBoardLogger(save_dir=root, name=run_name(self.model, self.datamodule))
         listed = [*(config.get("callbacks") or []), *callbacks]
         if (
             config.get("enable_progress_bar") is not False
@@ -243,6 +251,16 @@ class InterventionCLI(LightningCLI):
             return super()._instantiate_trainer(config, callbacks)
         except MisconfigurationException as err:  # a trainer setting Lightning refuses (max_steps -5, ...)
             fail(first_reason(str(err)))
+
+
+def scored_run(subcommand: str, ckpt_path: str | None) -> Path | None:
+    """The run directory `validate`/`test --ckpt_path RUN/checkpoints/FILE.ckpt` writes its
+    results into (RUN, when it can be written); None for `fit`, a checkpoint elsewhere or a
+    read-only run (a new run directory then)."""
+    if subcommand not in ("validate", "test") or not ckpt_path or not Path(ckpt_path).is_file():
+        return None
+    run = Path(ckpt_path).parent.parent
+    return run if Path(ckpt_path).parent.name == "checkpoints" and os.access(run, os.W_OK) else None
 
 
 def writable_directory(path: str | os.PathLike, option: str) -> None:

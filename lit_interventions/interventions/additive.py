@@ -91,6 +91,24 @@ class ConceptDictionary(Intervention):
     def export(self) -> dict[str, torch.Tensor]:
         return {"weight": self.weight.detach()}  # (C, d)
 
+    def steering_vectors(
+        self, concept: int | None = None, factor: float = 1.0, layer: int | None = None
+    ) -> dict[str, dict[int, torch.Tensor]]:
+        """{"concept-c": {layer: α·w_c}} for row `concept` (None: every row): the vector `forward`
+        adds at every token, Φ(h_i) = h_i + α·w_c, with α = `factor` (this dictionary holds no max
+        activations). `layer`: where it steers, which its artifact's config.json site records."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ValueError(
+                f"layer={layer!r}: a ConceptDictionary does not record where it steers; pass its site's layer"
+            )
+        if concept is not None and (isinstance(concept, bool) or not isinstance(concept, int)):
+            raise ValueError(
+                f"concept={concept!r}: a ConceptDictionary's concepts are its rows 0..{self.num_concepts - 1}"
+            )
+        rows = range(self.num_concepts) if concept is None else [concept]
+        alpha = torch.as_tensor(factor, dtype=torch.float32)
+        return {f"concept-{row}": {layer: alpha * self.rows(torch.tensor([row]))[0].detach().float()} for row in rows}
+
     def config(self) -> dict:
         return {"unit_norm": self.unit_norm}
 

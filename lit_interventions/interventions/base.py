@@ -46,6 +46,7 @@ from lit_interventions.artifacts.hub import (
     write_hub_files,
 )
 from lit_interventions.core.files import check_finite, write_atomically
+from lit_interventions.inference.edits import ApplyRequest, Edit, intervention_edits
 
 WEIGHTS, CARD = "intervention.safetensors", "intervention.json"
 
@@ -116,6 +117,11 @@ class Intervention(nn.Module):
         with tempfile.TemporaryDirectory(prefix="lit-interventions-push-") as tmp:
             save_pretrained(tmp, self, card)
             return push_to_hub(tmp, repo_id, **kwargs)
+
+    def edits(self, config: dict, request: ApplyRequest, where: str = "the intervention") -> list[Edit]:
+        """What applying it to an LM does (`lit_interventions.apply`): itself at the site its
+        config.json records, at the request's positions (`intervention_edits`)."""
+        return intervention_edits(self, config, request, where)
 
     def _require_source(self, source: torch.Tensor | None) -> torch.Tensor:
         if source is None:

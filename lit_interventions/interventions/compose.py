@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lit_interventions.inference.edits import ApplyRequest, Edit, intervention_edits
 from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
 from lit_interventions.interventions.capabilities import Annealed, Penalised
 
@@ -44,6 +45,17 @@ class Composition(Intervention):
         for part in self.parts:
             if isinstance(part, Annealed):
                 part.anneal(step, total)
+
+    def edits(self, config: dict, request: ApplyRequest, where: str = "the composition") -> list[Edit]:
+        """Each part at its own site (config.json's `site.sites`, in the parts' order)."""
+        sites = (config.get("site") or {}).get("sites") if isinstance(config.get("site"), dict) else None
+        if not isinstance(sites, list) or len(sites) != len(self.parts):
+            raise ValueError(f"{where}: config.json records {sites!r} as the sites of its {len(self.parts)} parts")
+        return [
+            edit
+            for i, (part, site) in enumerate(zip(self.parts, sites))
+            for edit in intervention_edits(part, {**config, "site": site}, request, f"{where} (part {i})")
+        ]
 
     def export(self) -> dict[str, torch.Tensor]:
         return {f"{i}.{name}": tensor for i, part in enumerate(self.parts) for name, tensor in part.export().items()}

@@ -59,6 +59,20 @@ class LoReFTIntervention(Intervention):
             "bias": self.source.bias.detach(),
         }
 
+    def to_pyvene(self) -> dict:
+        """Φ as a pyvene intervention of the same map (`lit-interventions export --to pyvene`):
+        `lit_interventions.export.pyvene_interventions.LoreftIntervention`, whose rotate_layer
+        weight (d, r) is Rᵀ and whose learned_source holds W and b."""
+        return {
+            "intervention_type": "LoreftIntervention",
+            "low_rank_dimension": self.rank,
+            "weights": {
+                "rotate_layer.weight": self.rotation.detach().float().T.contiguous(),
+                "learned_source.weight": self.source.weight.detach().float(),
+                "learned_source.bias": self.source.bias.detach().float(),
+            },
+        }
+
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> LoReFTIntervention:
         """Rebuild from `export()` output."""

@@ -20,6 +20,17 @@ def subspace_interchange(base: torch.Tensor, source: torch.Tensor, basis: torch.
     return base + (source - base) @ basis.T @ basis
 
 
+def pyvene_low_rank(basis: torch.Tensor) -> dict:
+    """W (k, d) as pyvene's `LowRankRotatedSpaceIntervention` (`lit-interventions export --to
+    pyvene`): its rotate_layer weight (d, k) is Wᵀ, and it computes f(b) + (f(s)Wᵀ − f(b)Wᵀ) W."""
+    basis = basis.detach().float()
+    return {
+        "intervention_type": "LowRankRotatedSpaceIntervention",
+        "low_rank_dimension": basis.shape[0],
+        "weights": {"rotate_layer.weight": basis.T.contiguous()},
+    }
+
+
 @register_intervention
 class RotatedSpaceIntervention(Intervention):
     """DAS: a learned rank-k subspace with orthonormal rows (torch's orthogonal parametrization).
@@ -48,6 +59,10 @@ class RotatedSpaceIntervention(Intervention):
     def export(self) -> dict[str, torch.Tensor]:
         return {"basis": self.basis.detach()}  # (k, d)
 
+    def to_pyvene(self) -> dict:
+        """The trained subspace as pyvene's intervention of the same map (`pyvene_low_rank`)."""
+        return pyvene_low_rank(self.basis)
+
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RotatedSpaceIntervention:
         """The intervention whose basis is tensors["basis"] (k, d), orthonormal rows."""
@@ -74,6 +89,10 @@ class FixedSubspaceIntervention(Intervention):
 
     def export(self) -> dict[str, torch.Tensor]:
         return {"basis": self.basis}
+
+    def to_pyvene(self) -> dict:
+        """The subspace as pyvene's intervention of the same map (`pyvene_low_rank`)."""
+        return pyvene_low_rank(self.basis)
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> FixedSubspaceIntervention:

@@ -26,35 +26,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_interventions.artifacts.hub import artifact_config, intervention_config, write_hub_files
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.core.optim import OptimizerArgs
-from lit_interventions.core.sites import final_logits, residual_hook, run_body, site_layer
+from lit_interventions.core.sites import residual_hook, site_layer
+from lit_interventions.inference.edits import ApplyRequest, Edit
+from lit_interventions.inference.lora import lora_edits
 from lit_interventions.interventions.base import WEIGHTS, save_intervention, write_tensors
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.site import FrozenLMModule
+from lit_interventions.modules.steering_objective import lm_loss
 from lit_interventions.modules.steering_registry import CHECKPOINT_KEY
 
 # Attention output projections by architecture, in the order they are tried.
 ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
-
-
-def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean −log p(token) over response tokens (response_mask) of the positive rows (label 1).
-
-    Logits are computed only where the loss needs them (the next token of a response token)."""
-    keep = batch["label"] == 1
-    ids, mask, targets = batch["input_ids"][keep], batch["attention_mask"][keep], batch["response_mask"][keep]
-    if not keep.any() or not targets[:, 1:].any():
-        raise ValueError("the batch holds no positive response tokens (label 1 with response_mask 1)")
-    hidden = run_body(model, ids, mask).last_hidden_state  # (b, T, d), on the device of ids
-    predict = targets[:, 1:].bool()  # position t predicts token t + 1
-    logits = final_logits(model, hidden[:, :-1][predict])  # (n, vocab)
-    return F.cross_entropy(logits.float(), ids[:, 1:][predict])
 
 
 class _SteeringModule(FrozenLMModule):
@@ -385,6 +373,18 @@ class LoRAModule(_SteeringModule):
     def site_text(self) -> str:
         where = "every layer" if self.hparams.layers is None else f"layers {list(self.hparams.layers)}"
         return f"the attention output projections ({', '.join(self.hparams.target_modules)}) of {where}"
+
+    def edits(self, config: dict, request: ApplyRequest, where: str = "the LoRA adapter") -> list[Edit]:
+        """What `lit_interventions.apply` does with it: W₀x + (α/r)·B A x on each adapted module of
+        the LM given (found by name), at every position unless the request names others."""
+        tensors, _ = self.export()
+        return lora_edits(
+            tensors, self.hparams.alpha / self.hparams.rank, request, {**config, "model": self.hparams.lm}, where
+        )
+
+    def peft_adapter(self) -> tuple:
+        """(its peft LoraConfig, its state dict as peft saves it): `lit-interventions export --to peft`."""
+        return self._frozen["peft"].peft_config["default"], self.export()[0]
 
     def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict

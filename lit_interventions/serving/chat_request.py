@@ -35,10 +35,10 @@ def _content(value, field: str) -> str:
     raise BadRequest(field, f"must be a string (or a list of text parts), got {type(value).__name__}")
 
 
-def validate_request(request, max_new_tokens: int) -> tuple[list[dict], int, str | None]:
+def validate_request(request, max_new_tokens: int, allow_stream: bool = False) -> tuple[list[dict], int, str | None]:
     """(messages as {role, content: str}, max tokens to generate, model name) of a chat request;
     BadRequest naming the first bad field. Fields the server does not use are ignored, but the
-    known ones must have their OpenAI type and range."""
+    known ones must have their OpenAI type and range (`check_options`)."""
     if not isinstance(request, dict):
         raise BadRequest("body", f"must be a JSON object, got {type(request).__name__}")
     messages = request.get("messages")
@@ -61,6 +61,14 @@ def validate_request(request, max_new_tokens: int) -> tuple[list[dict], int, str
                 "content": _content(message["content"], f"messages[{k}].content"),
             }
         )
+    limit, model = check_options(request, max_new_tokens, allow_stream)
+    return clean, limit, model
+
+
+def check_options(request: dict, max_new_tokens: int, allow_stream: bool = False) -> tuple[int, str | None]:
+    """(max tokens to generate, model name) of a completion request's options other than its
+    prompt; BadRequest naming the first bad field. `stream: true` is refused unless
+    `allow_stream`."""
     limit = max_new_tokens
     for field in ("max_tokens", "max_completion_tokens"):
         value = request.get(field)
@@ -80,8 +88,11 @@ def validate_request(request, max_new_tokens: int) -> tuple[list[dict], int, str
             raise BadRequest(field, f"must be a number in [{low:g}, {high:g}], got {value!r}"[:200])
     if request.get("n") is not None and request.get("n") != 1:
         raise BadRequest("n", f"only n=1 is supported, got {request.get('n')!r}"[:200])
-    if request.get("stream") not in (None, False):
+    stream = request.get("stream")
+    if not allow_stream and stream not in (None, False):
         raise BadRequest("stream", "streaming is not supported; send stream: false")
+    if allow_stream and stream is not None and not isinstance(stream, bool):
+        raise BadRequest("stream", f"must be true or false, got {stream!r}"[:200])
     model = request.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"must be a string, got {type(model).__name__}")
@@ -90,4 +101,4 @@ def validate_request(request, max_new_tokens: int) -> tuple[list[dict], int, str
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
     ):
         raise BadRequest("stop", "must be a string or a list of strings")
-    return clean, limit, model
+    return limit, model

@@ -34,9 +34,16 @@ import torch
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_dtype, load_lm, load_tokenizer
 from lit_interventions.serving.chat_handler import chat_routes
-from lit_interventions.serving.chat_request import MAX_MESSAGES, ROLES, is_int, is_number, validate_request
+from lit_interventions.serving.chat_request import MAX_MESSAGES, ROLES, is_int, validate_request
 from lit_interventions.serving.http_server import HTTPServer, ServerLimits, serve_in_background
 from lit_interventions.serving.json_api import BadRequest, json_app
+from lit_interventions.serving.server_options import (
+    add_server_options,
+    check_server_options,
+    limit_options,
+    serve_until_stopped,
+    server_limits,
+)
 
 __all__ = [
     "MAX_MESSAGES",
@@ -109,20 +116,16 @@ def make_server(
     serving (`serve_forever()`, or `serve_in_background(server)`; stop with `shutdown()`). `chat`:
     any object with `name`, `max_new_tokens` and `complete(messages, max_tokens)` (default: a
     `ChatLM` of `lm`). `header_timeout` None: the smaller of 10 s and `timeout`."""
-    for name, value in (
-        ("max_new_tokens", max_new_tokens),
-        ("max_body_bytes", max_body_bytes),
-        ("max_concurrent", max_concurrent),
-    ):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if not is_number(timeout) or timeout <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0")
-    limits = ServerLimits(
-        header_timeout=min(10.0, timeout) if header_timeout is None else header_timeout,
-        keep_alive_timeout=keep_alive_timeout,
-        max_connections=max_connections,
-        max_connections_per_client=max_connections_per_client,
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    limits = server_limits(
+        max_body_bytes,
+        max_concurrent,
+        timeout,
+        header_timeout,
+        keep_alive_timeout,
+        max_connections,
+        max_connections_per_client,
     )
     chat = chat if chat is not None else ChatLM(lm, max_new_tokens, dtype)
     app = json_app(chat_routes(chat, max_body_bytes, timeout, max_concurrent))
@@ -136,67 +139,19 @@ def parser():
     parser = Parser(description=__doc__.split("\n\n")[0], prog=f"{PROG} serve-judge", default_config_files=[])
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_argument("--lm", type=str, default="smollm2-135m-instruct", help="the chat model (what load_lm accepts)")
-    parser.add_argument("--host", type=str, default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="cap on the tokens of a reply")
     parser.add_argument("--dtype", type=str, default="float32")
-    parser.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger bodies get 413")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=30.0,
-        help="seconds to wait for a free slot and for a body (stalled clients are cut off)",
-    )
-    parser.add_argument("--max_concurrent", type=int, default=4, help="requests served at once (others wait)")
-    parser.add_argument(
-        "--header_timeout",
-        type=float | None,
-        default=None,
-        help="seconds for a request line and headers to arrive (default: the smaller of 10 and --timeout)",
-    )
-    parser.add_argument("--keep_alive_timeout", type=float, default=5.0, help="seconds an idle connection is kept")
-    parser.add_argument("--max_connections", type=int, default=64, help="connections open at once (others: 503)")
-    parser.add_argument(
-        "--max_connections_per_client", type=int, default=16, help="connections open at once from one address"
-    )
+    add_server_options(parser, max_concurrent=4)
     return parser
 
 
 def main(args=None) -> None:
     """`lit-interventions serve-judge`."""
     ns = parser().parse_args(resolve_configs(args))
-    if not 0 <= ns.port <= 65535:
-        fail(f"--port={ns.port} is not a port (0..65535)")
-    for name in ("max_new_tokens", "max_body_bytes", "max_concurrent", "max_connections", "max_connections_per_client"):
-        if getattr(ns, name) < 1:
-            fail(f"--{name}={getattr(ns, name)} must be a positive integer")
-    for name in ("timeout", "header_timeout", "keep_alive_timeout"):
-        value = getattr(ns, name)
-        if value is not None and not 0 < value < float("inf"):
-            fail(f"--{name}={value} must be > 0 seconds")
+    check_server_options(ns, positive=("max_new_tokens",))
     try:
         check_dtype(ns.dtype)
     except ValueError as err:
         fail(str(err))
-    server = make_server(
-        ns.lm,
-        ns.host,
-        ns.port,
-        ns.max_new_tokens,
-        ns.dtype,
-        ns.max_body_bytes,
-        ns.timeout,
-        ns.max_concurrent,
-        header_timeout=ns.header_timeout,
-        keep_alive_timeout=ns.keep_alive_timeout,
-        max_connections=ns.max_connections,
-        max_connections_per_client=ns.max_connections_per_client,
-    )
-    host, port = server.server_address[:2]
-    print(f"serving {ns.lm} at http://{host}:{port}/v1/chat/completions", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    server = make_server(ns.lm, ns.host, ns.port, ns.max_new_tokens, ns.dtype, **limit_options(ns))
+    serve_until_stopped(server, ns.lm, "/v1/chat/completions")

@@ -8,6 +8,7 @@ every item, so a bad suite is refused before any model is loaded.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,11 +107,20 @@ def load_suite(path: str | Path) -> Suite:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"suite file not found: {path}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"suite file {path} is empty; fetch the SyntaxGym suites with {fetch_command(path)}")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err})") from None
     return suite_from_json(data, str(path))
+
+
+def fetch_command(path: Path) -> str:
+    """The command that downloads the published SyntaxGym suites into `path` (a directory; a
+    path ending in .json stands for the directory it is in)."""
+    directory = path.parent if path.suffix == ".json" else path
+    return f"`lit-interventions data syntaxgym --out {shlex.quote(str(directory))}`"
 
 
 def suite_paths(paths: list[str]) -> list[Path]:
@@ -121,10 +131,15 @@ def suite_paths(paths: list[str]) -> list[Path]:
         if path.is_dir():
             files = sorted(path.glob("*.json"))
             if not files:
-                raise FileNotFoundError(f"no *.json suite files in directory {path}")
+                raise FileNotFoundError(
+                    f"no *.json suite files in directory {path}; fetch the SyntaxGym suites with {fetch_command(path)}"
+                )
             found.extend(files)
         elif path.is_file():
             found.append(path)
         else:
-            raise FileNotFoundError(f"--suites path not found: {path} (give a directory of *.json or suite files)")
+            raise FileNotFoundError(
+                f"--suites path not found: {path} (give a directory of *.json or suite files); "
+                f"fetch the SyntaxGym suites with {fetch_command(path)}"
+            )
     return found

@@ -1,0 +1,169 @@
+"""`apply`: any saved artifact on a loaded LM, as a context manager, for interchange and steering.
+
+    from lit_interventions import apply, load_lm, load_tokenizer
+
+    lm, tok = load_lm("gemma-3-270m"), load_tokenizer("gemma-3-270m")
+    ids = tok("The author near the keys", return_tensors="pt").input_ids
+    with apply(lm, "runs/das/.../version_0", tokenizer=tok, source="The authors near the keys"):
+        out = lm.generate(ids, max_new_tokens=8)          # DAS: the source's state swapped in
+    with apply(lm, "checkpoints/axbench/builtin-diffmean", concept=0, factor=2.0):
+        out = lm.generate(ids, max_new_tokens=8)          # a dictionary concept, steering
+
+An artifact is a run directory, a `save_pretrained` directory, a hub id or an object already
+loaded (`from_pretrained`). What it edits is its own `edits(config, request, where)`
+(`lit_interventions.inference.edits`): nothing here depends on its kind. Several artifacts given
+as a list edit the LM together, with the same options; nested `apply` blocks compose too.
+
+Positions (`positions`): the artifact's own rule by default ("site": every position for
+steering, the prompt's last token for an interchange); or "all", "prompt", "generated", "last",
+or prompt token indices. `span_position` finds a piece of text's last token. An interchange takes
+`source` (a text, read at `source_positions`, by default its last token; or a state tensor).
+Steering takes `concept` (a name or index) and `factor`; each may be one value or one per batch
+row, and `enabled` switches rows off.
+
+An artifact is checked against the LM before any hook is placed: another hidden size, or a site
+layer the LM does not have, is one ValueError naming both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
+from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.core.sites import Site
+from lit_interventions.inference.edits import ApplyRequest, Edit, install
+from lit_interventions.inference.positions import Positions
+from lit_interventions.interventions.base import CARD
+
+
+class LoadedArtifact:
+    """A loaded artifact (`obj`), its config.json (or older card) and a name for messages."""
+
+    def __init__(self, obj: Any, config: dict, where: str):
+        self.obj, self.config, self.where = obj, config, where
+
+    @property
+    def concepts(self) -> list[str] | None:
+        names = self.config.get("concepts") or getattr(self.obj, "concepts", None)
+        return list(names) if names else None
+
+    def edits(self, request: ApplyRequest) -> list[Edit]:
+        method = getattr(self.obj, "edits", None)
+        if not callable(method):
+            raise ValueError(
+                f"{self.where} holds a {type(self.obj).__name__}, which is not applied to an LM on its own "
+                "(an intervention, a concept dictionary or a steering adapter is)"
+            )
+        return method(self.config, request, self.where)
+
+
+def artifact_config(directory: Path) -> dict:
+    """config.json of a saved artifact, or the intervention.json card of an older directory."""
+    if (directory / CONFIG).is_file():
+        return read_config(directory)
+    card = directory / CARD
+    if card.is_file():
+        try:
+            loaded = json.loads(card.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ValueError(f"{card} is unreadable ({type(err).__name__})") from None
+        return loaded if isinstance(loaded, dict) else {}
+    return {}
+
+
+def load_artifact(
+    artifact: str | Path | LoadedArtifact | Any,
+    *,
+    site: Site | dict | None = None,
+    trust_remote_code: bool = False,
+    **download: Any,
+) -> LoadedArtifact:
+    """A directory or hub id, loaded with `from_pretrained` (class paths registered, or
+    `trust_remote_code`), with its config; an object already loaded, with `site` (a `Site` or
+    {"layer": ..., "component": ...}) when it does not carry its own."""
+    if isinstance(artifact, LoadedArtifact):
+        return artifact
+    if isinstance(artifact, (str, Path)):
+        directory = local_directory(artifact, **download)
+        obj = from_pretrained(directory, trust_remote_code=trust_remote_code)
+        return LoadedArtifact(obj, artifact_config(directory), str(artifact))
+    if isinstance(site, Site):
+        site = {"layer": site.layer, "component": site.component}
+    config = {"site": dict(site)} if site else {}
+    return LoadedArtifact(artifact, config, f"the {type(artifact).__name__} given")
+
+
+def request_for(
+    lm: nn.Module,
+    *,
+    tokenizer=None,
+    positions: str | int | Sequence[int] | Positions | None = None,
+    source: str | torch.Tensor | None = None,
+    source_positions: str | int | Sequence[int] | Positions | None = "last",
+    concept: str | int | Sequence | None = None,
+    factor: float | Sequence[float] = 1.0,
+    enabled: Sequence[bool] | None = None,
+) -> ApplyRequest:
+    """The `ApplyRequest` of `apply`'s options, each checked."""
+    if not isinstance(lm, nn.Module) or not hasattr(lm, "config"):
+        raise ValueError(f"lm must be a loaded transformers model (load_lm(...)); got {type(lm).__name__}")
+    factors = factor if isinstance(factor, (list, tuple)) else [factor]
+    if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and abs(f) < float("inf") for f in factors):
+        raise ValueError(f"factor={factor!r} must be a finite number (or one per batch row)")
+    if source is not None and not (isinstance(source, str) or torch.is_tensor(source)):
+        raise ValueError(f"source must be a text or a state tensor; got {type(source).__name__}")
+    return ApplyRequest(
+        lm=lm,
+        tokenizer=tokenizer,
+        positions=Positions.parse(positions),
+        source=source,
+        source_positions=Positions.parse(source_positions),
+        concept=concept,
+        factor=factor,
+        enabled=enabled,
+    )
+
+
+@contextmanager
+def apply(
+    lm: nn.Module,
+    artifacts: Any,
+    *,
+    tokenizer=None,
+    positions: str | int | Sequence[int] | Positions | None = None,
+    source: str | torch.Tensor | None = None,
+    source_positions: str | int | Sequence[int] | Positions | None = "last",
+    concept: str | int | Sequence | None = None,
+    factor: float | Sequence[float] = 1.0,
+    enabled: Sequence[bool] | None = None,
+    site: Site | dict | None = None,
+    trust_remote_code: bool = False,
+) -> Iterator[nn.Module]:
+    """Inside the block, `lm` runs with `artifacts` applied (one, or a list); yields `lm`. See
+    the module doc for the options. Everything is checked, and source states are read, before
+    the first hook is placed; the hooks are removed when the block ends."""
+    request = request_for(
+        lm,
+        tokenizer=tokenizer,
+        positions=positions,
+        source=source,
+        source_positions=source_positions,
+        concept=concept,
+        factor=factor,
+        enabled=enabled,
+    )
+    items = list(artifacts) if isinstance(artifacts, (list, tuple)) else [artifacts]
+    if not items:
+        raise ValueError("artifacts is empty: give at least one artifact")
+    loaded = [load_artifact(item, site=site, trust_remote_code=trust_remote_code) for item in items]
+    edits = [edit for artifact in loaded for edit in artifact.edits(request)]
+    with install(lm, edits, request):
+        yield lm

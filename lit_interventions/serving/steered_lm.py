@@ -1,0 +1,199 @@
+"""The served model: a frozen LM, the artifacts applied to it, and the batcher that owns it.
+
+`SteeredLM` turns a request into prompt token ids (a chat through the tokenizer's chat template,
+or "Role: content" lines ending in "Assistant:" when it has none; a text completion's prompt
+after the BOS, as `encode_text` reads it), checks its steering against the artifacts (the same
+`edits` call `apply` makes, so a concept no artifact holds is refused before it is queued), and
+queues it. The worker runs each batch as one `generate` inside `apply`, with the concept, factor
+and on/off switch of each row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import StoppingCriteriaList
+
+from lit_interventions.core.lm import check_device, load_lm, load_tokenizer
+from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact, request_for
+from lit_interventions.inference.positions import encode_text
+from lit_interventions.serving.batcher import Batcher, Job, RowsDone, RowStreamer
+from lit_interventions.serving.chat_request import is_int
+from lit_interventions.serving.completion_request import Options, Steering
+from lit_interventions.serving.json_api import BadRequest
+from lit_interventions.serving.reply_stream import Reply
+
+
+def artifact_model(artifact: LoadedArtifact) -> str | None:
+    """The LM an artifact was trained on, as its config (or the object) records it."""
+    return artifact.config.get("model") or getattr(artifact.obj, "model", None)
+
+
+def chat_text(tokenizer, messages: list[dict]) -> tuple[str, bool]:
+    """(the text the LM reads for `messages`, whether the chat template wrote it)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:", False
+
+
+def _eos_ids(model: nn.Module) -> tuple[int, ...]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+
+class SteeredLM:
+    """An LM with `artifacts` applied, generating for queued requests in batches.
+
+    artifacts: directories, hub ids or loaded artifacts (`load_artifact`), applied together.
+    lm: a model name (what `load_lm` takes; default: the first artifact's model), loaded with
+        `dtype` onto `device`, or a loaded model (then `tokenizer` is required).
+    concept, factor: the steering of requests that do not name their own.
+    max_batch, batch_wait_ms: the batcher's (`batcher.Batcher`).
+    """
+
+    def __init__(
+        self,
+        artifacts: Any,
+        lm: str | nn.Module | None = None,
+        *,
+        tokenizer=None,
+        max_new_tokens: int = 256,
+        dtype: str = "float32",
+        device: str = "cpu",
+        concept: str | int | None = None,
+        factor: float = 1.0,
+        max_batch: int = 8,
+        batch_wait_ms: float = 10.0,
+        name: str | None = None,
+        trust_remote_code: bool = False,
+    ):
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+        check_device(device)
+        items = list(artifacts) if isinstance(artifacts, (list, tuple)) else [artifacts]
+        if not items:
+            raise ValueError("artifacts is empty: give at least one artifact")
+        self.artifacts = [load_artifact(item, trust_remote_code=trust_remote_code) for item in items]
+        if isinstance(lm, nn.Module):
+            if tokenizer is None:
+                raise ValueError("a loaded lm needs its tokenizer (tokenizer=...)")
+            self.model, self.tokenizer = lm, tokenizer
+            self.name = name or getattr(lm.config, "_name_or_path", "") or type(lm).__name__
+        else:
+            lm = lm or artifact_model(self.artifacts[0])
+            if not lm:
+                raise ValueError(f"{self.artifacts[0].where} records no model; give lm=NAME")
+            self.model, self.tokenizer = load_lm(lm, dtype).to(device), tokenizer or load_tokenizer(lm)
+            self.name = name or lm
+        self.max_new_tokens, self.concept, self.factor = max_new_tokens, concept, factor
+        self._fits(concept, factor)
+        self.eos = _eos_ids(self.model)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos[0] if self.eos else 0)
+        self.batcher = Batcher(self.generate, max_batch, batch_wait_ms / 1000)
+
+    @property
+    def concepts(self) -> list[str]:
+        """The concept names the artifacts hold."""
+        return [name for artifact in self.artifacts for name in artifact.concepts or []]
+
+    def _edits(self, concept: str | int | None, factor: float) -> None:
+        """The edits `apply` would make for (concept, factor), built and dropped: a ValueError
+        when an artifact refuses them (another LM, an unknown concept, ...)."""
+        request = request_for(self.model, tokenizer=self.tokenizer, concept=concept, factor=factor)
+        for artifact in self.artifacts:
+            artifact.edits(request)
+
+    def _fits(self, concept: str | int | None, factor: float) -> None:
+        """The artifacts fit the LM and the default steering (a ValueError naming what does
+        not). Without a default concept, concept 0 stands in for the ones requests will name."""
+        try:
+            self._edits(concept, factor)
+        except ValueError:
+            if concept is not None:
+                raise
+            self._edits(0, factor)
+
+    def check(self, steering: Steering) -> Steering:
+        """`steering` when every artifact accepts it; else a BadRequest on field "concept"
+        (naming the concept and the valid ones)."""
+        if steering.enabled:
+            try:
+                self._edits(steering.concept, steering.factor)
+            except ValueError as err:
+                raise BadRequest("concept", str(err).splitlines()[0]) from None
+        return steering
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt token ids of a chat."""
+        text, templated = chat_text(self.tokenizer, messages)
+        return encode_text(self.tokenizer, text, templated)["input_ids"][0].tolist()
+
+    def text_ids(self, prompt: str) -> list[int]:
+        """The prompt token ids of a text completion (after the BOS)."""
+        return encode_text(self.tokenizer, prompt)["input_ids"][0].tolist()
+
+    def submit(self, ids: Sequence[int], options: Options, emit: Callable[[tuple], None]) -> Job:
+        """Queue a request; its reply's events go to `emit` (from the worker thread). A prompt
+        longer than the LM's context loses its start, keeping room for the reply."""
+        limit = min(options.limit, self.max_new_tokens)
+        room = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        ids = list(ids)[-max(1, room - limit) :] if room else list(ids)
+        reply = Reply(self._decode, limit, self.eos, options.stop, emit)
+        job = Job(ids, options.sampling, options.steering, reply)
+        self.batcher.submit(job)
+        return job
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def steering(self, jobs: Sequence[Job]):
+        """`apply` with each row's concept, factor and on/off switch (nothing when all are off).
+        Rows switched off take an enabled row's concept, which they do not use."""
+        rows = [job.steering for job in jobs]
+        on = [s for s in rows if s.enabled]
+        if not on:
+            return nullcontext()
+        concepts = [s.concept if s.enabled else on[0].concept for s in rows]
+        if len(set(concepts)) > 1:  # one per row: None (an artifact's only concept) is its index 0
+            concept = [0 if c is None else c for c in concepts]
+        else:
+            concept = concepts[0]
+        return apply(
+            self.model,
+            self.artifacts,
+            tokenizer=self.tokenizer,
+            concept=concept,
+            factor=[s.factor if s.enabled else 0.0 for s in rows],
+            enabled=None if len(on) == len(rows) else [s.enabled for s in rows],
+        )
+
+    @torch.no_grad()
+    def generate(self, jobs: list[Job]) -> None:
+        """One `generate` for `jobs`: their prompts padded on the left, each row's tokens streamed
+        to its reply, stopping once every row has ended."""
+        width = max(len(job.ids) for job in jobs)
+        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, job in enumerate(jobs):
+            ids[row, width - len(job.ids) :] = torch.tensor(job.ids, dtype=torch.long)
+            mask[row, width - len(job.ids) :] = 1
+        replies = [job.reply for job in jobs]
+        with self.steering(jobs):
+            self.model.generate(
+                input_ids=ids.to(self.model.device),
+                attention_mask=mask.to(self.model.device),
+                max_new_tokens=max(job.limit for job in jobs),
+                pad_token_id=self.pad_id,
+                streamer=RowStreamer(replies),
+                stopping_criteria=StoppingCriteriaList([RowsDone(replies, width)]),
+                **jobs[0].sampling.generate_kwargs(),
+            )
+
+    def close(self) -> None:
+        """Stop the worker (the jobs still waiting get an error)."""
+        self.batcher.close()
