@@ -328,7 +328,11 @@ def test_the_console_script_refuses_a_bad_option_in_one_line(dictionary_dir, tmp
 def test_the_command_serves_until_stopped(dictionary_dir, tiny_lm_dir):
     command = [sys.executable, "-m", "lit_interventions", "serve", "--artifact", dictionary_dir, "--port", "0"]
     process = subprocess.Popen(
-        [*command, "--concept", "dogs", "--max_new_tokens", "4"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [*command, "--concept", "dogs", "--max_new_tokens", "4"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = process.stdout.readline().strip()
@@ -340,8 +344,9 @@ def test_the_command_serves_until_stopped(dictionary_dir, tiny_lm_dir):
         assert reply.usage.completion_tokens == 4 and reply.choices[0].finish_reason == "length"
     finally:
         process.terminate()
-        process.wait(30)
-    assert process.returncode is not None
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0  # SIGTERM is a server's normal stop
+    assert stderr.strip().splitlines()[-1] == f"stopped serving {tiny_lm_dir('llama')} with {dictionary_dir} (SIGTERM)"
 
 
 @pytest.mark.slow

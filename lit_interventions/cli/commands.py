@@ -16,7 +16,8 @@ exit code 2) for every job this package runs.
 
 `python -m lit_interventions ...` is the same command (torchrun runs it with `-m lit_interventions`).
 Every command exits 0 when it succeeds, 2 on bad input, 143 / 130 when stopped by SIGTERM /
-SIGINT (`lit_interventions.core.signals`), and non-zero on any other failure.
+SIGINT (`lit_interventions.core.signals`; the servers, whose normal stop that is, 0), and non-zero
+on any other failure.
 
 The table names each command's function as `"module:function"`, the form of a console_scripts
 entry point; the function is imported (`resolve`) only when its command runs, so `--help` of the

@@ -55,6 +55,14 @@ def raise_pending() -> None:
         raise Stopped(_PENDING[-1])
 
 
+def consume_pending() -> int | None:
+    """The signal received, taken as handled (a server's normal stop): the block then ends as
+    its code ends, without the stop line and exit status. None: no signal was received."""
+    signum = pending_signal()
+    _PENDING.clear()
+    return signum
+
+
 @contextmanager
 def deferred() -> Iterator[None]:
     """A block that ends whole: a signal received inside it is raised (`Stopped`) when it ends,

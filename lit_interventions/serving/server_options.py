@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from collections.abc import Callable
 
 from lit_interventions.cli.parsing import fail
+from lit_interventions.core.signals import Stopped, consume_pending
 from lit_interventions.serving.chat_request import is_int, is_number
 from lit_interventions.serving.http_server import HTTPServer, ServerLimits
 
@@ -86,14 +89,17 @@ def server_limits(
 
 
 def serve_until_stopped(server: HTTPServer, what: str, path: str, close: Callable[[], None] | None = None) -> None:
-    """Print `serving WHAT at http://HOST:PORT/PATH`, serve until interrupted, then close the
-    server (and `close()`)."""
+    """Print `serving WHAT at http://HOST:PORT/PATH`, serve until SIGTERM or SIGINT (a server's
+    normal stop: one line, `stopped serving ...`, and exit status 0), then close the server (and
+    `close()`)."""
     host, port = server.server_address[:2]
     print(f"serving {what} at http://{host}:{port}{path}", flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, Stopped):
+        signum = consume_pending()
+        name = signal.Signals(signum).name if signum else "SIGINT"
+        print(f"stopped serving {what} ({name})", file=sys.stderr, flush=True)
     finally:
         server.server_close()
         if close is not None:
