@@ -345,3 +345,15 @@ def test_study_on_gemma(tmp_path):
     assert all(0.0 <= row["competence"] <= 1.0 for row in summary)
     probes = json.loads((tmp_path / "summary.json").read_text())["probes"]
     assert probes["Continent"]["test_acc"] > probes["Continent"]["test_majority"]
+
+
+def test_the_study_repeats_exactly_with_fresh_probes(tiny_lm_dir, tmp_path):
+    """Two runs of one command train the same probes (the first one's initial weights seeded too),
+    after unrelated use of the global random generator in between."""
+    from lit_interventions.studies.calm import run_calm
+
+    first = run_calm(lm=tiny_lm_dir("llama"), tasks=["Country"], out=str(tmp_path / "a"), **SMALL)
+    torch.rand(7)  # the global generator moved, as any earlier work in a process moves it
+    second = run_calm(lm=tiny_lm_dir("llama"), tasks=["Country"], out=str(tmp_path / "b"), **SMALL)
+    assert first == second
+    assert (tmp_path / "a" / "results.csv").read_bytes() == (tmp_path / "b" / "results.csv").read_bytes()

@@ -1,5 +1,6 @@
 """The callbacks every Lightning run gets for its output: the final metrics table with the run
-directory (`RunSummary`) and line-based progress when stdout is not a terminal (`LineProgress`)."""
+directory (`RunSummary`) and line-based progress when stdout is not a terminal (`LineProgress`);
+and the one a study's own loops get (`LoopProgress`: their batches as stages of its progress)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+
+from lit_interventions.core.progress import Progress, stage
 
 
 def _scalars(metrics) -> dict[str, float]:
@@ -134,3 +137,70 @@ class LineProgress(ProgressBar):
 
     def on_test_start(self, trainer, pl_module):
         self._print("testing")
+
+
+def _batches(counts) -> int | None:
+    """The sum of Lightning's batch counts (a list per dataloader, or one number); None if unknown."""
+    total = sum(counts) if isinstance(counts, (list, tuple)) else counts
+    return int(total) if math.isfinite(total) else None
+
+
+class LoopProgress(Callback):
+    """The batches of a Lightning loop a study runs (a trained method's fit, a RAVEL cell, a probe)
+    as stages of the study's progress (`core.progress.stage`): training (every epoch, from where a
+    resumed loop starts), validation (`validation`: False leaves it out) and test. Outside a
+    study's progress it shows nothing."""
+
+    def __init__(self, validation: bool = True):
+        super().__init__()
+        self.validation = validation
+        self._stages: dict[str, Progress] = {}
+
+    def _open(self, name: str, total: int | None, initial: int = 0) -> None:
+        self._close(name)
+        self._stages[name] = stage(total, f"{name} batches", "batch", initial).__enter__()
+
+    def _close(self, name: str) -> None:
+        found = self._stages.pop(name, None)
+        if found is not None:
+            found.close()
+
+    def on_train_start(self, trainer, pl_module):
+        per_epoch = _batches(trainer.num_training_batches)
+        epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+        total = per_epoch * epochs if per_epoch is not None and epochs is not None else None
+        if total is not None and trainer.max_steps > 0 and trainer.accumulate_grad_batches == 1:
+            total = min(total, trainer.max_steps)
+        self._open("training", total, trainer.fit_loop.epoch_loop.batch_progress.total.completed)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "training" in self._stages:
+            self._stages["training"].update_to(trainer.fit_loop.epoch_loop.total_batch_idx + 1)
+
+    def on_train_end(self, trainer, pl_module):
+        self._close("training")
+
+    def on_validation_start(self, trainer, pl_module):
+        if self.validation and not trainer.sanity_checking:
+            self._open("validation", _batches(trainer.num_val_batches))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if "validation" in self._stages:
+            self._stages["validation"].update()
+
+    def on_validation_end(self, trainer, pl_module):
+        self._close("validation")
+
+    def on_test_start(self, trainer, pl_module):
+        self._open("test", _batches(trainer.num_test_batches))
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if "test" in self._stages:
+            self._stages["test"].update()
+
+    def on_test_end(self, trainer, pl_module):
+        self._close("test")
+
+    def on_exception(self, trainer, pl_module, exception):
+        for name in list(self._stages):
+            self._close(name)

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from lit_interventions.core.batch import Key, PairBatch, Side
 from lit_interventions.core.lm import num_layers
+from lit_interventions.core.progress import stage
 from lit_interventions.core.sharding import input_device
 from lit_interventions.core.sites import RowPrefix, keys_values_above, read_layers
 
@@ -194,14 +195,16 @@ class ActivationCache:
                         todo[key] = first
         ordered = sorted(todo, key=len)
         device = input_device(self.model)
-        for i in range(0, len(ordered), batch_size):
-            chunk = ordered[i : i + batch_size]
-            width = len(chunk[-1])
-            input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
-                input_ids[row, : len(key)] = torch.tensor(key)
-                attention_mask[row, : len(key)] = 1
-            firsts = [todo[key] for key in chunk]
-            self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), firsts)
+        with stage(-(-len(ordered) // batch_size), "cached forwards", "forward") as shown:  # a study's progress
+            for i in range(0, len(ordered), batch_size):
+                chunk = ordered[i : i + batch_size]
+                width = len(chunk[-1])
+                input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
+                attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
+                    input_ids[row, : len(key)] = torch.tensor(key)
+                    attention_mask[row, : len(key)] = 1
+                firsts = [todo[key] for key in chunk]
+                self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), firsts)
+                shown.update()
         return len(ordered)

@@ -204,9 +204,11 @@ def train_probe(
     batch_size: int = 64,
     seed: int = 0,
     save_to: str | Path | None = None,
+    callbacks: list | None = None,
 ) -> ProbeModule:
     """Fit `probe` on (representations (n, d), labels (n,)) and return it with the weights of its best
-    validation epoch (ModelCheckpoint on val/acc), in eval mode. `save_to`: also keep that checkpoint."""
+    validation epoch (ModelCheckpoint on val/acc), in eval mode. `save_to`: also keep that checkpoint.
+    `callbacks`: more Lightning callbacks for the fit (e.g. its progress)."""
     if epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be >= 1")
     L.seed_everything(seed, workers=False, verbose=False)
@@ -219,7 +221,7 @@ def train_probe(
             accelerator="cpu",
             devices=1,
             logger=False,
-            callbacks=[best],
+            callbacks=[best, *(callbacks or [])],
             enable_progress_bar=False,
             enable_model_summary=False,
             default_root_dir=tmp,

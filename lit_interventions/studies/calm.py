@@ -29,8 +29,10 @@ task × method) and DIR/summary.json (both, plus probes, ε and the config); pro
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -38,12 +40,14 @@ import torch
 
 from lit_interventions.cli.studies import run_cli
 from lit_interventions.core.lm import load_lm, load_tokenizer
+from lit_interventions.core.progress import Progress, current, line_seconds
 from lit_interventions.core.sharding import is_dispatched
 from lit_interventions.interventions.attacks import Attack, build_attack, epsilon_scale
 from lit_interventions.metrics.competence import Competence
 from lit_interventions.studies.calm_batch import make_batch, record
 from lit_interventions.studies.calm_data import (
     POSITION,
+    SPLITS,
     Prompt,
     _batches,
     _first_tokens,
@@ -99,7 +103,9 @@ def read_inputs(args: CalmArgs, plan: CalmPlan) -> SiteInputs:
     model = load_lm(args.lm, args.dtype, plan.placement.device_map, plan.placement.quantization)
     if not is_dispatched(model):
         model.to(args.device)
-    states, site = site_states(model, plan.layer, prompts, tokenizer.pad_token_id, args.batch_size, args.device)
+    batches = sum(math.ceil(len(prompts[split]) / args.batch_size) for split in SPLITS)
+    with Progress(batches, "site states", "batch"):  # counted per batch (`read_states`)
+        states, site = site_states(model, plan.layer, prompts, tokenizer.pad_token_id, args.batch_size, args.device)
     scale = epsilon_scale(site["train"])
     eps = args.epsilon * scale if args.epsilon_relative else float(args.epsilon)
     return SiteInputs(tokenizer, model, prompts, states, site, scale, eps)
@@ -133,6 +139,7 @@ def _intervene(run: _Run, task: str, chunk: list[int], vocabulary, metric: dict,
             edited = batch.logits(inputs.model, plan.layer, delta)
             metric[m].update(clean, edited, causal)
             record(tally[(m, prop)], batch, g, prop, target, delta, clean, edited, args.k_max, vocabulary)
+        current().update()  # the study's progress: one batch × property
     return correct
 
 
@@ -186,10 +193,14 @@ def run_tasks(args: CalmArgs, plan: CalmPlan, inputs: SiteInputs, probes: dict) 
     attacks = {spec.name: build_attack(spec) for spec in plan.methods}
     run = _Run(args, plan, inputs, probes, random.Random(args.seed), attacks)
     results, summary = [], []
-    for task in plan.tasks:
-        mine, rows = _run_task(run, task)
-        results.extend(mine)
-        summary.extend(rows)
+    counts = Counter(p.attribute for p in inputs.prompts["test"])
+    total = sum(math.ceil(counts[task] / args.batch_size) for task in plan.tasks) * len(plan.properties)
+    with Progress(total, "interventions", "batch") as shown:  # a test batch × a property (`_intervene`)
+        for task in plan.tasks:
+            shown.note(f"task {task}")
+            mine, rows = _run_task(run, task)
+            results.extend(mine)
+            summary.extend(rows)
     return results, summary
 
 
@@ -206,6 +217,7 @@ def run_calm(config: CalmArgs | None = None, /, **settings) -> list[dict]:
     if unknown:
         raise ValueError(f"run_calm has no setting {', '.join(unknown)}; the settings are {', '.join(names)}")
     args = replace(CalmArgs() if config is None else config, **settings)
+    line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     plan = plan_calm(args)  # every check, before the LM's weights are read
     inputs = read_inputs(args, plan)
     out_dir = Path(args.out)
@@ -218,17 +230,19 @@ def run_calm(config: CalmArgs | None = None, /, **settings) -> list[dict]:
         batch_size=args.probe_batch_size,
     )
     where = (args.lm, plan.layer, plan.d)
-    g, probe_info = fit_probes(
-        plan.data,
-        inputs.prompts,
-        inputs.site,
-        plan.classes,
-        plan.loaded,
-        where,
-        probe_args,
-        args.seed,
-        out_dir / "probes",
-    )
+    training = len(set(plan.classes) - set(plan.loaded))
+    with Progress(training, "probes", "probe") if training else nullcontext():  # each one trained (`fit_probes`)
+        g, probe_info = fit_probes(
+            plan.data,
+            inputs.prompts,
+            inputs.site,
+            plan.classes,
+            plan.loaded,
+            where,
+            probe_args,
+            args.seed,
+            out_dir / "probes",
+        )
     results, summary = run_tasks(args, plan, inputs, g)
     record = run_config(args, plan, inputs.prompts, inputs.eps, inputs.scale)
     write_results(out_dir, results, summary, record, probe_info)

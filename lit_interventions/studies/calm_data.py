@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_interventions.core.progress import current
 from lit_interventions.core.sites import read_layers
 from lit_interventions.core.surprisal import bos_prefix
 from lit_interventions.core.tokens import pad_batch, token_covering
@@ -123,12 +124,14 @@ def _batches(items: list, size: int):
 
 @torch.no_grad()
 def read_states(model, layer: int, prompts: list[Prompt], pad_id: int, batch_size: int, device) -> list[torch.Tensor]:
-    """The residual stream at `layer` of each prompt, unpadded, [(seq, d)] on the CPU."""
+    """The residual stream at `layer` of each prompt, unpadded, [(seq, d)] on the CPU; each batch
+    counted in the study's progress (`core.progress.current`)."""
     out = []
     for batch in _batches(prompts, batch_size):
         ids, mask = _pad(batch, pad_id)
         states = read_layers(model, [layer], ids.to(device), mask.to(device))[layer].float().cpu()
         out.extend(states[i, : len(p.ids)] for i, p in enumerate(batch))
+        current().update()
     return out
 
 

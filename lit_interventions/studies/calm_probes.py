@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from lit_interventions.callbacks.progress import LoopProgress
+from lit_interventions.core.progress import current
 from lit_interventions.modules.probe import ProbeModule, load_probe, train_probe
 from lit_interventions.studies.calm_data import POSITION, SPLITS, _labels
 
@@ -38,9 +40,11 @@ def check_saved_classes(loaded: dict, classes: dict[str, list[str]]) -> None:
 
 def fit_probes(data, prompts, site, classes, loaded, where, args: dict, seed: int, save_dir: Path):
     """A probe per property (trained on train entities with a kept value, best val epoch kept, or
-    `loaded`), and its accuracy per split: ({property: probe}, {property: info})."""
+    `loaded`), and its accuracy per split: ({property: probe}, {property: info}). Each probe
+    trained is counted in the study's progress (`core.progress.current`), its batches a stage."""
     lm, layer, d = where
     probes, info = {}, {}
+    torch.manual_seed(seed)  # the first probe's initial weights (each later one follows train_probe's seeding)
     for prop in classes:
         labels = {s: _labels(data, prompts[s], prop, classes[prop]) for s in SPLITS}
         known = {s: labels[s] >= 0 for s in SPLITS}  # entities whose value is a kept class
@@ -60,9 +64,18 @@ def fit_probes(data, prompts, site, classes, loaded, where, args: dict, seed: in
             )
             train = (site["train"][known["train"]], labels["train"][known["train"]])
             val = (site["val"][known["val"]], labels["val"][known["val"]])
+            current().note(prop)
             probes[prop] = train_probe(
-                module, train, val, args["epochs"], args["batch_size"], seed, save_to=save_dir / f"{prop}.ckpt"
+                module,
+                train,
+                val,
+                args["epochs"],
+                args["batch_size"],
+                seed,
+                save_to=save_dir / f"{prop}.ckpt",
+                callbacks=[LoopProgress(validation=False)],  # its batches in the study's progress
             )
+            current().update()
         with torch.no_grad():
             accs = {f"{s}_acc": _accuracy(probes[prop].predict(site[s]), labels[s]) for s in SPLITS}
         test_known = labels["test"][known["test"]].tolist()

@@ -20,6 +20,7 @@ from itertools import chain
 
 import torch
 
+from lit_interventions.core.progress import stage
 from lit_interventions.datamodules.causalgym import CausalGymDataModule, EmptyRegionError
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.registry import FITTED, MethodSpec, kind
@@ -150,10 +151,12 @@ def score_unit(
     intervention}}. The rows `sweep_site` gives, site after site."""
     trained, control_trained = trained or {}, control_trained or {}
     sites = [site for site, methods in todo.items() if methods and data_of(site[1]) is not None]
-    found = {
-        site: fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, _at(trained, site), batch_size)[1]
-        for site in sites
-    }
+    found = {}
+    with stage(len(sites), "fitted sites", "site") as shown:
+        for site in sites:
+            at = _at(trained, site)
+            found[site] = fit_site(*site, todo[site], lm, data_of(site[1]), cache, seed, dtype, at, batch_size)[1]
+            shown.update()
     evals = {r: list(data_of(r).loader("eval", batch_size)) for r in {region for _, region in sites}}
     if control:
         kept = [site for site in sites if data_of(site[1], CONTROL) is not None]

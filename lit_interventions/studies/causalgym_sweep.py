@@ -51,13 +51,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from lit_interventions.artifacts.plots import report_figures
 from lit_interventions.artifacts.results import Table
 from lit_interventions.cli.studies import choose_layers, choose_names, run_cli
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, hidden_size, load_config, load_lm, num_layers
+from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
 from lit_interventions.datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
@@ -166,10 +166,10 @@ def sweep_units(
     return [(task, group) for task in tasks for group in groups]
 
 
-def _train_unit(out: Path, task: str, todo: dict, data_of, cache, setup: Setup) -> tuple[dict, dict]:
+def _train_unit(out: Path, task: str, todo: dict, data_of, cache, setup: Setup, shown: Progress) -> tuple[dict, dict]:
     """Each trained method at the sites of `todo` that still need it, every layer's in one loop
     (`saved_trained`), on the task and with the control on the control task: ({name: {site:
-    intervention}}, the same on the control task)."""
+    intervention}}, the same on the control task). `shown`: the sweep's progress, told which."""
     trained, control_trained = {}, {}
     for method in setup.methods:
         sites = [site for site, methods in todo.items() if method in methods]
@@ -178,6 +178,7 @@ def _train_unit(out: Path, task: str, todo: dict, data_of, cache, setup: Setup) 
         progress = out / method.name / "progress"  # the loop's state while it runs (`train_das`)
         for found, kind, name in [(trained, None, task), (control_trained, CONTROL, f"{task}_{CONTROL}")]:
             if kind is None or setup.control:
+                shown.note(f"{name}: {method.name}")
                 found[method.name] = saved_trained(
                     partial(trained_path, out, task, control=kind, method=method.name),
                     {site: data_of(site[1], kind) for site in sites},
@@ -211,9 +212,7 @@ def _score_sites(store, task, todo, data_of, cache, setup: Setup, trained: tuple
             return
     for (layer, region), methods in todo.items():
         if methods:
-            at = [
-                {name: found[(layer, region)] for name, found in t.items() if (layer, region) in found} for t in trained
-            ]
+            at = [{n: f[(layer, region)] for n, f in t.items() if (layer, region) in f} for t in trained]
             control_data = data_of(region, CONTROL) if s.control else None
             rows = sweep_site(
                 task,
@@ -238,9 +237,8 @@ def _sweep(store, units, setup: Setup, done, accuracy) -> None:
     methods trained (`_train_unit`), then its sites scored and stored (`_score_sites`); fills
     `accuracy` ({task: Acc})."""
     model = load_lm(setup.lm, setup.dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # modules follow it
-    regions = setup.regions
-    total = sum(len(regions[task]) * len(layers) for task, layers in units)
-    with tqdm(total=total, desc="sites", unit="site") as progress:  # closed on its own line, however it ends
+    total = sum(len(setup.regions[task]) * len(layers) for task, layers in units)
+    with Progress(total, "sites", "site") as progress:  # closed on its own line, however it ends
         for task, layers in units:
             cache = ActivationCache(model, layers)  # one cache per unit: every layer, computed once for its sentences
             accuracy[task] = task_accuracy(
@@ -255,9 +253,10 @@ def _sweep(store, units, setup: Setup, done, accuracy) -> None:
             todo = {
                 (layer, region): [m for m in setup.methods if (task, m.name, layer, region) not in done]
                 for layer in layers
-                for region in regions[task]
+                for region in setup.regions[task]
             }
-            trained = _train_unit(store.out, task, todo, data_of, cache, setup)
+            trained = _train_unit(store.out, task, todo, data_of, cache, setup, progress)
+            progress.note(f"{task}: scoring")
             _score_sites(store, task, todo, data_of, cache, setup, trained, progress)
 
 
@@ -331,6 +330,7 @@ def run_sweep(
     """
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
+    line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     template_path = Path(templates) if templates else BUILTIN_TEMPLATES

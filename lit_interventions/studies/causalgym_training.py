@@ -22,6 +22,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lit_interventions.callbacks.progress import LoopProgress
 from lit_interventions.callbacks.resume import SaveProgress
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.files import write_atomically
@@ -88,7 +89,7 @@ def train_das(
             enable_model_summary=False,
             limit_val_batches=0,
             num_sanity_val_steps=0,
-            callbacks=[] if saved is None else [SaveProgress(saved, every)],
+            callbacks=[LoopProgress(), *([] if saved is None else [SaveProgress(saved, every)])],
             accelerator="cpu" if not torch.cuda.is_available() else "auto",
             devices=1,
         )

@@ -35,13 +35,14 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import yaml
-from tqdm import tqdm
 
 from lit_interventions.artifacts.plots import attribute_figure, report_figures, save_figures
 from lit_interventions.artifacts.results import Table
+from lit_interventions.callbacks.progress import LoopProgress
 from lit_interventions.cli.studies import choose_layers, choose_names, read_rows, run_cli
 from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
+from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
 from lit_interventions.datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
 from lit_interventions.interventions.capabilities import Fitted
@@ -82,6 +83,7 @@ def run_cell(
         num_sanity_val_steps=0,
         accelerator="auto",
         devices=1,
+        callbacks=[LoopProgress()],  # its batches in the sweep's progress
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. Lightning's "no optimizer" for the full swap
@@ -173,6 +175,7 @@ def run_ravel_sweep(
     """
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
+    line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     chosen = choose_methods(methods)
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
@@ -212,9 +215,11 @@ def _run_cells(run, todo, method_options: dict, data_options: dict, seed: int, a
     """This rank's cells of `todo` (the trained methods' first), each fitted and scored
     (`run_cell`), then its change rates and scores stored together."""
     mine = run.take(todo, cost=lambda cell: method_options[cell[0]][1])  # the trained methods' cells first (3 epochs)
-    with tqdm(mine, desc="RAVEL cells", unit="cell") as progress:  # closed on its own line, however it ends
-        for method, attribute in progress:
+    total = len(todo) if run.ranks.world_size == 1 else None  # a rank's share is known only as it goes
+    with Progress(total, "RAVEL cells", "cell") as progress:  # closed on its own line, however it ends
+        for method, attribute in mine:
             raise_pending()  # a signal a library swallowed stops the sweep between cells
+            progress.note(f"{method} {attribute}")
             options, n_epochs = method_options[method]
             metrics = run_cell(method, attribute, options, n_epochs, data_options, seed)
             changes = [
@@ -226,6 +231,7 @@ def _run_cells(run, todo, method_options: dict, data_options: dict, seed: int, a
             run.store.add(
                 {"changes": changes, "summary": [{"method": method, "attribute": attribute, **scores}]}
             )  # both or neither
+            progress.update()
 
 
 def _position(cells: list[tuple[str, str]]):

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lit_interventions.core.batch import PairBatch, Side
 from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.progress import stage
 from lit_interventions.core.sites import final_logits, stacked_hidden
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 
@@ -83,43 +84,53 @@ def score_stacked(
         same = unchanged[key].tolist() if key in unchanged else [False] * len(runs[id(batch)])
         todo[key] = {i: run for i, (run, skip) in enumerate(zip(runs[id(batch)], same)) if not skip}
     logits = {}  # job -> its rows' label logits, (n, columns), in row order (unchanged rows: not filled)
-    for chunk in _pieces(todo, rows):
-        stacked = Side.cat([jobs[key][0].base.rows(index) for key, index in chunk])
-        layers = [key[1][0] for key, index in chunk for _ in index]
-        base = cache.states(layers, stacked)
-        bounds = [0]
-        for _, index in chunk:
-            bounds.append(bounds[-1] + len(index))
-
-        def edit(h, chunk=chunk, bounds=bounds):  # each row's f*, or f(b) in a clean row
-            return torch.cat(
-                [
-                    h[s:e] if jobs[key][2] is None else edited[key][index].to(h.dtype)
-                    for (key, index), s, e in zip(chunk, bounds, bounds[1:])
-                ]
-            )
-
-        vocab = torch.cat([jobs[key][1][index] for key, index in chunk])
-        # a fixed prefix width: a row's key length does not depend on the rows beside it (exact resumes)
-        prefix = cache.row_prefix(min(layers), stacked, width)
-        hidden = stacked_hidden(
-            model,
-            stacked.input_ids,
-            stacked.attention_mask,
-            stacked.last,
-            layers,
-            stacked.pos,
-            edit,
-            base,
-            prefix,
-        )
-        out = final_logits(model, hidden, vocab)
-        for (key, index), s, e in zip(chunk, bounds, bounds[1:]):
-            if key not in logits:
-                logits[key] = out.new_full((len(jobs[key][1]), out.shape[1]), float("nan"))
-            logits[key][index] = out[s:e]
+    pieces = list(_pieces(todo, rows))
+    with stage(len(pieces), "scoring forwards", "forward") as shown:
+        for chunk in pieces:
+            _forward(model, cache, jobs, edited, chunk, width, logits)
+            shown.update()
     scores = _scores(tasks, read_from, logits, unchanged, device)
     return scores[TASK] if control is None else (scores[TASK], scores[CONTROL])
+
+
+def _forward(model, cache: ActivationCache, jobs: dict, edited: dict, chunk: list, width: int, logits: dict) -> None:
+    """One stacked forward of `chunk` ([(job, its rows)], `_pieces`): each row from its site's
+    cached state, its f* written there (`edited`), the label logits stored in `logits` ({job: (n,
+    columns)})."""
+    stacked = Side.cat([jobs[key][0].base.rows(index) for key, index in chunk])
+    layers = [key[1][0] for key, index in chunk for _ in index]
+    base = cache.states(layers, stacked)
+    bounds = [0]
+    for _, index in chunk:
+        bounds.append(bounds[-1] + len(index))
+
+    def edit(h, chunk=chunk, bounds=bounds):  # each row's f*, or f(b) in a clean row
+        return torch.cat(
+            [
+                h[s:e] if jobs[key][2] is None else edited[key][index].to(h.dtype)
+                for (key, index), s, e in zip(chunk, bounds, bounds[1:])
+            ]
+        )
+
+    vocab = torch.cat([jobs[key][1][index] for key, index in chunk])
+    # a fixed prefix width: a row's key length does not depend on the rows beside it (exact resumes)
+    prefix = cache.row_prefix(min(layers), stacked, width)
+    hidden = stacked_hidden(
+        model,
+        stacked.input_ids,
+        stacked.attention_mask,
+        stacked.last,
+        layers,
+        stacked.pos,
+        edit,
+        base,
+        prefix,
+    )
+    out = final_logits(model, hidden, vocab)
+    for (key, index), s, e in zip(chunk, bounds, bounds[1:]):
+        if key not in logits:
+            logits[key] = out.new_full((len(jobs[key][1]), out.shape[1]), float("nan"))
+        logits[key][index] = out[s:e]
 
 
 def _scores(tasks: dict, read_from: dict, logits: dict, unchanged: dict, device) -> dict:

@@ -18,6 +18,7 @@ A rerun skips the (concept, factor) cells already in generations.jsonl.
 from __future__ import annotations
 
 import json
+import math
 import random
 import zlib
 from collections import defaultdict
@@ -26,14 +27,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from lit_interventions.artifacts.plots import report_figures
 from lit_interventions.cli.studies import claim_out_dir, run_cli
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
+from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
 from lit_interventions.core.sharding import LoadOptions
 from lit_interventions.interventions.base import trusting_remote_code
-from lit_interventions.metrics.judge import Judge, chat_prompt, generate_replies, make_judge
+from lit_interventions.metrics.judge import ASPECTS, Judge, chat_prompt, generate_replies, make_judge
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 from lit_interventions.studies.steer_report import (
     FACTOR_COLUMNS,
@@ -78,7 +79,8 @@ _read_generations = read_generations  # its name before the split (tests import 
 def generate(
     model, tokenizer, instructions: list[str], max_new_tokens: int, temperature: float, batch_size: int, seed: int
 ) -> list[str]:
-    """Sampled replies to each instruction (chat template, left padding), batched."""
+    """Sampled replies to each instruction (chat template, left padding), batched; each decoding
+    step counted in the study's progress (`core.progress.stage`)."""
     torch.manual_seed(seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     room = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -88,15 +90,17 @@ def generate(
         if temperature > 0
         else {"do_sample": False}
     )
-    return generate_replies(
-        model,
-        tokenizer,
-        texts,
-        max_new_tokens,
-        batch_size,
-        max_length=max(1, room - max_new_tokens) if room else None,
-        **sampling,
-    )
+    with stage(math.ceil(len(texts) / batch_size) * max_new_tokens, "generated tokens", "token") as shown:
+        return generate_replies(
+            model,
+            tokenizer,
+            texts,
+            max_new_tokens,
+            batch_size,
+            max_length=max(1, room - max_new_tokens) if room else None,
+            streamer=TokenSteps(shown, max_new_tokens),
+            **sampling,
+        )
 
 
 @dataclass
@@ -209,6 +213,7 @@ def plan_steer_eval(
     """Check every argument, load the steerers, draw up the cells and claim the output directory
     (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
     placement = LoadOptions(device_map, quantization)
+    line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     factors = _check_settings(dictionary, checkpoint, factors, instructions, max_new_tokens, temperature, batch_size)
     with trusting_remote_code(trust_remote_code):
         steerers = _load_steerers(dictionary, checkpoint, lm)
@@ -255,7 +260,7 @@ def _run_cell(plan: SteerPlan, model, tokenizer, steerer, concept: str, factor: 
             plan.batch_size,
             seed=zlib.crc32(f"{plan.seed}:{concept}:{factor}".encode()),
         )
-    scores = plan.judge.score([concept] * len(chosen), chosen, responses)
+    scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
     select = plan.instructions // 2
     return [
         {
@@ -273,6 +278,20 @@ def _run_cell(plan: SteerPlan, model, tokenizer, steerer, concept: str, factor: 
     ]
 
 
+def _judged(judge: Judge, concepts: list[str], instructions: list[str], responses: list[str]) -> list:
+    """`judge.score`, called on a few generations at a time, each call counted in the study's
+    progress: as many as fill whole batches of the judge's prompts (3 a generation; a local judge's
+    `batch_size`, an endpoint's `workers`), so the judge sees the batches one call gives it."""
+    per = getattr(judge, "batch_size", None) or getattr(judge, "workers", None) or 1
+    size = per // math.gcd(per, len(ASPECTS))
+    scores = []
+    with stage(len(responses), "judged generations", "generation") as shown:
+        for a in range(0, len(responses), size):
+            scores += judge.score(concepts[a : a + size], instructions[a : a + size], responses[a : a + size])
+            shown.update(len(responses[a : a + size]))
+    return scores
+
+
 def run_cells(plan: SteerPlan) -> list[dict]:
     """Every row of DIR/generations.jsonl: those already there, then each cell not yet complete,
     generated, judged and appended (flushed) one cell at a time."""
@@ -287,14 +306,15 @@ def run_cells(plan: SteerPlan) -> list[dict]:
         load_tokenizer(plan.lm),
     )
     work = [(s, c, f) for s, names in plan.cells_of.items() for c in names for f in plan.factors]
-    with path.open("a") as sink:
-        for steerer, concept, factor in tqdm(work, desc="steering cells", unit="cell"):
-            if done[(concept, float(factor))] >= plan.instructions:
-                continue
+    todo = [(s, c, f) for s, c, f in work if done[(c, float(f))] < plan.instructions]
+    with path.open("a") as sink, Progress(len(work), "steering cells", "cell", len(work) - len(todo)) as shown:
+        for steerer, concept, factor in todo:
+            shown.note(f"{concept}, factor {factor}")
             cell = _run_cell(plan, model, tokenizer, steerer, concept, factor)
             sink.write("".join(json.dumps(r) + "\n" for r in cell))
             sink.flush()
             rows += cell
+            shown.update()
     return rows
 
 
