@@ -165,7 +165,8 @@ def concept_rows(request: ApplyRequest, names: Sequence[str] | None, count: int,
 @torch.no_grad()
 def source_states(request: ApplyRequest, layer: int, component: str, where: str) -> torch.Tensor:
     """The source state at (layer, component) and the request's source position, (d,): read from
-    the source text through the unedited LM, or the tensor given."""
+    the source text before this request's hooks are placed (an enclosing `apply` still edits
+    it), or the tensor given."""
     if request.source is None:
         raise ValueError(f"{where} is an interchange intervention: give a source (a text, or its state as a tensor)")
     if torch.is_tensor(request.source):
