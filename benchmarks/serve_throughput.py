@@ -35,7 +35,6 @@ from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.inference.apply import load_artifact
 from lit_interventions.inference.generate import prompt_text
 from lit_interventions.inference.positions import encode_text
-from lit_interventions.serving.steered_lm import artifact_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -125,7 +124,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     artifact = load_artifact(args.artifact)
-    lm_name, n_concepts = artifact_model(artifact), len(artifact.concepts or [None])
+    lm_name, n_concepts = artifact.model, len(artifact.concepts or [None])
     print(f"lm={lm_name} artifact={args.artifact} max_tokens={args.max_tokens} device={args.device}", end=" ")
     print(f"torch_threads={torch.get_num_threads()} rounds={args.rounds}")
     reference = Reference(lm_name, args.device, args.max_tokens)

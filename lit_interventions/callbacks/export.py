@@ -9,6 +9,7 @@ from lightning import Callback
 from lit_interventions.artifacts.hub import export_dir, intervention_config, trainer_command, write_hub_files_beside
 from lit_interventions.core.files import finite_values
 from lit_interventions.core.lm import num_layers
+from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: older imports)
     CARD,
     WEIGHTS,
@@ -75,9 +76,9 @@ class ExportIntervention(Callback):
                 templates=data_hp.get("templates") or "builtin",
                 control=data_hp.get("control"),
             )
-        example = getattr(trainer.datamodule, "usage_example", None)
-        if callable(example) and example() is not None:  # the model card's "Use" runs on it
-            card["example"] = example()
+        example = trainer.datamodule.usage_example() if isinstance(trainer.datamodule, BenchmarkDataModule) else None
+        if example is not None:  # the model card's "Use" runs on it
+            card["example"] = example
         directory = export_dir(trainer, log_dir)
         save_intervention(directory, intervention, card)
         write_hub_files_beside(

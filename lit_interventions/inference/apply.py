@@ -51,6 +51,11 @@ class LoadedArtifact:
         self.obj, self.config, self.where = obj, config, where
 
     @property
+    def model(self) -> str | None:
+        """The LM it was trained on, as its config (or the object) records it."""
+        return self.config.get("model") or getattr(self.obj, "model", None)
+
+    @property
     def concepts(self) -> list[str] | None:
         names = self.config.get("concepts") or getattr(self.obj, "concepts", None)
         return list(names) if names else None

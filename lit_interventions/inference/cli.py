@@ -26,6 +26,23 @@ from lit_interventions.inference.generate import generate_pair
 from lit_interventions.inference.positions import Positions
 
 
+def add_artifact_options(parser: Parser) -> None:
+    """--artifact (several, or the option repeated, compose), --lm, --dtype and
+    --trust_remote_code: what `generate` and `serve` load."""
+    add = parser.add_argument
+    add(
+        "--artifact",
+        type=str,
+        nargs="+",
+        action="extend",
+        required=True,
+        help="run or save_pretrained directories, or hub ids (several, or the option repeated, compose)",
+    )
+    add("--lm", type=str | None, default=None, help="the LM (default: the model the artifact was trained on)")
+    add("--dtype", type=str, default="float32")
+    add("--trust_remote_code", action="store_true", help="load artifacts naming unregistered classes")
+
+
 def parser() -> Parser:
     """The `generate` command line."""
     from jsonargparse import ActionConfigFile
@@ -33,13 +50,7 @@ def parser() -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0], prog=f"{PROG} generate", default_config_files=[])
     parser.add_argument("--config", action=ActionConfigFile)
     add = parser.add_argument
-    add(
-        "--artifact",
-        type=str,
-        nargs="+",
-        required=True,
-        help="run or save_pretrained directories, or hub ids (several compose)",
-    )
+    add_artifact_options(parser)
     add("--prompt", type=str, required=True, help="the text to continue (a chat model's user turn)")
     add("--source", type=str | None, default=None, help="an interchange's source text")
     add("--concept", type=str | None, default=None, help="a dictionary concept: its name or index")
@@ -48,16 +59,13 @@ def parser() -> Parser:
     add("--span", type=str | None, default=None, help="edit the last token of this piece of the prompt")
     add("--source_positions", type=str, default="last", help="the source token read: last or one index")
     add("--source_span", type=str | None, default=None, help="read the source at the last token of this piece")
-    add("--lm", type=str | None, default=None, help="the LM (default: the model the artifact was trained on)")
     add("--max_new_tokens", type=int, default=32)
     add("--seed", type=int, default=0)
     add("--sample", action="store_true", help="sample (temperature, top_p) instead of greedy decoding")
     add("--temperature", type=float, default=1.0)
     add("--top_p", type=float, default=1.0)
     add("--chat", type=bool | None, default=None, help="use the chat template (default: when the tokenizer has one)")
-    add("--dtype", type=str, default="float32")
     add("--json", action="store_true", help="print one JSON object: prompt, unsteered, steered")
-    add("--trust_remote_code", action="store_true", help="load artifacts naming unregistered classes")
     return parser
 
 
@@ -102,7 +110,7 @@ def command_artifacts(
     except (OSError, ValueError) as err:
         fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     check_concept(artifacts, concept)
-    name = lm or artifacts[0].config.get("model") or getattr(artifacts[0].obj, "model", None)
+    name = lm or artifacts[0].model
     if not name:
         fail(f"{artifacts[0].where} records no model; pass --lm")
     return artifacts, name

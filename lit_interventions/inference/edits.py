@@ -221,21 +221,12 @@ def intervention_edits(intervention: nn.Module, config: dict, request: ApplyRequ
 def install(lm: nn.Module, edits: list[Edit], request: ApplyRequest) -> Iterator[PositionTracker]:
     """The hooks of `edits` on `lm` inside the block, each editing its chosen positions (rows
     switched off by `request.enabled` untouched). Yields the position tracker."""
-    tracker = PositionTracker()
+    tracker = PositionTracker(request.enabled)
     with ExitStack() as stack:
         stack.enter_context(tracker.following(lm))
         for edit in edits:
-            stack.enter_context(_hook(lm, edit, tracker, request))
+            stack.enter_context(_hook(lm, edit, tracker))
         yield tracker
-
-
-def _chosen(edit: Edit, tracker: PositionTracker, request: ApplyRequest, batch: int, device) -> torch.Tensor:
-    chosen = tracker.mask(edit.positions, batch, device)
-    if request.enabled is not None:
-        enabled = torch.as_tensor(list(request.enabled), dtype=torch.bool)
-        enabled = tracker._rows(enabled, batch) if len(enabled) != batch else enabled
-        chosen &= enabled.to(device)[:, None]
-    return chosen
 
 
 def _apply_at(edit: Edit, hidden: torch.Tensor, chosen: torch.Tensor, inputs: torch.Tensor | None):
@@ -249,12 +240,12 @@ def _apply_at(edit: Edit, hidden: torch.Tensor, chosen: torch.Tensor, inputs: to
 
 
 @contextmanager
-def _hook(lm: nn.Module, edit: Edit, tracker: PositionTracker, request: ApplyRequest):
+def _hook(lm: nn.Module, edit: Edit, tracker: PositionTracker):
     if edit.module is None:
         decoder_layers(lm)  # the blocks, found before generation starts
 
         def on_hidden(hidden):
-            return _apply_at(edit, hidden, _chosen(edit, tracker, request, hidden.shape[0], hidden.device), None)
+            return _apply_at(edit, hidden, tracker.mask(edit.positions, hidden.shape[0], hidden.device), None)
 
         with site_hook(lm, edit.layer, edit.component, on_hidden):
             yield
@@ -264,7 +255,7 @@ def _hook(lm: nn.Module, edit: Edit, tracker: PositionTracker, request: ApplyReq
         raise ValueError(f"the LM {lm_name(lm)!r} has no module {edit.module!r} to edit")
 
     def post_hook(module, args, output):
-        chosen = _chosen(edit, tracker, request, output.shape[0], output.device)
+        chosen = tracker.mask(edit.positions, output.shape[0], output.device)
         return _apply_at(edit, output, chosen, args[0])
 
     handle = module.register_forward_hook(post_hook)

@@ -113,9 +113,11 @@ def span_position(tokenizer, text: str, span: str, templated: bool = False, occu
 
 
 class PositionTracker:
-    """Where each forward of `model` is in its sequence, for `mask` (see the module doc)."""
+    """Where each forward of `model` is in its sequence, for `mask` (see the module doc);
+    `enabled`: None, or a bool per batch row (rows with False are never chosen)."""
 
-    def __init__(self):
+    def __init__(self, enabled: Sequence[bool] | None = None):
+        self.enabled = None if enabled is None else torch.as_tensor(list(enabled), dtype=torch.bool)  # rows edited
         self.past = 0  # positions before this forward's chunk
         self.width = 0  # the chunk's length
         self.prompt_ids: torch.Tensor | None = None
@@ -162,7 +164,8 @@ class PositionTracker:
         return int(self.last.max()) + 1 if len(self.last) else 0
 
     def mask(self, positions: Positions, batch: int, device: torch.device) -> torch.Tensor:
-        """(batch, chunk) bool: which positions of the current chunk `positions` edits."""
+        """(batch, chunk) bool: which positions of the current chunk `positions` edits (in the
+        rows `enabled` leaves on)."""
         if positions.rule == "site":
             raise ValueError("positions 'site' must be resolved against an artifact first")
         absolute = torch.arange(self.past, self.past + self.width)[None, :].expand(batch, -1)
@@ -180,6 +183,8 @@ class PositionTracker:
             for index in positions.indices:
                 at = first + index if index >= 0 else last + 1 + index
                 chosen |= (absolute == at) & (at >= first) & (at <= last)
+        if self.enabled is not None:  # rows switched off are left unedited
+            chosen &= self._rows(self.enabled, batch)[:, None]
         return chosen.to(device)
 
     def _rows(self, values: torch.Tensor, batch: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The chat requests the judge server accepts: each field of an OpenAI `/chat/completions` body
-checked for type and range (`validate_request`), a bad one raised as `BadRequest` naming it."""
+"""The chat requests the servers accept: each field of an OpenAI `/chat/completions` body
+checked for type and range (`validate_request`), a bad one raised as `BadRequest` naming it; and
+the text an LM reads for a chat's messages (`chat_text`)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,10 @@ def check_options(request: dict, max_new_tokens: int, allow_stream: bool = False
     ):
         raise BadRequest("stop", "must be a string or a list of strings")
     return limit, model
+
+
+def chat_text(tokenizer, messages: list[dict]) -> tuple[str, bool]:
+    """(the text the LM reads for `messages`, whether the chat template wrote it)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:", False

@@ -34,7 +34,7 @@ import torch
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_dtype, load_lm, load_tokenizer
 from lit_interventions.serving.chat_handler import chat_routes
-from lit_interventions.serving.chat_request import MAX_MESSAGES, ROLES, is_int, validate_request
+from lit_interventions.serving.chat_request import MAX_MESSAGES, ROLES, chat_text, is_int, validate_request
 from lit_interventions.serving.http_server import HTTPServer, ServerLimits, serve_in_background
 from lit_interventions.serving.json_api import BadRequest, json_app
 from lit_interventions.serving.server_options import (
@@ -68,19 +68,13 @@ class ChatLM:
         self.model, self.tokenizer = load_lm(lm, dtype), load_tokenizer(lm)
         self.lock = threading.Lock()
 
-    def _prompt(self, messages: list[dict]) -> str:
-        """The messages in the chat template, or "Role: content" lines ending in "Assistant:"."""
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
-
     @torch.no_grad()
     def complete(self, messages: list[dict], max_tokens: int | None = None) -> tuple[str, int, int, str]:
         """(reply, prompt tokens, completion tokens, finish reason)."""
         limit = min(max_tokens or self.max_new_tokens, self.max_new_tokens)
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        templated = bool(getattr(self.tokenizer, "chat_template", None))
-        enc = self.tokenizer(self._prompt(messages), return_tensors="pt", add_special_tokens=not templated)
+        text, templated = chat_text(self.tokenizer, messages)
+        enc = self.tokenizer(text, return_tensors="pt", add_special_tokens=not templated)
         room = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         if room:  # keep the prompt's end and room for the reply
             keep = max(1, room - limit)

@@ -19,25 +19,13 @@ from torch import nn
 from transformers import StoppingCriteriaList
 
 from lit_interventions.core.lm import check_device, load_lm, load_tokenizer
-from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact, request_for
+from lit_interventions.inference.apply import apply, load_artifact, request_for
 from lit_interventions.inference.positions import encode_text
 from lit_interventions.serving.batcher import Batcher, Job, RowsDone, RowStreamer
-from lit_interventions.serving.chat_request import is_int
+from lit_interventions.serving.chat_request import chat_text, is_int
 from lit_interventions.serving.completion_request import Options, Steering
 from lit_interventions.serving.json_api import BadRequest
 from lit_interventions.serving.reply_stream import Reply
-
-
-def artifact_model(artifact: LoadedArtifact) -> str | None:
-    """The LM an artifact was trained on, as its config (or the object) records it."""
-    return artifact.config.get("model") or getattr(artifact.obj, "model", None)
-
-
-def chat_text(tokenizer, messages: list[dict]) -> tuple[str, bool]:
-    """(the text the LM reads for `messages`, whether the chat template wrote it)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
-    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:", False
 
 
 def _eos_ids(model: nn.Module) -> tuple[int, ...]:
@@ -84,7 +72,7 @@ class SteeredLM:
             self.model, self.tokenizer = lm, tokenizer
             self.name = name or getattr(lm.config, "_name_or_path", "") or type(lm).__name__
         else:
-            lm = lm or artifact_model(self.artifacts[0])
+            lm = lm or self.artifacts[0].model
             if not lm:
                 raise ValueError(f"{self.artifacts[0].where} records no model; give lm=NAME")
             self.model, self.tokenizer = load_lm(lm, dtype).to(device), tokenizer or load_tokenizer(lm)

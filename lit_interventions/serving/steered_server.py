@@ -28,7 +28,7 @@ import math
 
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_device, check_dtype
-from lit_interventions.inference.cli import command_artifacts
+from lit_interventions.inference.cli import add_artifact_options, command_artifacts
 from lit_interventions.serving.http_server import HTTPServer, serve_in_background
 from lit_interventions.serving.json_api import json_app
 from lit_interventions.serving.server_options import (
@@ -80,23 +80,13 @@ def parser() -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0], prog=f"{PROG} serve", default_config_files=[])
     parser.add_argument("--config", action=ActionConfigFile)
     add = parser.add_argument
-    add(
-        "--artifact",
-        type=str,
-        nargs="+",
-        action="extend",
-        required=True,
-        help="run or save_pretrained directories, or hub ids (several, or the option repeated, compose)",
-    )
-    add("--lm", type=str | None, default=None, help="the LM (default: the model the artifact was trained on)")
+    add_artifact_options(parser)
     add("--max_new_tokens", type=int, default=256, help="cap on the tokens of a reply")
     add("--max_batch", type=int, default=8, help="requests generated together in one batch")
     add("--batch_wait_ms", type=float, default=10.0, help="how long a request waits for others to batch with")
     add("--concept", type=str | None, default=None, help="the concept of requests naming none: a name or an index")
     add("--factor", type=float, default=1.0, help="the factor of requests giving none")
-    add("--dtype", type=str, default="float32")
     add("--device", type=str, default="cpu", help="where the LM runs: cpu, cuda, cuda:1, mps")
-    add("--trust_remote_code", action="store_true", help="load artifacts naming unregistered classes")
     add_server_options(parser, max_concurrent=16)
     return parser
 
