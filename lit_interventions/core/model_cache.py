@@ -37,10 +37,24 @@ def cache_dir() -> Path:
 
 
 def converted_dir(gguf: Path) -> Path:
-    """Where the safetensors copy of a GGUF file lives (keyed by file name, size and mtime)."""
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / f"{gguf.stem}-{key}"
+    """Where the safetensors copy of a GGUF file lives: `<stem>-<the first 12 hex of its sha256>`.
+    Keyed by content, so a copy of the file in another venv or folder finds the same conversion."""
+    return cache_dir() / f"{gguf.stem}-{gguf_sha256(gguf)[:12]}"
+
+
+_GGUF_SHA256: dict[tuple[str, int, int], str] = {}  # (file, size, mtime) -> sha256, hashed once a process
+
+
+def gguf_sha256(path: Path, known: str | None = None) -> str:
+    """The file's sha256, hashed once per process while its size and mtime stay; `known` records a
+    digest its caller has just verified (the embedded gemma package checks its own)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if known is not None:
+        _GGUF_SHA256[key] = known
+    if key not in _GGUF_SHA256:
+        _GGUF_SHA256[key] = _sha256(path)
+    return _GGUF_SHA256[key]
 
 
 def _sha256(path: Path) -> str:
