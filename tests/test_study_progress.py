@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -14,6 +15,7 @@ from lit_interventions.datamodules.ravel import RavelDataModule
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.core.progress import ENV, Progress, TokenSteps, current, line_seconds, stage
+from lit_interventions.interventions.feature_selection import feature_sweep
 from lit_interventions.studies import calm, causalgym_sweep, causalgym_training, ravel_sweep, steer_eval
 from tests.helpers import CALM_SMALL, run_command
 from tests.test_ravel_data import oracle
@@ -228,6 +230,20 @@ def test_ravel_sweep_progress(tmp_path, tiny_lm_dir, monkeypatch, capsys):
     monkeypatch.setattr(ravel_sweep, "LoopProgress", Callback)
     ravel_sweep.main([*args, f"--out={tmp_path / 'quiet'}"])
     _same_files(tmp_path / "shown", tmp_path / "quiet", ["summary.csv", "changes.csv"])
+
+
+def test_feature_selection_counts_each_C_in_the_study_progress(monkeypatch, capsys):
+    monkeypatch.setenv(ENV, "0")
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, 60)
+    features = rng.normal(size=(60, 8)) + 3 * np.eye(3, 8)[labels]
+    with Progress(1, "RAVEL cells", "cell"):
+        sweep = feature_sweep(features, labels, C=(10.0, 0.1, 1.0))
+    assert [r["C"] for r in sweep] == [0.1, 1.0, 10.0]
+    shown = [levels for levels in map(_levels, capsys.readouterr().out.splitlines()) if levels]
+    assert _counts(shown, "feature selection") == [[1, 2, 3]]
+    notes = [levels[1]["note"] for levels in shown if len(levels) == 2]
+    assert notes == ["C=0.1", "C=1", "C=10"]
 
 
 @pytest.mark.parametrize(

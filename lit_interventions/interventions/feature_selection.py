@@ -30,6 +30,8 @@ from sklearn.multiclass import OneVsRestClassifier
 from sklearn.preprocessing import StandardScaler
 from sklearn.svm import LinearSVC
 
+from lit_interventions.core.progress import stage
+
 DEFAULT_C_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)  # the L1 logistic regression's (scaled features)
 RAVEL_C_GRID = (0.1, 1.0, 10.0, 100.0, 1000.0)  # the paper's {0.1, 1, 10, 1000} and the code's {0.1, 10, 100, 1000}
 CLASSIFIERS = ("svc", "logistic")
@@ -132,10 +134,13 @@ def feature_sweep(
     _check_classifier(classifier)
     if standardize:
         X = StandardScaler().fit_transform(X)
-    sweep = []
-    for c in sorted(_check_C(C)):
-        used = _used_features(_fit_classifier(classifier, c, X, y, max_iter))
-        sweep.append({"C": c, "n_features": len(used), "selected": used})
+    sweep, grid = [], sorted(_check_C(C))
+    with stage(len(grid), "feature selection", "C") as shown:  # seconds per C for RAVEL's states
+        for c in grid:
+            shown.note(f"C={c:g}")
+            used = _used_features(_fit_classifier(classifier, c, X, y, max_iter))
+            sweep.append({"C": c, "n_features": len(used), "selected": used})
+            shown.update()
     return sweep
 
 
