@@ -8,6 +8,10 @@ Schema (CausalGym, Arora et al. 2024, §3.2), one entry per task:
             "variables": {"name": {"he": [...], "she": [...]}, "completion": ["walked", ...]},
             "result_prepend_space": true}}
 
+A variable named `head.part` (`vp.verb`, `vp.cont`) is one part of the head variable `head`:
+the parts of one head list equally many options, and a pair takes every part at one index,
+drawn once per head variable, so the i-th verb comes with the i-th continuation.
+
 A template is cut into *regions*: each `{variable}` (with the space before it) is a region named
 after the variable, and each stretch of literal text between variables is a region named by
 its text ("because"). Pairs are aligned at the last token of each region.
@@ -50,6 +54,11 @@ class Pair:
 
     def swapped(self) -> Pair:
         return Pair(self.source, self.base, self.source_type, self.base_type)
+
+
+def head_variable(variable: str) -> str | None:
+    """The head variable a dotted part belongs to (`vp` for `vp.verb`); None for a plain name."""
+    return variable.split(".")[0] if "." in variable else None
 
 
 def split_regions(template: str) -> list[Region]:
@@ -127,7 +136,8 @@ class TaskTemplate:
 
     def distinct_pairs(self, same_type: bool = False) -> int:
         """How many distinct pairs `sample_pair` can draw (a pair and its swap counted once): per
-        template and ordered pair of types, the product of the option counts of its regions; halved,
+        template and ordered pair of types, the product of the option counts of its regions, a
+        head variable counted once by its distinct rows of parts; halved,
         as every ordered pair has its swap. Identical texts from different choices count twice, so
         this is an upper bound, exact for the built-in tasks. `same_type`: Iso pairs."""
         ordered = 0
@@ -139,39 +149,43 @@ class TaskTemplate:
         return ordered // 2
 
     def _choices(self, template: str, base_type: str, source_type: str, same_type: bool = False) -> int:
-        count = 1
+        count, parts = 1, {}
         for region in split_regions(template):
             options = self.variables.get(region.variable) if region.variable else None
             if options is None:
                 continue
             if region.variable in self.label_variables:
                 count *= len(set(options[base_type])) * len(set(options[source_type]))
+            elif head_variable(region.variable) is not None:  # counted once per head variable, below
+                parts.setdefault(head_variable(region.variable), set()).add(region.variable)
             else:  # shared by a Cause pair's sentences; sampled for each of an Iso pair's
                 count *= len(set(options)) ** (2 if same_type else 1)
+        for names in parts.values():
+            names = sorted(names)
+            rows = {tuple(self.variables[name][i] for name in names) for i in range(len(self.variables[names[0]]))}
+            count *= len(rows) ** (2 if same_type else 1)
         return count
 
     def sample_pair(self, rng: random.Random, same_type: bool = False) -> Pair:
         """§3.2: types t1 ≠ t2; label variables take options of t1 (base) / t2 (source); every
-        other variable takes one option shared by both sentences.
+        other variable takes one option shared by both sentences. The dotted parts of one head
+        variable (`vp.verb`, `vp.cont`) take their options at one index, drawn once per pair for
+        that head variable where its first part appears, so the parts stay together.
 
         `same_type` samples an Iso pair instead (for the multi-task loss of MDAS/MDBM): both
-        sentences of one type, every variable sampled for each sentence on its own, so the source
-        differs from the base in everything but what decides the label."""
+        sentences of one type, every variable sampled for each sentence on its own (a head
+        variable's index too), so the source differs from the base in everything but what
+        decides the label."""
         base_type, source_type = (rng.choice(self.types),) * 2 if same_type else rng.sample(self.types, 2)
         template = rng.choice(self.templates)
         base_parts, source_parts = [], []
+        indices: dict[str, tuple[int, int]] = {}  # head variable -> its (base, source) index
         for region in split_regions(template):
             if region.variable is None:
                 base_parts.append((region.name, region.text))
                 source_parts.append((region.name, region.text))
                 continue
-            options = self.variables[region.variable]
-            if region.variable in self.label_variables:
-                base_choice, source_choice = rng.choice(options[base_type]), rng.choice(options[source_type])
-            elif same_type:
-                base_choice, source_choice = rng.choice(options), rng.choice(options)
-            else:
-                base_choice = source_choice = rng.choice(options)
+            base_choice, source_choice = self._draw(region.variable, rng, base_type, source_type, same_type, indices)
             base_parts.append((region.name, self._fill(region, base_choice)))
             source_parts.append((region.name, self._fill(region, source_choice)))
         words = self.label_words()
@@ -181,6 +195,31 @@ class TaskTemplate:
             base_type,
             source_type,
         )
+
+    def _draw(
+        self,
+        variable: str,
+        rng: random.Random,
+        base_type: str,
+        source_type: str,
+        same_type: bool,
+        indices: dict[str, tuple[int, int]],
+    ) -> tuple[str, str]:
+        """One variable's (base, source) options; `indices` holds each head variable's index."""
+        options = self.variables[variable]
+        if variable in self.label_variables:
+            return rng.choice(options[base_type]), rng.choice(options[source_type])
+        head = head_variable(variable)
+        if head is not None:
+            if head not in indices:
+                base_index = rng.randrange(len(options))
+                indices[head] = (base_index, rng.randrange(len(options)) if same_type else base_index)
+            base_index, source_index = indices[head]
+            return options[base_index], options[source_index]
+        if same_type:
+            return rng.choice(options), rng.choice(options)
+        choice = rng.choice(options)
+        return choice, choice
 
 
 def _sentence(parts: list[tuple[str, str]], label: str) -> Sentence:
@@ -196,6 +235,24 @@ def _sentence(parts: list[tuple[str, str]], label: str) -> Sentence:
 
 def _fail(path: Path | str, task: str, key: str, why: str) -> ValueError:
     return ValueError(f"Malformed template file {path}: task {task!r}, key {key!r}: {why}")
+
+
+def _check_parts(path: Path | str, task: str, variables: dict, label_variables: list[str]) -> None:
+    """The dotted parts of one head variable are drawn at one index: equally many options."""
+    sizes: dict[str, tuple[str, int]] = {}
+    for var, options in variables.items():
+        head = head_variable(var)
+        if head is None or var in label_variables:
+            continue
+        first, size = sizes.setdefault(head, (var, len(options)))
+        if len(options) != size:
+            raise _fail(
+                path,
+                task,
+                f"variables.{var}",
+                f"{len(options)} options, but {first!r} of the same head variable {head!r} has {size}; "
+                "the parts of one head variable are drawn at one index, so they need equally many options",
+            )
 
 
 def parse_task(name: str, spec: dict, path: Path | str = "<dict>") -> TaskTemplate:
@@ -232,6 +289,7 @@ def parse_task(name: str, spec: dict, path: Path | str = "<dict>") -> TaskTempla
             raise _fail(path, name, f"variables.{var}", "options must be non-empty lists of strings")
         if isinstance(options, dict) and var not in label_variables:
             raise _fail(path, name, f"variables.{var}", "only label variables may have options per type")
+    _check_parts(path, name, variables, label_variables)
     for template in templates:
         for region in split_regions(template):
             if region.variable is not None and region.variable not in variables:
