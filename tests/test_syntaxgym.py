@@ -23,12 +23,15 @@ from lit_interventions.core.surprisal import (
 )
 from lit_interventions.studies.syntaxgym import (
     FormulaError,
+    SuiteResult,
     evaluate_suite,
     load_suite,
     main,
     parse_formula,
+    sg_score,
     suite_from_json,
     suite_paths,
+    write_csv,
 )
 
 REAL_SUITES = Path(__file__).resolve().parents[2] / "shared" / "data" / "syntaxgym"
@@ -281,7 +284,29 @@ def test_region_surprisals_and_predictions_match_a_hand_computation(tiny_lm_dir,
     accuracy = sum(expected_correct) / 3
     assert rows[0] == ["suite", "items", "accuracy"]
     assert rows[1][:2] == ["tiny_agreement", "3"] and float(rows[1][2]) == pytest.approx(accuracy, abs=1e-6)
-    assert rows[2][:2] == ["SG score", "3"] and float(rows[2][2]) == pytest.approx(accuracy, abs=1e-6)
+    assert rows[2][:2] == ["SG score (all suites)", "3"] and float(rows[2][2]) == pytest.approx(accuracy, abs=1e-6)
+    assert rows[3][:2] == ["SG score", "3"] and float(rows[3][2]) == pytest.approx(accuracy, abs=1e-6)
+
+
+def test_sg_score_leaves_out_the_suites_the_official_analysis_drops(tmp_path):
+    # the analysis of Hu et al. 2020 drops ^fgd-embed[34], ^gardenpath and ^nn-nv before its mean
+    outcomes = {
+        "number_src": [True, True, False, False],  # 0.5
+        "fgd-embed3": [False] * 3,  # 0, left out
+        "fgd-embed4": [True],  # 1, left out
+        "fgd_hierarchy": [True, False, False, False],  # 0.25 (an fgd suite the analysis keeps)
+        "nn-nv-rpl": [False, False],  # 0, left out
+        "gardenpath_x": [True],  # 1, left out
+        "subordination": [True, True, True, False],  # 0.75
+    }
+    results = [SuiteResult(name, correct, [{} for _ in correct]) for name, correct in outcomes.items()]
+    assert sg_score(results) == pytest.approx((0.5 + 0.25 + 0.75) / 3, abs=1e-12)
+    assert sg_score(results, all_suites=True) == pytest.approx((0.5 + 0 + 1 + 0.25 + 0 + 1 + 0.75) / 7, abs=1e-12)
+    write_csv(results, tmp_path / "sg.csv")
+    rows = list(csv.reader((tmp_path / "sg.csv").open()))
+    assert rows[-2] == ["SG score (all suites)", "19", f"{3.5 / 7:.6f}"]
+    assert rows[-1] == ["SG score", "12", f"{0.5:.6f}"]
+    assert math.isnan(sg_score(results[1:2]))  # only left-out suites: no score
 
 
 def test_mean_metric_divides_by_the_token_count(tiny_lm_dir, tokenizer):
@@ -389,4 +414,4 @@ def test_gemma_beats_chance_on_number_agreement(tmp_path):
     accuracy = {result.name: result.accuracy for result in results}
     assert accuracy["number_src"] > 0.5, accuracy  # chance is 0.25: two conjuncts
     rows = list(csv.reader(out.open()))
-    assert [row[0] for row in rows] == ["suite", "number_src", "subordination", "SG score"]
+    assert [row[0] for row in rows] == ["suite", "number_src", "subordination", "SG score (all suites)", "SG score"]

@@ -10,7 +10,8 @@ surprisals, e.g. `[(5;%reduced_ambig%) > (5;%unreduced_ambig%)] & [...]`, where
 
     item correct    = 1 if every prediction holds for the item
     suite accuracy  = mean over the suite's items
-    SG score        = mean over suites of the suite accuracy
+    SG score        = mean over suites of the suite accuracy (31 of the 34 published suites, as
+                      the official analysis; `SG score (all suites)` averages every suite)
 
 One job a module:
 
@@ -41,7 +42,16 @@ from lit_interventions.studies.syntaxgym.formulas import (
     region_refs,
     tokenize_formula,
 )
-from lit_interventions.studies.syntaxgym.score import SG_SCORE_ROW, SuiteResult, evaluate_suite, sg_score, write_csv
+from lit_interventions.studies.syntaxgym.score import (
+    ALL_SUITES_ROW,
+    EXCLUDED_SUITES,
+    SG_SCORE_ROW,
+    SuiteResult,
+    counted_suites,
+    evaluate_suite,
+    sg_score,
+    write_csv,
+)
 from lit_interventions.studies.syntaxgym.suites import Prediction, Suite, load_suite, suite_from_json, suite_paths
 
 __all__ = [
@@ -50,6 +60,8 @@ __all__ = [
     "EQUALITY_ATOL",
     "EQUALITY_RTOL",
     "LOGICAL",
+    "ALL_SUITES_ROW",
+    "EXCLUDED_SUITES",
     "SG_SCORE_ROW",
     "BinaryOp",
     "FormulaError",
@@ -67,6 +79,7 @@ __all__ = [
     "main",
     "parse_formula",
     "region_refs",
+    "counted_suites",
     "sg_score",
     "suite_from_json",
     "suite_paths",

@@ -2,8 +2,9 @@
 
     lit-interventions syntaxgym --suites DIR_OR_FILES --lm NAME --out FILE
 
-The output CSV has the header `suite,items,accuracy` and one row per suite; its last row is
-`SG score,<total items over all suites>,<mean accuracy over suites>`.
+The output CSV has the header `suite,items,accuracy` and one row per suite, then
+`SG score (all suites),<items>,<mean accuracy over every suite>` and, last,
+`SG score,<items>,<mean accuracy>` over the suites the official analysis counts (`score.sg_score`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ import torch
 
 from lit_interventions.cli.parsing import Parser, fail, resolve_configs
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, load_lm, load_tokenizer
-from lit_interventions.studies.syntaxgym.score import SG_SCORE_ROW, SuiteResult, evaluate_suite, sg_score, write_csv
+from lit_interventions.studies.syntaxgym.score import (
+    ALL_SUITES_ROW,
+    SG_SCORE_ROW,
+    SuiteResult,
+    counted_suites,
+    evaluate_suite,
+    sg_score,
+    write_csv,
+)
 from lit_interventions.studies.syntaxgym.suites import load_suite, suite_paths
 
 
@@ -33,7 +42,12 @@ def _arguments(argv: list[str] | None):
         "--suites", type=str, required=True, nargs="+", help="a directory of *.json suites, or suite files"
     )
     parser.add_argument("--lm", type=str, default=DEFAULT_LM, help="what lit_interventions.core.lm.load_lm accepts")
-    parser.add_argument("--out", type=str, required=True, help="CSV: suite,items,accuracy; last row 'SG score'")
+    parser.add_argument(
+        "--out",
+        type=str,
+        required=True,
+        help="CSV: suite,items,accuracy; last rows 'SG score (all suites)' and 'SG score'",
+    )
     parser.add_argument("--batch_size", "--batch-size", type=int, default=16, help="sentences per forward pass")
     parser.add_argument("--dtype", type=Literal[tuple(sorted(DTYPES))], default="float32", help="the LM's dtype")
     parser.add_argument(
@@ -77,9 +91,10 @@ def main(argv: list[str] | None = None) -> list[SuiteResult]:
             print(f"{suite.name:<28} items {results[-1].items:>3}  accuracy {results[-1].accuracy:.3f}", flush=True)
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
-    score = sg_score(results)
     write_csv(results, out)
-    print(f"{SG_SCORE_ROW:<28} suites {len(results):>2}  accuracy {score:.3f}")
+    for row, all_suites in ((ALL_SUITES_ROW, True), (SG_SCORE_ROW, False)):
+        counted = len(counted_suites(results, all_suites))
+        print(f"{row:<28} suites {counted:>2}  accuracy {sg_score(results, all_suites):.3f}")
     print(f"wrote {out} ({time.perf_counter() - started:.1f} s with model loading)")
     print(f"files in {out.parent}", flush=True)
     return results

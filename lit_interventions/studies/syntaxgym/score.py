@@ -3,12 +3,16 @@ the SG score and the CSV.
 
     item correct    = 1 if every prediction holds for the item
     suite accuracy  = mean over the suite's items
-    SG score        = mean over suites of the suite accuracy
+    SG score        = mean over suites of the suite accuracy, without the suites the official
+                      analysis leaves out (`fgd-embed3`, `fgd-embed4`, `nn-nv-rpl`, `gardenpath*`:
+                      31 of the 34 published suites); `SG score (all suites)` counts every suite
 """
 
 from __future__ import annotations
 
 import csv
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +21,9 @@ from lit_interventions.studies.syntaxgym.formulas import RegionValues, region_re
 from lit_interventions.studies.syntaxgym.suites import Suite
 
 SG_SCORE_ROW = "SG score"
+ALL_SUITES_ROW = "SG score (all suites)"
+# the suites the analysis of Hu et al. 2020 (syntactic-generalization's notebooks/main.py) leaves out
+EXCLUDED_SUITES = re.compile(r"^fgd-embed[34]|^gardenpath|^nn-nv")
 
 
 @dataclass(frozen=True)
@@ -78,17 +85,27 @@ def evaluate_suite(
     return SuiteResult(suite.name, correct, item_values)
 
 
-def sg_score(results: list[SuiteResult]) -> float:
-    """Mean over suites of the suite accuracy."""
-    return sum(result.accuracy for result in results) / len(results)
+def sg_score(results: list[SuiteResult], all_suites: bool = False) -> float:
+    """Mean over suites of the suite accuracy: over the suites the official analysis counts (not
+    `EXCLUDED_SUITES`), or over every suite with all_suites=True. NaN when no suite counts."""
+    counted = counted_suites(results, all_suites)
+    return sum(result.accuracy for result in counted) / len(counted) if counted else math.nan
+
+
+def counted_suites(results: list[SuiteResult], all_suites: bool = False) -> list[SuiteResult]:
+    """The suites an SG score averages (see `sg_score`)."""
+    return [result for result in results if all_suites or not EXCLUDED_SUITES.search(result.name)]
 
 
 def write_csv(results: list[SuiteResult], out: Path) -> None:
-    """suite,items,accuracy per suite, then the `SG score` row (total items, mean accuracy)."""
+    """suite,items,accuracy per suite, then the `SG score (all suites)` row and, last, the `SG score`
+    row of the official analysis (each with the items of the suites it counts)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["suite", "items", "accuracy"])
         for result in results:
             writer.writerow([result.name, result.items, f"{result.accuracy:.6f}"])
-        writer.writerow([SG_SCORE_ROW, sum(result.items for result in results), f"{sg_score(results):.6f}"])
+        for row, all_suites in ((ALL_SUITES_ROW, True), (SG_SCORE_ROW, False)):
+            items = sum(result.items for result in counted_suites(results, all_suites))
+            writer.writerow([row, items, f"{sg_score(results, all_suites):.6f}"])
