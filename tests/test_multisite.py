@@ -180,3 +180,10 @@ def test_sites_are_checked_before_any_work(tiny_lm_dir):
         MultiSiteInterchangeModule(lm=lm_dir, sites=[(0, "subject"), (0, "subject")])
     with pytest.raises(ValueError, match=r"or layer= and regions=, not both"):
         MultiSiteInterchangeModule(lm=lm_dir, sites=[(0, "subject")], regions=["object"])
+
+
+def test_a_region_named_by_a_dotted_template_variable_trains_as_any_other(tiny_lm_dir):
+    lm_dir = tiny_lm_dir("llama")  # published templates name regions `clause.verb`, `vp.verb`
+    datas = _datas(lm_dir)
+    dotted = _train_together(lm_dir, ["clause.verb"], {"clause.verb": datas["subject"]})["clause.verb"]
+    torch.testing.assert_close(dotted, _train_together(lm_dir, ["subject"], datas)["subject"], rtol=0, atol=0)

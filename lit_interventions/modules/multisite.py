@@ -41,8 +41,10 @@ SiteKey = tuple[int, str]  # (layer, region)
 
 
 def site_name(layer: int, region: str) -> str:
-    """The name of site (layer, region) among the module's interventions: "layer/region"."""
-    return f"{layer}/{region}"
+    """The name of site (layer, region) among the module's interventions: "layer/region", with a
+    dot in the region's name (a dotted template variable, `clause.verb`) written as ":", since a
+    submodule's name cannot hold one."""
+    return f"{layer}/{region.replace('.', ':')}"
 
 
 class MultiSiteInterchangeModule(SiteModule):
