@@ -131,7 +131,10 @@ def test_lda_stays_finite_when_hidden_size_exceeds_samples():
 
 
 def test_probe_strength_default_table():
-    table = {1: 1e1, 128: 1e1, 129: 1e2, 256: 1e2, 257: 1e3, 512: 1e3, 513: 1e4, 4096: 1e4}
+    # the official code's first probe per pythia size: d 128, 256, 512, 768, 1024, 2048, 2560, 4096, 5120
+    official = {128: 1e1, 256: 1e2, 512: 1e3, 768: 1e4, 1024: 1e4, 2048: 1e5, 2560: 1e5, 4096: 1e6, 5120: 1e6}
+    assert {d: default_probe_strength(d) for d in official} == official
+    table = {1: 1e1, 129: 1e2, 257: 1e3, 513: 1e4, 640: 1e4, 1025: 1e5, 2561: 1e6}
     assert {d: default_probe_strength(d) for d in table} == table
     X, y, _ = two_classes(n=40, d=200)
     probe = ProbeDirection().fit(X, y)

@@ -31,13 +31,15 @@ from threadpoolctl import threadpool_limits
 
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 
-# (largest hidden size, λ): the paper's best L2 strengths at d = 128, 256, 512 (App. C, Table 2a).
-PROBE_STRENGTHS = ((128, 1e1), (256, 1e2), (512, 1e3))
-PROBE_STRENGTH_LARGE = 1e4
+# (largest hidden size, λ): the paper's best L2 strengths at d = 128, 256, 512 (App. C, Table 2a),
+# then the first probe the official code runs for each larger pythia (d = 768 and 1024: 1e4;
+# 2048 and 2560: 1e5; 4096 and 5120: 1e6).
+PROBE_STRENGTHS = ((128, 1e1), (256, 1e2), (512, 1e3), (1024, 1e4), (2560, 1e5))
+PROBE_STRENGTH_LARGE = 1e6
 
 
 def default_probe_strength(hidden_size: int) -> float:
-    """λ = 1e1 at d ≤ 128, 1e2 at d ≤ 256, 1e3 at d ≤ 512, 1e4 above."""
+    """λ = 1e1 at d ≤ 128, 1e2 at d ≤ 256, 1e3 at d ≤ 512, 1e4 at d ≤ 1024, 1e5 at d ≤ 2560, 1e6 above."""
     for bound, strength in PROBE_STRENGTHS:
         if hidden_size <= bound:
             return strength
@@ -124,7 +126,9 @@ class ProbeDirection(_Direction):
     ≤ 128      1e1
     ≤ 256      1e2
     ≤ 512      1e3
-    > 512      1e4   (the paper searched 1e4–1e7 for larger models; 1e4 starts that range)
+    ≤ 1024     1e4   (from d = 768 the official code also runs a second probe at 10 × λ)
+    ≤ 2560     1e5
+    > 2560     1e6
     =========  =====
 
     scikit-learn's C is 1/λ, as in the reference code (the penalty does not scale with n).
