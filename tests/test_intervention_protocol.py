@@ -173,6 +173,18 @@ def test_formulas_of_the_new_forwards():
         DiffMeanDirection().to_intervention()
 
 
+def test_a_mask_is_soft_in_training_and_hard_in_evaluation():
+    # the official DBM evaluates with the dimensions where σ(m/T) > ½, swapped whole
+    mask = SigmoidMaskIntervention(4, temperature=1.0)
+    with torch.no_grad():
+        mask.mask.copy_(torch.tensor([2.0, -1.0, 0.5, 0.0]))
+    base, source = torch.zeros(1, 4), torch.ones(1, 4)
+    soft = torch.sigmoid(torch.tensor([2.0, -1.0, 0.5, 0.0]))
+    torch.testing.assert_close(mask(base, source), soft[None])
+    torch.testing.assert_close(mask.eval()(base, source), torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
+    torch.testing.assert_close(mask.eval()(2 * source, source), torch.tensor([[1.0, 2.0, 1.0, 2.0]]))
+
+
 def test_non_finite_tensors_are_refused_on_save_and_on_load(tmp_path):
     bad = FixedSubspaceIntervention(torch.tensor([[1.0, float("nan"), 0.0]]))
     with pytest.raises(ValueError, match=rf"{tmp_path / 'out' / WEIGHTS}.*'basis'.*NaN"):

@@ -1,7 +1,9 @@
 """Differentiable binary masks (DBM / MDBM; RAVEL §4, after Csordás et al. and pyvene).
 
-f*(b, s) = (1 − σ(m/T)) ∘ f(b) + σ(m/T) ∘ f(s), with the temperature T annealed towards 0 so the
-mask becomes binary; the loss adds λ‖σ(m/T)‖₁ to keep the swapped dimensions few.
+f*(b, s) = (1 − σ(m/T)) ∘ f(b) + σ(m/T) ∘ f(s) in training, with the temperature T annealed
+towards 0 so the mask becomes binary; the loss adds λ‖σ(m/T)‖₁ to keep the swapped dimensions
+few. In evaluation (`.eval()`) the mask is hard, 1[σ(m/T) > ½], as the official RAVEL code's
+`DifferentialBinaryMasking` evaluates: the dimensions it swaps are swapped whole.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from lit_interventions.interventions.base import Intervention, register_interven
 class SigmoidMaskIntervention(Intervention):
     """A learned soft mask over the d dimensions of the residual stream. As pyvene's
     `SigmoidMaskIntervention`: m starts at 0 (σ = ½) and T at 1e-2; the training module sets T.
-    Exports the logits m and T (what rebuilds it exactly) and `mask` = σ(m/T) (what it swaps)."""
+    Exports the logits m and T (what rebuilds it exactly) and `mask` = σ(m/T) (what it swaps in
+    training; in evaluation it swaps the dimensions where that is above ½)."""
 
     trains = True
 
@@ -44,7 +47,10 @@ class SigmoidMaskIntervention(Intervention):
         return self.weights().sum()
 
     def forward(self, base: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
-        weights = self.weights().to(base.dtype)
+        weights = self.weights()
+        if not self.training:  # evaluation: the hard mask 1[σ(m/T) > ½]
+            weights = (weights > 0.5).to(weights)
+        weights = weights.to(base.dtype)
         return (1 - weights) * base + weights * self._require_source(source)
 
     def export(self) -> dict[str, torch.Tensor]:
