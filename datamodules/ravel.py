@@ -9,9 +9,15 @@ from __future__ import annotations
 import random
 from functools import partial
 
-import torch
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.datamodules.ravel_answers import AnswerCache, _first_token, _right_pad
+from lit_interventions.datamodules.ravel_answers import (  # noqa: F401  (_first_token: re-exported)
+    AnswerCache,
+    _first_token,
+    _value_tokens,
+    answer_hit,
+    greedy_tokens,
+    named_value,
+)
 from lit_interventions.datamodules.ravel_examples import (  # noqa: F401  (re-exported: the records)
     CAUSE,
     ISO,
@@ -35,9 +41,8 @@ from lit_interventions.callbacks.metrics import DisentangleCallback
 from lit_interventions.core.batch import PairBatch, collate_pairs
 from lit_interventions.core.lm import DEFAULT_LM, load_lm, load_tokenizer
 from lit_interventions.core.loaders import split_loader
-from lit_interventions.core.sites import logits_at
 from lit_interventions.core.surprisal import bos_prefix
-from lit_interventions.metrics.disentangle import DevDisentangle
+from lit_interventions.metrics.disentangle import AVERAGES, DevDisentangle
 
 # ---------------------------------------------------------------------------------------------
 # DataModule: filtered (entity, template) pairs -> Cause / Iso interchange examples
@@ -47,17 +52,18 @@ from lit_interventions.metrics.disentangle import DevDisentangle
 SPLIT_SETTINGS = ("entity", "context")
 SOURCES = ("attribute", "wikipedia", "mixed")
 CAUSE_LABELS = ("model", "gold")
-SKIPPED_ATTRIBUTES = ("Latitude", "Longitude")  # numeric: RAVEL scores them within ±2, not by first token
+ACCURACIES = {"three_tokens": 3, "first_token": 1}  # answer tokens generated and compared
 
 
 class RavelDataModule(BenchmarkDataModule):
     """RAVEL Cause / Iso interchange examples for one entity type and target attribute A*.
 
     Cause: base = a template of A* filled with E, source mentions E' with A*(E') ≠ A*(E) in its
-    first token, label = what the model itself answers for the base template filled with E'
-    (the official RAVEL pipeline's `inv_label`, the model's output for `base_prompt % E'`), and
-    only examples where that answer differs from the base's are kept. Iso: base queries another
-    attribute A of E, label = A(E).
+    answer tokens, label = what the model itself answers for the base template filled with E'
+    (the official RAVEL pipeline's `inv_label`, the model's output for `base_prompt % E'`: the
+    value its generation starts with, else the generation), and only examples where that answer
+    differs from the base's are kept. Iso: base queries another attribute A of E, label = A(E).
+    An answer is a value's first n tokens (`accuracy`). Every attribute counts (Latitude too).
     The site is the last token of the entity in base and source (RAVEL, Huang et al. 2024, §3).
 
     Args:
@@ -72,7 +78,13 @@ class RavelDataModule(BenchmarkDataModule):
         multitask: train batches also hold Iso examples (MDAS / MDBM); otherwise Cause only.
         cause_label: `model` (the model's own answer for the base template with E', as the
             official code; an example whose gold label the model would not produce itself is
-            unsolvable for every method) or `gold` (the first token of A*(E'), as before).
+            unsolvable for every method) or `gold` (the tokens of A*(E')).
+        accuracy: `three_tokens` (the official rule: the model generates 3 tokens greedily and
+            is right when they start with the label's first 3 tokens; the data keeps the pairs
+            it answers right by that rule) or `first_token` (the argmax next token against the
+            label's first token).
+        average: `templates` (the official score: accuracy per prompt template, averaged within
+            an attribute) or `examples` (an attribute's examples pooled).
         train_size, eval_size: Cause examples per split; Iso examples are as many again,
             spread over the other attributes (train: only with multitask).
         max_candidates: at most this many (entity, template) pairs are checked per attribute
@@ -90,6 +102,8 @@ class RavelDataModule(BenchmarkDataModule):
         source: str = "attribute",
         multitask: bool = False,
         cause_label: str = "model",
+        accuracy: str = "three_tokens",
+        average: str = "templates",
         train_size: int = 1000,
         eval_size: int = 200,
         max_candidates: int = 200,
@@ -106,6 +120,10 @@ class RavelDataModule(BenchmarkDataModule):
             raise ValueError(f"source={source!r}; choose one of {', '.join(SOURCES)}")
         if cause_label not in CAUSE_LABELS:
             raise ValueError(f"cause_label={cause_label!r}; choose one of {', '.join(CAUSE_LABELS)}")
+        if accuracy not in ACCURACIES:
+            raise ValueError(f"accuracy={accuracy!r}; choose one of {', '.join(ACCURACIES)}")
+        if average not in AVERAGES:
+            raise ValueError(f"average={average!r}; choose one of {', '.join(AVERAGES)}")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
         for name, value in (
@@ -119,14 +137,12 @@ class RavelDataModule(BenchmarkDataModule):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self.data = load_ravel(ravel_dir, entity_type)  # validates the directory and the type
         self.data.check_attribute(target_attribute)
-        if target_attribute in SKIPPED_ATTRIBUTES:
-            raise ValueError(
-                f"target_attribute={target_attribute!r} is numeric and not supported; choose one of "
-                f"{', '.join(a for a in self.data.attributes if a not in SKIPPED_ATTRIBUTES)}"
-            )
-        self.lm = lm
+        self.lm, self.n_tokens = lm, ACCURACIES[accuracy]
         self.attributes = self.data.attributes
-        self.used_attributes = [a for a in self.attributes if a not in SKIPPED_ATTRIBUTES]
+        self.templates = [(a, t) for a in self.attributes for t in self.data.prompts[a]]  # the metric's groups
+        self.template_index = {pair: i for i, pair in enumerate(self.templates)}
+        self.group_attribute = [self.attributes.index(a) for a, _ in self.templates]
+        self._named: dict[tuple[str, str], set] = {}  # (separator, attribute) -> its values' tokens
         self.target_attribute = target_attribute
         self.target_index = self.attributes.index(target_attribute)
         self.entity_names = sorted(self.data.entities)
@@ -153,7 +169,7 @@ class RavelDataModule(BenchmarkDataModule):
         self.prefix = bos_prefix(self.tokenizer)
         model = load_lm(self.lm)
         kept = {s: self.filter_split(model, s) for s in SPLITS}
-        self._model, self._answers = model, AnswerCache(self.lm)  # Cause labels: the model's answers
+        self._model, self._answers = model, AnswerCache(self.lm, self.n_tokens)  # Cause labels: the model's answers
         train_bases = {(q.entity, q.template) for qs in kept["train"].values() for q in qs}
         for s in SPLITS:
             if s != "train":  # never an eval base that is also a train base (disjoint by construction)
@@ -165,18 +181,15 @@ class RavelDataModule(BenchmarkDataModule):
         self._answers.save()
         del self._model, self._answers
 
-    @torch.no_grad()
-    def model_answers(self, queries: list[Query]) -> list[int]:
-        """The model's argmax next token for each query, from the answer cache or computed (during
-        setup only)."""
-        todo = sorted(
-            {tuple(q.ids): q for q in queries if self._answers.get(q.ids) is None}.values(), key=lambda q: len(q.ids)
-        )
-        for k in range(0, len(todo), 64):
-            chunk = todo[k : k + 64]
-            for q, p in zip(chunk, self.predict_next(self._model, chunk)):
-                self._answers.put(q.ids, p)
+    def model_answers(self, queries: list[Query]) -> list[list[int]]:
+        """The model's greedy answer (n tokens) to each query, from the answer cache or computed
+        (during setup only)."""
+        self._answers.fill(queries, partial(self.predict_next, self._model))
         return [self._answers.get(q.ids) for q in queries]
+
+    def predict_next(self, model, queries: list[Query]) -> list[list[int]]:
+        """The model's next n tokens after each prompt, greedy (`greedy_tokens`)."""
+        return greedy_tokens(model, [q.ids for q in queries], self.tokenizer.pad_token_id, self.n_tokens)
 
     def candidates(self, attribute: str, split: str) -> list[tuple[str, str]]:
         """(entity, template) pairs of `attribute` in `split`, at most max_candidates of them."""
@@ -195,36 +208,33 @@ class RavelDataModule(BenchmarkDataModule):
         """Fill %s with the entity; the site is the token holding the entity's last character."""
         return Query(entity, template, attribute, *encode_prompt(self.tokenizer, self.prefix, template, entity))
 
-    def value_token(self, template: str, value: str) -> int:
-        """The first token of `value` as it follows the prompt (see `value_separator`)."""
-        return _first_token(self.tokenizer, value_separator(template) + value)
+    def value_tokens(self, template: str, value: str) -> tuple[int, ...]:
+        """The answer `value` is as it follows the prompt: its first n tokens."""
+        return _value_tokens(self.tokenizer, value_separator(template) + value, self.n_tokens)
 
-    @torch.no_grad()
-    def predict_next(self, model, queries: list[Query]) -> list[int]:
-        """The argmax next token after each prompt (one batched forward, logits at the end only)."""
-        ids, mask = _right_pad([q.ids for q in queries], self.tokenizer.pad_token_id, model.device)
-        last = mask.sum(-1) - 1  # (batch,)
-        return logits_at(model, ids, mask, last).argmax(-1).tolist()
+    def named(self, template: str, attribute: str, generated: list[int]) -> tuple[int, ...]:
+        """The value of `attribute` a generation after `template` starts with (`named_value`)."""
+        key = (value_separator(template), attribute)
+        if key not in self._named:
+            self._named[key] = {self.value_tokens(template, v) for v in self.data.values(attribute).values()}
+        return named_value(generated, self._named[key])
 
     def filter_split(self, model, split: str) -> dict[str, list[Query]]:
-        """attribute -> the pairs whose argmax next token is the first token of the value. The
-        model's answers are kept on disk (`AnswerCache`), so each prompt is run once per model."""
-        kept, batch = {}, 64
-        answers = AnswerCache(self.lm)
+        """attribute -> the pairs the model answers right: its greedy answer starts with the
+        value's answer tokens (`answer_hit`). The model's answers are kept on disk (`AnswerCache`),
+        so each prompt is run once per model."""
+        kept = {}
+        answers = AnswerCache(self.lm, self.n_tokens)
         self.kept[split], self.checked[split] = {}, {}
-        for attribute in self.used_attributes:
+        for attribute in self.attributes:
             queries = [self.encode(e, t, attribute) for e, t in self.candidates(attribute, split)]
-            todo = sorted(
-                (q for q in queries if answers.get(q.ids) is None), key=lambda q: len(q.ids)
-            )  # little padding
-            for k in range(0, len(todo), batch):
-                chunk = todo[k : k + batch]
-                for q, p in zip(chunk, self.predict_next(model, chunk)):
-                    answers.put(q.ids, p)
+            answers.fill(queries, partial(self.predict_next, model))
             correct = [
                 q
                 for q in queries
-                if answers.get(q.ids) == self.value_token(q.template, self.data.entities[q.entity][attribute])
+                if answer_hit(
+                    answers.get(q.ids), self.value_tokens(q.template, self.data.entities[q.entity][attribute])
+                )
             ]
             kept[attribute] = sorted(correct, key=lambda q: (q.entity, q.template))
             self.kept[split][attribute], self.checked[split][attribute] = len(correct), len(queries)
@@ -253,7 +263,9 @@ class RavelDataModule(BenchmarkDataModule):
         target = self.target_attribute
         examples = self.sample(kept, pools, target, target, n_cause, CAUSE, rng, split)
         if with_iso:
-            others = [a for a in self.used_attributes if a != target]
+            others = [a for a in self.attributes if a != target and kept[a]]
+            for a in sorted(set(self.attributes) - set(others) - {target}):
+                print(f"RAVEL {split}: no Iso examples for {a!r} (the model answers none of its pairs right)")
             for j, attribute in enumerate(others):  # n_cause iso examples, spread evenly
                 n = n_cause // len(others) + (j < n_cause % len(others))
                 if n:
@@ -262,7 +274,7 @@ class RavelDataModule(BenchmarkDataModule):
 
     def sample(self, kept, pools, queried, target, n, kind, rng, split) -> list[RavelExample]:
         """n examples whose base (E, template) queries `queried`, each with a source entity E'
-        whose value of `queried` differs from E's in its first token (Cause: queried = A*, and
+        whose value of `queried` differs from E's in its answer tokens (Cause: queried = A*, and
         the label is A*(E'); Iso: the label stays A(E), and a leak of E' would show)."""
         bases, d = kept[queried], self.data
         what = "Cause" if kind == CAUSE else "Iso"
@@ -279,21 +291,22 @@ class RavelDataModule(BenchmarkDataModule):
                 f"No {what} examples for attribute {queried!r} in the {split} split: of {checked} candidate pairs "
                 f"{checked - len(bases)} were dropped because the model answers them wrongly, and the other "
                 f"{len(bases)} have no informative source (an entity whose {queried!r} value differs in its "
-                f"first token) among {len(sources)} source prompts"
+                f"answer tokens) among {len(sources)} source prompts"
             )
         out, order, tried = [], [], 0
         own_answer = kind == CAUSE and self.hparams.cause_label == "model"
         while len(out) < n:
             drawn = self._draw(usable, pools, sources, n - len(out), order, rng)
             if own_answer:  # y = what the model says for the base template with E' (official `inv_label`)
-                labels = self.model_answers([self.encode(src.entity, base.template, queried) for base, src in drawn])
+                generated = self.model_answers([self.encode(src.entity, base.template, queried) for base, src in drawn])
+                labels = [self.named(base.template, queried, g) for (base, _), g in zip(drawn, generated)]
             else:
                 labels = [
-                    self.value_token(base.template, d.entities[(src if kind == CAUSE else base).entity][queried])
+                    self.value_tokens(base.template, d.entities[(src if kind == CAUSE else base).entity][queried])
                     for base, src in drawn
                 ]
             for (base, src), label in zip(drawn, labels):
-                base_label = self.value_token(base.template, d.entities[base.entity][queried])
+                base_label = self.value_tokens(base.template, d.entities[base.entity][queried])
                 if own_answer and label == base_label:
                     continue  # the model's answer would not change: no Cause example
                 out.append(self._example(base, src, base_label, label, queried, kind))
@@ -308,13 +321,13 @@ class RavelDataModule(BenchmarkDataModule):
 
     def _usable_bases(self, bases: list[Query], sources: list[Query], queried: str) -> list[tuple[Query, set]]:
         """(base, its informative source entities) for each base that has any: the source entities
-        whose value of `queried` differs from the base entity's in its first token."""
+        whose value of `queried` differs from the base entity's in its answer tokens."""
         d = self.data
         source_entities = sorted({q.entity for q in sources if d.entities[q.entity].get(queried)})
         by_token = {}  # (separator, token) -> source entities whose value starts with that token
 
         def token(sep, entity):
-            return _first_token(self.tokenizer, sep + d.entities[entity][queried])
+            return _value_tokens(self.tokenizer, sep + d.entities[entity][queried], self.n_tokens)
 
         for sep in {value_separator(b.template) for b in bases}:
             for e in source_entities:
@@ -342,15 +355,19 @@ class RavelDataModule(BenchmarkDataModule):
             drawn.append((base, rng.choice(choices)))
         return drawn
 
-    def _example(self, base: Query, src: Query, base_label: int, label: int, queried: str, kind: int) -> RavelExample:
-        """The interchange example of base and source, with their labels."""
+    def _example(
+        self, base: Query, src: Query, base_label: tuple, label: tuple, queried: str, kind: int
+    ) -> RavelExample:
+        """The interchange example of base and source, with their answers (token tuples)."""
         return RavelExample(
             base.ids,
             src.ids,
             {REGION: base.entity_pos},
             {REGION: src.entity_pos},
-            base_label=base_label,
-            target=label,
+            base_label=base_label[0],
+            target=label[0],
+            answers=(label, base_label),
+            group=self.template_index[(queried, base.template)],
             attribute=self.attributes.index(queried),
             kind=kind,
             base_entity=self.entity_index[base.entity],
@@ -370,11 +387,11 @@ class RavelDataModule(BenchmarkDataModule):
 
     def metric_callbacks(self) -> list:
         """What this data is scored by: Cause, Iso and Disentangle."""
-        return [DisentangleCallback()]
+        return [DisentangleCallback(self.group_attribute, self.hparams.average)]
 
     def dev_metric(self) -> DevDisentangle:
         """What a fitted intervention's candidates are chosen by on the val split: Disentangle."""
-        return DevDisentangle(len(self.attributes))
+        return DevDisentangle(len(self.attributes), self.group_attribute, self.hparams.average)
 
     def site_labels(self, batch: PairBatch, side: str) -> list[str]:
         """The class of each site state a closed-form intervention is fitted on: the target

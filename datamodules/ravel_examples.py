@@ -31,11 +31,16 @@ class RavelExample:
     source_ids: list[int]
     base_positions: dict[str, int]  # {"entity": last token of the entity}
     source_positions: dict[str, int]
-    base_label: int  # A(E): the base's own answer for the attribute it queries
-    target: int  # the label the intervened model should predict
+    base_label: int  # A(E): the first token of the base's own answer for the attribute it queries
+    target: int  # the first token of the label the intervened model should give
     attribute: int  # index in data.attributes of the attribute the base queries
     kind: int  # CAUSE or ISO
     base_entity: int
     source_entity: int
     base_template: str
     source_template: str
+    answers: tuple[tuple[int, ...], tuple[int, ...]] = (
+        (),
+        (),
+    )  # (the label's tokens, the base's own answer's), ≤ n each
+    group: int = 0  # the base's prompt template (index into the data module's `templates`)

@@ -29,12 +29,17 @@ def token_batch(vocab_size, lengths=(6, 4, 5), seed=0, padding_side="right"):
 
 
 def oracle(known):
-    """A stand-in for RavelDataModule.predict_next (the model's answers): correct exactly on the
-    entities in `known`."""
+    """A stand-in for RavelDataModule.predict_next (the model's answers, n tokens): correct exactly
+    on the entities in `known` (the value's answer tokens, then filler)."""
 
     def predict_next(self, model, queries):
         return [
-            self.value_token(q.template, self.data.entities[q.entity][q.attribute]) if q.entity in known else -1
+            (
+                list(self.value_tokens(q.template, self.data.entities[q.entity][q.attribute]))
+                if q.entity in known
+                else [-1]
+            )
+            + [0] * self.n_tokens
             for q in queries
         ]
 

@@ -25,7 +25,7 @@ BIKE, ARROW = "references to bicycles and cycling", "JavaScript arrow functions"
 
 def test_the_example_files_are_small():
     sizes = {p.relative_to(EXAMPLES).as_posix(): p.stat().st_size for p in EXAMPLES.rglob("*") if p.is_file()}
-    assert len(sizes) == 10 and max(sizes.values()) < 4096, sizes
+    assert len(sizes) == 12 and max(sizes.values()) < 10240, sizes
 
 
 def test_the_example_task_has_the_regions_and_pairs_its_file_defines():
@@ -71,7 +71,7 @@ def test_the_example_ravel_directory_loads_with_its_entities_templates_and_split
     module = RavelDataModule(
         lm=tiny_lm_dir("gpt2"), ravel_dir=str(RAVEL), entity_type="animal", target_attribute="Class"
     )
-    assert module.used_attributes == ["Class", "Home"]
+    assert module.attributes == ["Class", "Home"]
     # entity split: the split's entities (with a value) x the attribute's 3 templates
     assert len(module.candidates("Class", "train")) == 9 * 3 and len(module.candidates("Home", "train")) == 8 * 3
     assert len(module.candidates("Class", "val")) == 4 * 3

@@ -23,8 +23,10 @@ from lit_interventions.interventions.featurizers import (
     SAEFeaturizer,
     featurize,
     fit_feature_interchange,
+    keep_error_of,
     select_features,
 )
+from lit_interventions.interventions.fitted import FeatureInterchangeFit
 from lit_interventions.modules.sae import CARD, WEIGHTS, ExportSAE, SAEModule, SparseAutoencoder
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sae.yaml"
@@ -129,15 +131,28 @@ def test_pca_interchange_hand_checked():
     torch.testing.assert_close(FeatureInterchange(pca, [1])(base, source), torch.tensor([[1.0, -7.0]]))
 
 
-def test_sae_interchange_keeps_base_reconstruction_error():
+def test_sae_interchange_drops_or_keeps_the_reconstruction_error():
     sae = _manual_sae()  # f = ReLU(x), x̂ = f: negative coordinates are reconstruction error
     base, source = torch.tensor([[-1.0, 2.0]]), torch.tensor([[3.0, 4.0]])
-    # z(b) = (0, 2), z(s) = (3, 4); swap 0: z_mix = (3, 2), dec(z_mix) − dec(z(b)) = (3, 0)
-    torch.testing.assert_close(FeatureInterchange(sae, [0])(base, source), torch.tensor([[2.0, 2.0]]))
-    torch.testing.assert_close(FeatureInterchange(sae, [1])(base, source), torch.tensor([[-1.0, 4.0]]))
-    # without the error term: f* = dec(z_mix) = (3, 2); an empty selection reconstructs the base
-    torch.testing.assert_close(FeatureInterchange(sae, [0], keep_error=False)(base, source), torch.tensor([[3.0, 2.0]]))
-    torch.testing.assert_close(FeatureInterchange(sae, [], keep_error=False)(base, source), torch.tensor([[0.0, 2.0]]))
+    # z(b) = (0, 2), z(s) = (3, 4). Official (the default for an SAE): f* = dec(z_mix); swap 0:
+    # z_mix = (3, 2); an empty selection reconstructs the base, (0, 2), not f(b)
+    assert FeatureInterchange(sae, [0]).keep_error is False
+    torch.testing.assert_close(FeatureInterchange(sae, [0])(base, source), torch.tensor([[3.0, 2.0]]))
+    torch.testing.assert_close(FeatureInterchange(sae, [1])(base, source), torch.tensor([[0.0, 4.0]]))
+    torch.testing.assert_close(FeatureInterchange(sae, [])(base, source), torch.tensor([[0.0, 2.0]]))
+    # keep: f* = f(b) + dec(z_mix) − dec(z(b)); swap 0: (−1, 2) + (3, 0)
+    keep = {"keep_error": keep_error_of("keep")}
+    torch.testing.assert_close(FeatureInterchange(sae, [0], **keep)(base, source), torch.tensor([[2.0, 2.0]]))
+    torch.testing.assert_close(FeatureInterchange(sae, [1], **keep)(base, source), torch.tensor([[-1.0, 4.0]]))
+    torch.testing.assert_close(FeatureInterchange(sae, [], **keep)(base, source), base)
+    assert keep_error_of("drop") is False and keep_error_of(None) is None
+    with pytest.raises(ValueError, match="reconstruction_error='both'; choose one of drop, keep or null"):
+        keep_error_of("both")
+    with pytest.raises(ValueError, match="reconstruction_error='both'"):
+        FeatureInterchangeFit(8, reconstruction_error="both")
+    assert FeatureInterchangeFit(8, reconstruction_error="keep").keep_error is True
+    pca = PCAFeaturizer.fit(torch.randn(10, 2))
+    assert FeatureInterchange(pca, [0]).keep_error is True  # PCA keeps it by default
 
 
 @pytest.mark.parametrize("kind", ["pca", "sae"])
@@ -149,7 +164,7 @@ def test_empty_selection_is_exactly_the_identity(kind):
         if kind == "pca"
         else SAEFeaturizer(torch.randn(24, 6), torch.randn(24), torch.randn(6, 24), torch.randn(6))
     )
-    assert torch.equal(FeatureInterchange(featurizer, [])(base, source), base)
+    assert torch.equal(FeatureInterchange(featurizer, [], keep_error=True)(base, source), base)
 
 
 def test_full_selection_of_full_rank_pca_is_the_full_vector_swap():
@@ -414,7 +429,7 @@ def test_pca_interchange_from_ravel_batches(monkeypatch, tiny_lm_dir):
     from lit_interventions.core.sites import logits_at, read_site
 
     def oracle(self, model, queries):  # the tiny random model answers nothing: pretend it knows all
-        return [self.value_token(q.template, self.data.entities[q.entity][q.attribute]) for q in queries]
+        return [list(self.value_tokens(q.template, self.data.entities[q.entity][q.attribute])) for q in queries]
 
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle)
     lm_dir, layer = tiny_lm_dir("gemma3"), 1
@@ -471,8 +486,9 @@ def _planted_ravel(n_entities=200, seed=0):
 
 def _planted_batch(base, source, **fields) -> SimpleNamespace:
     """What fitting and the dev metric read of a `PairBatch`, over planted states: each side's
-    entity, state `x` and label, the target, kind and attribute."""
-    return SimpleNamespace(base=base, source=source, side={"base": base, "source": source}.get, **fields)
+    entity, state `x` and label, the target, kind and attribute (one-token answers: no `answers`)."""
+    sides = {"base": base, "source": source}
+    return SimpleNamespace(base=base, source=source, side=sides.get, answers=None, group=None, **fields)
 
 
 class _PlantedRavel(BenchmarkDataModule):

@@ -14,20 +14,28 @@ from lit_interventions.datamodules.ravel import (
     load_ravel,
     value_separator,
 )
+from lit_interventions.datamodules.ravel_answers import _value_tokens, answer_hit
 
 SHARED_RAVEL = Path(__file__).resolve().parents[2] / "shared" / "data" / "ravel"
 
 
 def oracle(known):
-    """A stand-in for the model's answers: correct exactly on the entities in `known`."""
+    """A stand-in for the model's answers: correct exactly on the entities in `known` (the value's
+    answer tokens, then filler up to n tokens)."""
 
     def predict_next(self, model, queries):
         return [
-            self.value_token(q.template, self.data.entities[q.entity][q.attribute]) if q.entity in known else -1
+            _padded(self, self.value_tokens(q.template, self.data.entities[q.entity][q.attribute]))
+            if q.entity in known
+            else [-1] * self.n_tokens
             for q in queries
         ]
 
     return predict_next
+
+
+def _padded(dm, tokens):
+    return list(tokens) + [0] * (dm.n_tokens - len(tokens))
 
 
 @pytest.fixture
@@ -119,6 +127,8 @@ def test_unknown_attribute_lists_the_attributes():
         ({"train_size": 0}, "train_size=0 must be a positive integer"),
         ({"max_candidates": -1}, "max_candidates=-1"),
         ({"cause_label": "source"}, "cause_label='source'"),
+        ({"accuracy": "exact"}, "accuracy='exact'; choose one of three_tokens, first_token"),
+        ({"average": "entities"}, "average='entities'; choose one of templates, examples"),
     ],
 )
 def test_bad_arguments(kwargs, message):
@@ -152,7 +162,7 @@ def test_value_token_matches_the_tokenisation_in_context():
                 prompt_ids = dm.tokenizer(prompt).input_ids
                 joint = dm.tokenizer(prompt + value_separator(template) + value).input_ids
                 assert joint[: len(prompt_ids)] == prompt_ids, template
-                assert joint[len(prompt_ids)] == dm.value_token(template, value), template
+                assert joint[len(prompt_ids)] == dm.value_tokens(template, value)[0], template
 
 
 # -- examples ------------------------------------------------------------------------------------
@@ -201,31 +211,39 @@ def test_positions_point_at_the_last_entity_token(module):
             assert entity not in dm.tokenizer.decode(ids[:pos])  # the previous token does not end it
 
 
-def test_cause_and_iso_labels(module):
-    dm = module(source="attribute")
+@pytest.mark.parametrize("accuracy", ["three_tokens", "first_token"])
+def test_cause_and_iso_labels(module, accuracy):
+    dm = module(source="attribute", accuracy=accuracy)
     names, target = dm.entity_names, dm.target_attribute
     assert dm.attributes[dm.target_index] == target == "Country"
+    assert dm.n_tokens == {"three_tokens": 3, "first_token": 1}[accuracy]
     n_cause = n_iso = 0
     for e in dm.splits["val"]:
         queried = dm.attributes[e.attribute]
-        base_value = dm.values(queried)[e.base_entity]
-        source_value = dm.values(queried)[e.source_entity]
-        assert e.base_label == dm.value_token(e.base_template, base_value)
-        assert dm.value_token(e.base_template, source_value) != e.base_label  # informative source
+        base_answer = dm.value_tokens(e.base_template, dm.values(queried)[e.base_entity])
+        source_answer = dm.value_tokens(e.base_template, dm.values(queried)[e.source_entity])
+        assert e.answers[1] == base_answer and e.base_label == base_answer[0]
+        assert source_answer != base_answer  # informative source
+        assert dm.templates[e.group] == (queried, e.base_template)
         if e.kind == CAUSE:
             n_cause += 1
             assert queried == target
-            assert e.target == dm.value_token(e.base_template, source_value)  # y = A*(E')
+            assert e.answers[0] == source_answer and e.target == source_answer[0]  # y = A*(E')
         else:
             n_iso += 1
             assert queried != target
-            assert e.target == e.base_label  # y = A(E)
+            assert e.answers[0] == base_answer and e.target == e.base_label  # y = A(E)
         assert names[e.base_entity] in e.base_template.replace("%s", names[e.base_entity])
     assert n_cause == n_iso == 30
-    # London's country first token is " United", like New York's: never a Cause pair.
-    pairs = {(names[e.base_entity], names[e.source_entity]) for s in dm.splits.values() for e in s if e.kind == CAUSE}
-    us_uk = {"London", "Manchester", "Liverpool", "Edinburgh", "Chicago", "Boston", "Seattle", "Miami"}
-    assert not any(a in us_uk and b in us_uk for a, b in pairs)
+
+    # Countries whose first tokens agree (" United Kingdom", " United States" with gemma's
+    # tokenizer) but not their first 3 tokens: a Cause pair by the 3-token rule only.
+    def first(e, entity):
+        return _value_tokens(dm.tokenizer, value_separator(e.base_template) + dm.values(target)[entity], 1)
+
+    cause = [e for s in dm.splits.values() for e in s if e.kind == CAUSE]
+    shared = [e for e in cause if first(e, e.base_entity) == first(e, e.source_entity)]
+    assert bool(shared) == (accuracy == "three_tokens")
 
 
 def test_cause_labels_are_the_model_own_answer(tiny_lm_dir, tmp_path, monkeypatch):
@@ -234,12 +252,12 @@ def test_cause_labels_are_the_model_own_answer(tiny_lm_dir, tmp_path, monkeypatc
     real = RavelDataModule.predict_next
     wrong = lambda q: (len(q.entity) + len(q.template)) % 3 == 0  # noqa: E731  the model "errs" on a third of the pairs
 
-    def predict_next(self, model, queries):  # gold where it knows, the real tiny model's argmax elsewhere
+    def predict_next(self, model, queries):  # gold where it knows, the real tiny model's 3 greedy tokens elsewhere
         # (one prompt at a time: the random model's near-tied logits must not depend on the batch)
         return [
             real(self, model, [q])[0]
             if wrong(q)
-            else self.value_token(q.template, self.data.entities[q.entity][q.attribute])
+            else _padded(self, self.value_tokens(q.template, self.data.entities[q.entity][q.attribute]))
             for q in queries
         ]
 
@@ -254,19 +272,22 @@ def test_cause_labels_are_the_model_own_answer(tiny_lm_dir, tmp_path, monkeypatc
     for split in dm.splits.values():
         for e in split:
             if e.kind != CAUSE:
-                assert e.target == e.base_label
+                assert e.answers[0] == e.answers[1]
                 continue
             n_cause += 1
             query = dm.encode(names[e.source_entity], e.base_template, dm.target_attribute)
-            assert e.target == predict_next(dm, model, [query])[0]  # the model's own answer
-            assert e.target != e.base_label  # the answer changes
-            gold = dm.value_token(e.base_template, dm.values(dm.target_attribute)[e.source_entity])
-            changed += e.target != gold
+            generated = predict_next(dm, model, [query])[0]
+            values = {dm.value_tokens(e.base_template, v) for v in dm.values(dm.target_attribute)}
+            named = [v for v in values if tuple(generated[: len(v)]) == v]  # the value it names, if any
+            assert e.answers[0] == (max(named, key=len) if named else tuple(generated))  # the model's own answer
+            assert e.target == e.answers[0][0] and e.answers[0] != e.answers[1]  # the answer changes
+            gold = dm.value_tokens(e.base_template, dm.values(dm.target_attribute)[e.source_entity])
+            changed += e.answers[0] != gold
     assert n_cause == 60 + 30 + 30 and changed > 0  # some labels differ from the gold value
     gold = RavelDataModule(**{**dm.hparams, "cause_label": "gold"})
     gold.setup()
     for e in (e for split in gold.splits.values() for e in split if e.kind == CAUSE):
-        assert e.target == gold.value_token(e.base_template, gold.values("Country")[e.source_entity])
+        assert e.answers[0] == gold.value_tokens(e.base_template, gold.values("Country")[e.source_entity])
 
 
 def test_wikipedia_sources(module):
@@ -357,7 +378,7 @@ def test_gemma_knows_many_builtin_cities():
     e = dm.splits["val"][0]
     model = load_lm(dm.lm)
     query = dm.encode(dm.entity_names[e.base_entity], e.base_template, "Country")
-    assert dm.predict_next(model, [query]) == [e.base_label]
+    assert answer_hit(dm.predict_next(model, [query])[0], e.answers[1])
 
 
 @pytest.mark.slow
@@ -370,6 +391,6 @@ def test_gemma_on_published_city_files():
         ravel_dir=str(SHARED_RAVEL), entity_type="city", max_candidates=24, train_size=20, eval_size=10
     )
     dm.setup()
-    assert dm.used_attributes == ["Country", "Continent", "Language", "Timezone"]
+    assert dm.attributes == ["Country", "Continent", "Latitude", "Longitude", "Language", "Timezone"]
     assert sum(dm.kept["train"].values()) > 0
     assert Counter(e.kind for e in dm.splits["test"]) == {CAUSE: 10, ISO: 10}

@@ -3,7 +3,8 @@
 An interchange module's `validation_step` / `test_step` returns the standard output
 `{"intervened": (batch, vocab) logits at the base's last token, "clean": the same unintervened,
 or None, "label_logits": (p(· | b), p*(· | b, s)) of the two labels alone, (batch, 2) each
-(`metrics.odds.label_ids`), or None}`; the optional entries are computed when a callback `needs`
+(`metrics.odds.label_ids`), or None, "generated": (batch, n) the intervened model's greedy
+tokens (`modules.generation`), or None}`; the optional entries are computed when a callback `needs`
 them. A callback reads the output with the batch, updates its metric and logs at the epoch's end.
 A data module lists the callbacks its data supports (`metric_callbacks()`), and the module adds
 them to the Trainer (`configure_callbacks`), so one method is scored by any benchmark's metric.
@@ -94,22 +95,30 @@ class OddsCallback(_MetricCallback):
 
 class DisentangleCallback(_MetricCallback):
     """RAVEL: Cause, Iso and Disentangle = (Cause + Iso)/2, per queried attribute too (`val/iso/A`)
-    and the change rate of each attribute's answer (`val/change/A`). The attributes come from the
-    data module's `attributes`."""
+    and the change rate of each attribute's answer (`val/change/A`), from the intervened model's
+    greedy answers (`generated`). The attributes come from the data module's `attributes`;
+    `group_attribute` and `average` go to `Disentanglement`."""
+
+    needs = ("generated",)
+
+    def __init__(self, group_attribute: list[int] | None = None, average: str = "templates"):
+        super().__init__()
+        self.group_attribute, self.average = group_attribute, average
 
     def make_metric(self, trainer, pl_module):
         self.attributes = list(trainer.datamodule.attributes)
-        return Disentanglement(len(self.attributes))
+        return Disentanglement(len(self.attributes), self.group_attribute, self.average)
 
     def update(self, metric, outputs, batch):
-        metric.update(outputs["intervened"], batch.target, batch.base.label, batch.attribute, batch.kind)
+        metric.update_batch(outputs["generated"], batch)
 
     def log_values(self, pl_module, values, prefix, metric):
         logged = {f"{prefix}/{name}": values[name] for name in ("cause", "iso", "disentangle")}
+        count = values["count"]  # (2, A)
         for a, name in enumerate(self.attributes):
-            if metric.count[ISO, a] > 0:
+            if count[ISO, a] > 0:
                 logged[f"{prefix}/iso/{name}"] = values["iso_per_attribute"][a]
-            if metric.count[:, a].sum() > 0:
+            if count[:, a].sum() > 0:
                 logged[f"{prefix}/change/{name}"] = values["change_rate"][a]
         shown = (f"{prefix}/cause", f"{prefix}/iso")
         finite = {k: v for k, v in logged.items() if torch.isfinite(v)}

@@ -11,7 +11,9 @@ An example given to `collate_pairs` has `base_ids` / `source_ids` (token ids), `
 label may be None) and `kind` (CAUSE or ISO); optionally `base_type` / `source_type` (the
 sentence's class, e.g. "sg"), `base_entity` / `source_entity`, `attribute` (the queried
 attribute's index) and `target` (the token the intervened model should give; default: the
-source's label for a Cause example, the base's for an Iso one).
+source's label for a Cause example, the base's for an Iso one); and `answers` (the token ids of
+the target's answer and of the base's own, each up to n tokens: RAVEL's generated answers) and
+`group` (an index the metric averages within, RAVEL's prompt template).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lit_interventions.core.tokens import pad_batch
 CAUSE, ISO = 0, 1  # an example's kind: the answer must change to the source's / must stay the base's
 SIDES = ("base", "source")
 LABEL_KEYS = ("source_label", "base_label", "label")  # what an objective's `label_key` may name
+ROWWISE = ("target", "kind", "attribute", "answers", "group")  # a PairBatch's per-row tensors
 
 Key = tuple[int, ...]
 
@@ -183,16 +186,26 @@ class Side:
 class PairBatch:
     """Interchange pairs: the base and source sides, and per row the token the intervened model
     should give (`target`: the source's answer for a Cause example, the base's own for an Iso
-    one), its `kind` (CAUSE or ISO) and the queried `attribute` (RAVEL; 0 elsewhere)."""
+    one), its `kind` (CAUSE or ISO) and the queried `attribute` (RAVEL; 0 elsewhere). RAVEL adds
+    `answers`, (batch, 2, n): the target's tokens and the base's own, −100 past a shorter answer,
+    and `group`, (batch,): each row's prompt template; None elsewhere."""
 
     base: Side
     source: Side
     target: torch.Tensor
     kind: torch.Tensor
     attribute: torch.Tensor
+    answers: torch.Tensor | None = None
+    group: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.base)
+
+    def _rowwise(self, fn) -> dict:
+        """target, kind, attribute, answers and group with `fn` applied (None stays None)."""
+        return {
+            name: getattr(self, name) if getattr(self, name) is None else fn(getattr(self, name)) for name in ROWWISE
+        }
 
     def side(self, name: str) -> Side:
         """The side called `name` ("base" or "source")."""
@@ -215,23 +228,31 @@ class PairBatch:
         return PairBatch(
             self.base.to(device, **kwargs),
             self.source.to(device, **kwargs),
-            *(getattr(self, name).to(device, **kwargs) for name in ("target", "kind", "attribute")),
+            **self._rowwise(lambda t: t.to(device, **kwargs)),
         )
 
     def rows(self, rows: Sequence[int]) -> PairBatch:
         """The rows `rows`, in that order."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.target.device)
-        return PairBatch(
-            self.base.rows(rows), self.source.rows(rows), self.target[index], self.kind[index], self.attribute[index]
-        )
+        return PairBatch(self.base.rows(rows), self.source.rows(rows), **self._rowwise(lambda t: t[index]))
 
     @classmethod
     def cat(cls, batches: Sequence[PairBatch], padding_side: str = "right") -> PairBatch:
         """The rows of `batches` in order, each side padded to its widest (on `padding_side`)."""
+
+        def joined(name):
+            values = [getattr(batch, name) for batch in batches]
+            if any(v is None for v in values):
+                return None
+            if name == "answers":  # as wide as the widest, −100 past a shorter answer
+                width = max(v.shape[-1] for v in values)
+                values = [F.pad(v, (0, width - v.shape[-1]), value=-100) for v in values]
+            return torch.cat(values)
+
         return cls(
             Side.cat([batch.base for batch in batches], padding_side),
             Side.cat([batch.source for batch in batches], padding_side),
-            *(torch.cat([getattr(batch, name) for batch in batches]) for name in ("target", "kind", "attribute")),
+            **{name: joined(name) for name in ROWWISE},
         )
 
     def same_inputs(self, other: PairBatch) -> bool:
@@ -284,4 +305,19 @@ def collate_pairs(examples: Sequence, region: str, pad_id: int, padding_side: st
     else:
         target = torch.tensor(targets)
     attributes = [getattr(e, "attribute", 0) for e in examples]
-    return PairBatch(base, source, target, kind, torch.tensor(attributes))
+    return PairBatch(base, source, target, kind, torch.tensor(attributes), _answers(examples), _group(examples))
+
+
+def _answers(examples: Sequence) -> torch.Tensor | None:
+    """(batch, 2, n): each example's `answers` (target tokens, base tokens), −100 past a shorter
+    one; None unless every example has them."""
+    answers = [getattr(e, "answers", None) for e in examples]
+    if any(a is None for a in answers):
+        return None
+    width = max(len(tokens) for pair in answers for tokens in pair)
+    return torch.tensor([[list(tokens) + [-100] * (width - len(tokens)) for tokens in pair] for pair in answers])
+
+
+def _group(examples: Sequence) -> torch.Tensor | None:
+    groups = [getattr(e, "group", None) for e in examples]
+    return None if None in groups else torch.tensor(groups)

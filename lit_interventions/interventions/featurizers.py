@@ -4,11 +4,13 @@ A featurizer maps a site representation x (d,) to features z (m,) and back. An i
 set S of selected features swaps those features of the source into the base:
 
     z_mix = z(b) with z_S replaced by z(s)_S
-    f*    = f(b) + dec(z_mix) − dec(z(b))
+    f*    = dec(z_mix)                           reconstruction_error="drop"
+    f*    = f(b) + dec(z_mix) − dec(z(b))        reconstruction_error="keep"
 
-so the base keeps its own reconstruction error (what the featurizer cannot express is never
-lost). Hence an empty S is exactly the identity, and with a full-rank PCA (m = d) and S = all
-features f* = f(s), the full-vector swap.
+"drop" is the official SAE interchange (`AutoencoderIntervention` returns the decoded mix), the
+SAE's default. With "keep" the base keeps its own reconstruction error (what the featurizer
+cannot express is never lost), the PCA's default: an empty S is exactly the identity, and with a
+full-rank PCA (m = d) and S = all features f* = f(s), the full-vector swap.
 
 Featurizers:
 - `PCAFeaturizer`: z = V ((x − μ) / σ), x = σ ⊙ (Vᵀ z) + μ, V the principal axes (m × d,
@@ -159,20 +161,34 @@ def featurize(featurizer: nn.Module, representations, batch_size: int = 4096) ->
 # Interventions
 
 
+RECONSTRUCTION_ERRORS = {"drop": False, "keep": True}  # option -> keep_error
+
+
+def keep_error_of(reconstruction_error: str | None) -> bool | None:
+    """`reconstruction_error` ("drop", "keep" or None: the featurizer's default) as `keep_error`."""
+    if reconstruction_error is not None and reconstruction_error not in RECONSTRUCTION_ERRORS:
+        raise ValueError(
+            f"reconstruction_error={reconstruction_error!r}; choose one of {', '.join(RECONSTRUCTION_ERRORS)} or null"
+        )
+    return None if reconstruction_error is None else RECONSTRUCTION_ERRORS[reconstruction_error]
+
+
 @register_intervention
 class FeatureInterchange(Intervention):
-    """f* = f(b) + dec(z_mix) − dec(z(b)), z_mix = z(b) with the selected features taken from z(s).
+    """z_mix = z(b) with the selected features taken from z(s); f* = dec(z_mix) (keep_error=False,
+    the official SAE interchange) or f* = f(b) + dec(z_mix) − dec(z(b)) (keep_error=True: the base
+    keeps its reconstruction error, an empty selection is f(b)).
 
     `selected`: feature indices (any iterable of ints in 0..m−1, possibly empty).
-    keep_error=False gives f* = dec(z_mix) instead: the base's reconstruction error is dropped
-    (then an empty selection is dec(z(b)), not f(b)); an option for comparison, not the default.
+    keep_error=None: the featurizer's default, False for an `SAEFeaturizer` (the official
+    `AutoencoderIntervention`), True otherwise (PCA).
     Exports the featurizer's buffers (as `featurizer.<name>`, its constructor's arguments) and the
     selected indices; `config()` names the featurizer's class.
     """
 
-    def __init__(self, featurizer: nn.Module, selected, keep_error: bool = True):
+    def __init__(self, featurizer: nn.Module, selected, keep_error: bool | None = None):
         super().__init__()
-        self.keep_error = keep_error
+        self.keep_error = not isinstance(featurizer, SAEFeaturizer) if keep_error is None else bool(keep_error)
         m = featurizer.n_features
         selected = torch.as_tensor(list(selected), dtype=torch.long).reshape(-1)
         if len(selected) and (selected.min() < 0 or selected.max() >= m):
@@ -205,7 +221,10 @@ class FeatureInterchange(Intervention):
 
     @classmethod
     def from_tensors(
-        cls, tensors: dict[str, torch.Tensor], featurizer: str = class_path(PCAFeaturizer), keep_error: bool = True
+        cls,
+        tensors: dict[str, torch.Tensor],
+        featurizer: str = class_path(PCAFeaturizer),
+        keep_error: bool | None = None,
     ) -> FeatureInterchange:
         """`featurizer`: the class path of a featurizer built from its buffers (PCA or SAE; a
         registered class, `loadable_class`)."""

@@ -34,6 +34,7 @@ from lit_interventions.interventions.featurizers import (
     feature_sweep,
     featurize,
     fit_feature_interchange,
+    keep_error_of,
 )
 from lit_interventions.interventions.rotation import subspace_interchange
 
@@ -70,6 +71,8 @@ class FeatureInterchangeFit(_Fitted):
       of the states.
     standardize: PCA of the states standardised per dimension, undone after (RAVEL); False: of
     the centred states.
+    reconstruction_error: "drop" (f* = dec(z_mix), the official SAE interchange) or "keep"
+    (f* = f(b) + dec(z_mix) − dec(z(b))); None: the featurizer's default (SAE drop, PCA keep).
     """
 
     SELECT_BY = ("disentangle", "accuracy")
@@ -83,8 +86,10 @@ class FeatureInterchangeFit(_Fitted):
         select_by: str = "disentangle",
         C: list[float] | None = None,
         standardize: bool = True,
+        reconstruction_error: str | None = None,
     ):
         super().__init__()
+        self.keep_error = keep_error_of(reconstruction_error)
         if featurizer not in ("pca", "sae"):
             raise ValueError(f"featurizer={featurizer!r} is not one of pca, sae")
         if featurizer == "sae" and not sae:
@@ -121,6 +126,7 @@ class FeatureInterchangeFit(_Fitted):
             self.fitted = fit_feature_interchange(
                 states, labels, featurizer=featurizer, C=self.grid, max_features=self.max_features
             )
+            self.fitted.keep_error = self.fitted.keep_error if self.keep_error is None else self.keep_error
             self.C = self.fitted.selection.C
             self.needs_fit = False
             return self
@@ -139,7 +145,7 @@ class FeatureInterchangeFit(_Fitted):
         return self
 
     def _use(self, row: dict) -> None:
-        self.fitted = FeatureInterchange(self.featurizer, row["selected"].tolist()).to(self._device())
+        self.fitted = FeatureInterchange(self.featurizer, row["selected"].tolist(), self.keep_error).to(self._device())
         self.C = row["C"]
 
     def _device(self) -> torch.device:
@@ -157,7 +163,9 @@ class FeatureInterchangeFit(_Fitted):
             return {}
         names = self._candidate_names()
         return {
-            names[row["C"]]: FeatureInterchange(self.featurizer, row["selected"].tolist()).to(self._device())
+            names[row["C"]]: FeatureInterchange(self.featurizer, row["selected"].tolist(), self.keep_error).to(
+                self._device()
+            )
             for row in self.sweep
             if names[row["C"]] == f"C={row['C']:g}"
         }

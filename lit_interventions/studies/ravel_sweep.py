@@ -44,8 +44,9 @@ from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
-from lit_interventions.datamodules.ravel import SKIPPED_ATTRIBUTES, RavelDataModule, load_ravel
+from lit_interventions.datamodules.ravel import ACCURACIES, RavelDataModule, load_ravel
 from lit_interventions.interventions.capabilities import Fitted
+from lit_interventions.metrics.disentangle import AVERAGES
 from lit_interventions.studies import distributed
 from lit_interventions.studies.configs import build_module, model_section
 
@@ -154,6 +155,8 @@ def run_ravel_sweep(
     train_size: int = 1000,
     eval_size: int = 200,
     max_candidates: int = 200,
+    accuracy: str = "three_tokens",
+    average: str = "templates",
     out: str = "runs/sweep_ravel",
     seed: int = 0,
 ) -> list[dict]:
@@ -163,7 +166,7 @@ def run_ravel_sweep(
         methods: das, mdas, dbm, mdbm, pca, sae, full_swap, method configs (`inline_method`),
             or 'all' (sae needs a trained SAE in its config).
         entity_type: an entity type of the data (built-in: city, physical_object).
-        attributes: target attributes, or 'all' (every attribute but latitude/longitude).
+        attributes: target attributes, or 'all' (every attribute of the entity type).
         ravel_dir: the published RAVEL directory (default: our built-in data).
         split: entity or context.
         source: attribute, wikipedia or mixed (where source prompts come from).
@@ -171,15 +174,21 @@ def run_ravel_sweep(
         k: the DAS / MDAS rank; epochs: training epochs (default: the method configs').
         configs: the directory of the method configs.
         train_size, eval_size, max_candidates: as in RavelDataModule.
+        accuracy: three_tokens (the official rule: 3 greedy tokens against the label's first 3)
+            or first_token; average: templates (the official mean over prompt templates within
+            an attribute) or examples (as in RavelDataModule).
         out: output directory. seed: data and training seed.
     """
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
+    if accuracy not in ACCURACIES:
+        raise ValueError(f"accuracy={accuracy!r}; choose one of {', '.join(ACCURACIES)}")
+    if average not in AVERAGES:
+        raise ValueError(f"average={average!r}; choose one of {', '.join(AVERAGES)}")
     chosen = choose_methods(methods)
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
-    valid = [a for a in data.attributes if a not in SKIPPED_ATTRIBUTES]
-    attributes = choose_names(attributes, valid, "attributes")
+    attributes = choose_names(attributes, data.attributes, "attributes")
     if layer is not None:
         choose_layers([layer], num_layers(load_config(lm)))
     methods = list(method_options := _method_options(Path(configs), chosen, lm, layer, k, epochs))
@@ -193,6 +202,8 @@ def run_ravel_sweep(
         "train_size": train_size,
         "eval_size": eval_size,
         "max_candidates": max_candidates,
+        "accuracy": accuracy,
+        "average": average,
         "seed": seed,
     }
     meta = {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs}
