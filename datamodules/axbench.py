@@ -9,7 +9,7 @@ Reading it: `axbench_files.py`; formatting rows and batching them: `axbench_form
 names are re-exported here).
 
 Batches carry the LM loss mask on the response (`response_mask`), the sequence label for
-detection (`label`, `category`), per-token concept labels (`token_labels`) and `content_mask`:
+detection (`label`: 1 positive, 0 negative, −1 left out of the AUROC; `category`), per-token concept labels (`token_labels`) and `content_mask`:
 every real token after the chat prefix (the template tokens every prompt starts with: BOS, a
 default system turn, the user header), where AxBench intervenes, runs the TopK and pools detection
 (its `prefix_length` with `exclude_bos: true`).
@@ -29,6 +29,7 @@ from lit_interventions.datamodules.axbench_files import (  # noqa: F401  (re-exp
     BUILTIN_DIR,
     CATEGORIES,
     COLUMNS,
+    EVAL_LABELS,
     NEGATIVE_POOL,
     ConceptData,
     check_counts,
@@ -73,6 +74,9 @@ class AxBenchDataModule(BenchmarkDataModule):
         genre_negatives: train negatives per concept (AxBench's `train_on_negative` data): each
             pool negative once for every selected concept of its genre, with that concept's id
             and label 0. False: the shared pool once, concept_id -1 (the closed-form methods).
+        hard_negatives: the eval split's hard negatives: "drop" leaves them out of the AUROC (label
+            −1; AxBench's `AUCROCEvaluator`), "negative" scores them as negatives (label 0). Either
+            way they count toward each concept's max activation.
     """
 
     SPLITS = {"train": "train", "val": "eval", "test": "eval"}
@@ -90,11 +94,14 @@ class AxBenchDataModule(BenchmarkDataModule):
         chat_template: bool | None = None,
         end_of_turn: bool = True,
         genre_negatives: bool = False,
+        hard_negatives: str = "drop",
     ):
         super().__init__()
         self.save_hyperparameters()
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
+        if hard_negatives not in EVAL_LABELS:
+            raise ValueError(f"hard_negatives={hard_negatives!r}; choose {' or '.join(map(repr, EVAL_LABELS))}")
         for name, value in (
             ("max_length", max_length),
             ("batch_size", batch_size),
@@ -112,7 +119,9 @@ class AxBenchDataModule(BenchmarkDataModule):
                 f"concepts={concepts!r}: {'unknown ids ' + str(bad) if bad else 'need distinct ids'}; "
                 f"valid ids: 0..{len(valid) - 1} ({', '.join(f'{i}={n!r}' for i, n in enumerate(self.data.concepts))})"
             )
-        check_counts(self.data, selected)  # an empty or one-sided split fails here, before any model loads
+        check_counts(
+            self.data, selected, hard_negatives
+        )  # an empty or one-sided split fails here, before any model loads
         self.concept_ids = selected
         self.concepts = [self.data.concepts[i] for i in selected]
         self.concept_genres = [self.data.genres[i] for i in selected]
@@ -146,9 +155,10 @@ class AxBenchDataModule(BenchmarkDataModule):
             raise ValueError(f"chat_template=True but the tokenizer of {self.lm!r} has no chat template")
         self.chat = chat
         index = {c: i for i, c in enumerate(self.concept_ids)}
+        labels = {"train": None, "eval": EVAL_LABELS[hp.hard_negatives]}
         for split in ("train", "eval"):
             self.splits[split] = tokenize_rows(
-                self.rows(split), self.tokenizer, chat, hp.max_length, hp.end_of_turn, index
+                self.rows(split), self.tokenizer, chat, hp.max_length, hp.end_of_turn, index, labels[split]
             )
         for split, examples in self.splits.items():
             truncated = sum(e.truncated for e in examples)

@@ -17,11 +17,18 @@ from pathlib import Path
 import pandas as pd
 
 from lit_interventions.core.files import read_utf8
+from lit_interventions.metrics.detection import UNSCORED
 
 BUILTIN_DIR = Path(__file__).parent / "data" / "axbench"
 COLUMNS = ["input", "output", "output_concept", "concept_genre", "category", "dataset_category", "concept_id"]
 CATEGORIES = {"negative": 0, "positive": 1, "hard negative": 2}  # the batch's `category` codes
 NEGATIVE_POOL = -1  # concept_id of the shared negative pool in train
+# The eval label of each category, by `hard_negatives`: "drop" leaves hard negatives out of the
+# AUROC (AxBench's AUCROCEvaluator has no label for them), "negative" scores them as negatives.
+EVAL_LABELS = {
+    "drop": {"positive": 1, "negative": 0, "hard negative": UNSCORED},
+    "negative": {"positive": 1, "negative": 0, "hard negative": 0},
+}
 
 
 @dataclass
@@ -174,10 +181,11 @@ def load_concepts(concept_dir: str | Path | None = None) -> ConceptData:
     )
 
 
-def check_counts(data: ConceptData, concept_ids: list[int]) -> None:
+def check_counts(data: ConceptData, concept_ids: list[int], hard_negatives: str = "drop") -> None:
     """Every selected concept needs training positives and, in the eval split, positives and
-    negatives (AUROC and the max activation need both); else a ValueError naming the file, the
-    split, the concept and the count. Called before any model is loaded."""
+    negatives (AUROC and the max activation need both; hard negatives count as negatives only with
+    `hard_negatives="negative"`); else a ValueError naming the file, the split, the concept and
+    the count. Called before any model is loaded."""
     train, evaluation = data.train, data.eval
     where = {"train": data.train_path or "train_data", "eval": data.eval_path or "latent_eval_data"}
     chosen = f"{len(concept_ids)} selected concept(s)"
@@ -201,13 +209,13 @@ def check_counts(data: ConceptData, concept_ids: list[int]) -> None:
                 f"{where['train']}: concept {c} ({name!r}) has 0 positive rows in the train split; "
                 "each concept needs at least 1"
             )
-        rows = evaluation[evaluation["concept_id"] == c]
-        n_pos = int((rows["category"] == "positive").sum())
-        n_neg = len(rows) - n_pos
+        labels = evaluation.loc[evaluation["concept_id"] == c, "category"].map(EVAL_LABELS[hard_negatives])
+        n_pos, n_neg = int((labels == 1).sum()), int((labels == 0).sum())
         if n_pos == 0 or n_neg == 0:
+            counted = "negative" if hard_negatives == "drop" else "negative or hard negative"
             raise ValueError(
-                f"{where['eval']}: concept {c} ({name!r}) has {n_pos} positive and {n_neg} negative rows "
-                "in the eval split; its AUROC and max activation need at least 1 of each"
+                f"{where['eval']}: concept {c} ({name!r}) has {n_pos} positive and {n_neg} {counted} rows "
+                f"in the eval split (hard_negatives={hard_negatives!r}); its AUROC needs at least 1 of each"
             )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from lit_interventions.datamodules.axbench_files import CATEGORIES, NEGATIVE_POOL
+from lit_interventions.datamodules.axbench_files import CATEGORIES, EVAL_LABELS, NEGATIVE_POOL
 
 from lit_interventions.core.surprisal import bos_prefix
 
@@ -105,10 +105,18 @@ def common_length(ids: list[int], prefix: list[int]) -> int:
 
 
 def tokenize_rows(
-    rows: pd.DataFrame, tokenizer, chat: bool, max_length: int, end_of_turn: bool, concept_index: dict[int, int]
+    rows: pd.DataFrame,
+    tokenizer,
+    chat: bool,
+    max_length: int,
+    end_of_turn: bool,
+    concept_index: dict[int, int],
+    labels: dict[str, int] | None = None,
 ) -> list[Example]:
     """The examples of `rows`, each encoded (`encode`), its concept id an index into the selected
-    concepts (`concept_index`; -1: the pool) and its chat prefix recorded."""
+    concepts (`concept_index`; -1: the pool), its label `labels[category]` (default: 1 for a
+    positive, else 0; `EVAL_LABELS` for the eval split) and its chat prefix recorded."""
+    labels = EVAL_LABELS["negative"] if labels is None else labels
     examples = []
     prefix = chat_prefix(tokenizer, chat, max_length)
     for instruction, response, category, concept in zip(
@@ -125,7 +133,7 @@ def tokenize_rows(
                 output_end=start + len(response_ids),
                 response_end=start + len(response_ids) + len(end_ids),
                 concept_id=concept_index.get(int(concept), NEGATIVE_POOL),
-                label=int(category == "positive"),
+                label=labels[category],
                 category=CATEGORIES[category],
                 truncated=truncated,
                 prefix=min(common_length(prompt_ids, prefix), len(prompt_ids) - 1),
@@ -138,7 +146,8 @@ def collate(examples: list[Example], pad_id: int, padding_side: str = "right") -
     """Pad to the longest example. `response_mask` is the LM loss mask (response + end-of-turn token);
     `output_mask` covers the response text only; `content_mask` every token after the chat prefix;
     `token_labels` is the concept id on the response
-    text of positives, -1 elsewhere. `keys` are the unpadded ids and first real positions, for
+    text of positives, -1 elsewhere. `label` is 1 for a positive, 0 for a negative and −1 for a row
+    left out of the AUROC (`EVAL_LABELS`). `keys` are the unpadded ids and first real positions, for
     `ActivationCache`."""
     width = max(len(e.ids) for e in examples)
     shape = (len(examples), width)

@@ -250,7 +250,8 @@ def test_supervised_directions_find_the_planted_axis(method):
     """(LAT with pairs across positives and negatives; AxBench's positives-only pairs cannot see a
     mean shift between the classes: see test_lat_pairs_are_drawn_from_the_positives_as_axbench.)"""
     positives, negatives, axis = _planted()
-    w = fit_concept_direction(method, positives, negatives, **({"pairs": "all"} if method == "lat" else {}))
+    options = {"lat": {"pairs": "all"}, "probe": {"bias": True}}.get(method, {})  # the probe with a bias
+    w = fit_concept_direction(method, positives, negatives, **options)
     assert w.norm().item() == pytest.approx(1.0, abs=1e-5)
     assert torch.dot(w, axis).item() > 0.9
 
@@ -622,8 +623,32 @@ def test_probe_l2_is_on_the_mean_log_loss():
     negatives = torch.tensor(rng.normal(size=(60, 4)), dtype=torch.float32)
     from sklearn.linear_model import LogisticRegression
 
-    w = fit_concept_direction("probe", positives, negatives, l2=1e-3)
+    w = fit_concept_direction("probe", positives, negatives, l2=1e-3, bias=True)
     X = torch.cat([positives, negatives]).numpy()
     y = np.r_[np.ones(40), np.zeros(60)]
     ref = LogisticRegression(C=1.0 / (1e-3 * 100), solver="lbfgs", max_iter=5000).fit(X, y).coef_[0]
     torch.testing.assert_close(w, torch.tensor(ref / np.linalg.norm(ref), dtype=torch.float32), atol=2e-3, rtol=0)
+
+
+def test_probe_has_no_bias_and_a_unit_norm_w_as_axbench():
+    """AxBench's LinearProbe scores σ(h·w) with no bias and keeps ‖w‖ = 1. The default probe is the
+    L2 logistic regression without intercept, normalised; with a bias it is another direction. The
+    planted data: 160 negatives around the origin, 40 positives 3 units along the first axis, and
+    every token shifted by 2 along the second, so that without a bias w leans on the shared offset."""
+    rng = np.random.default_rng(1)
+    offset = np.array([0.0, 2.0, 0.0, 0.0])
+    positives = torch.tensor(rng.normal(size=(40, 4)) + offset + [3.0, 0, 0, 0], dtype=torch.float32)
+    negatives = torch.tensor(rng.normal(size=(160, 4)) + offset, dtype=torch.float32)
+    from sklearn.linear_model import LogisticRegression
+
+    w = fit_concept_direction("probe", positives, negatives, l2=1e-3)
+    X = torch.cat([positives, negatives]).double().numpy()
+    y = np.r_[np.ones(40), np.zeros(160)]
+    ref = LogisticRegression(C=1.0 / (1e-3 * 200), fit_intercept=False, max_iter=5000, tol=1e-10).fit(X, y).coef_[0]
+    torch.testing.assert_close(w, torch.tensor(ref / np.linalg.norm(ref), dtype=torch.float32), atol=1e-4, rtol=0)
+    assert w.norm().item() == pytest.approx(1.0, abs=1e-6)
+    assert w[1].item() < -0.6  # the offset, pushing every token's logit down: the bias's work
+    biased = fit_concept_direction("probe", positives, negatives, l2=1e-3, bias=True)
+    assert abs(biased[1].item()) < 0.1 and biased[0].item() > 0.9  # with a bias, the offset is left to b
+    with pytest.raises(ValueError, match="bias='yes' must be true or false"):
+        fit_concept_direction("probe", positives, negatives, bias="yes")

@@ -14,10 +14,10 @@ h·w), whether its rows stay unit norm (`unit_norm`), the name its dictionary ca
 (`name`) and further card fields (`card()`), and what it needs of the data module
 (`check_data`). Its options are its init args, kept as attributes of the same names (`config()`).
 
-Short names map to class paths (`register_concept_method`: reft_r1, ssv, diffmean, pca, lat,
-probe); `concept_method` builds a method from a short name, a {class_path, init_args} config or
-returns an instance as it is. A class_path is imported from the user's own config (as LightningCLI
-does), never from a dictionary card: a card names its method and latent only.
+Short names map to class paths (`register_concept_method`: reft_r1, ssv, diffmean, pca, lat, probe);
+`concept_method` builds a method from a short name, a {class_path, init_args} config or returns an instance
+as it is. A class_path is imported from the user's own config (as LightningCLI does), never from a
+dictionary card: a card names its method and latent only.
 """
 
 from __future__ import annotations
@@ -28,12 +28,19 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from sklearn.linear_model import LogisticRegression
 
 from lit_interventions.artifacts.hub import class_path
 from lit_interventions.interventions.additive import masked_token_mean, non_topk_l1, reft_r1_intervention
 from lit_interventions.interventions.base import import_class
 from lit_interventions.interventions.capabilities import Fitted, is_trained
-from lit_interventions.interventions.directions import DiffMeanDirection, LATDirection, PCADirection, ProbeDirection
+from lit_interventions.interventions.directions import (
+    DiffMeanDirection,
+    LATDirection,
+    PCADirection,
+    ProbeDirection,
+    default_probe_strength,
+)
 
 LAT_PAIRS = ("positives", "all")
 
@@ -276,26 +283,41 @@ class LATMethod(ClosedFormConceptMethod):
         return _oriented(LATDirection(random_state=seed).fit(positives.float()).direction_, positives, negatives)
 
 
+class UnbiasedProbeDirection(ProbeDirection):
+    """`ProbeDirection` without the bias: min_w Σ log-loss(σ(h·w)) + (λ/2)‖w‖² (scikit-learn L-BFGS,
+    `fit_intercept=False`; X not centred, its mean is part of the model), normalised and oriented."""
+
+    def _raw_direction(self, X, codes):
+        self.strength_ = default_probe_strength(X.shape[1]) if self.strength is None else float(self.strength)
+        probe = LogisticRegression(fit_intercept=False, C=1.0 / self.strength_, max_iter=self.max_iter, tol=self.tol)
+        self.estimator_ = probe.fit(X, codes)  # L-BFGS, scikit-learn's default solver
+        return self.estimator_.coef_[0]
+
+
 class ProbeMethod(ClosedFormConceptMethod):
-    """Probe (AxBench eq. 5): a token-level logistic regression of the concept label on h,
-    min_w,b mean log-loss(σ(h·w + b)) + (λ/2)‖w‖², solved exactly by scikit-learn
-    (`ProbeDirection`); w_c its unit-norm weight.
+    """Probe (AxBench eq. 5): a token-level logistic regression of the concept label on h without a
+    bias, min_w mean log-loss(σ(h·w)) + (λ/2)‖w‖², as AxBench's `LinearProbe` (latent h·w, w kept at
+    unit norm), solved exactly by scikit-learn (`UnbiasedProbeDirection`); w_c the normalised w.
 
     Args:
         l2: λ on the *mean* token log-loss (AxBench trains its probe with AdamW weight decay 1e-3);
             None: CausalGym's λ table by hidden size (`default_probe_strength`, on the summed loss).
+        bias: fit a bias b as well, σ(h·w + b) (`ProbeDirection`; the detection latent stays h·w).
     """
 
     name = "probe"
 
-    def __init__(self, l2: float | None = 1e-3):
+    def __init__(self, l2: float | None = 1e-3, bias: bool = False):
         if l2 is not None and not (isinstance(l2, (int, float)) and 0 < l2 < float("inf")):
             raise ValueError(f"l2={l2!r} must be a finite number > 0 or None")
-        self.l2 = l2
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r} must be true or false")
+        self.l2, self.bias = l2, bias
 
     def direction(self, positives, negatives, seed=0):
         strength = None if self.l2 is None else self.l2 * (len(positives) + len(negatives))  # the summed loss's λ
-        return ProbeDirection(random_state=seed, strength=strength).fit(*_labelled(positives, negatives)).direction_
+        probe = ProbeDirection if self.bias else UnbiasedProbeDirection
+        return probe(random_state=seed, strength=strength).fit(*_labelled(positives, negatives)).direction_
 
 
 # --- short names ----------------------------------------------------------------------------------

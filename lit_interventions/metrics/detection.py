@@ -1,10 +1,14 @@
 """AxBench concept detection: max-pooled, min-max normalised AUROC per concept (AxBench §3.2).
 
-Per example: ŷ = max_i Ψ(h_i) over the scored tokens (eq. 2). AxBench scores the response
-tokens, so the mask passed to `update` is the response mask. Per concept, over the eval set:
-ŷ ← (ŷ − min)/(max − min), then AUROC of ŷ against the labels; the reported number is the mean
-over concepts. (AUROC depends only on the order of the scores, so the normalisation does not
-change it; it is kept so that `normalised_scores` matches the paper's ŷ.)
+Per example: ŷ = max_i Ψ(h_i) over the scored tokens (eq. 2); the mask passed to `update` says
+which tokens those are. Per concept, over the eval set: ŷ ← (ŷ − min)/(max − min), then AUROC of
+ŷ against the labels; the reported number is the mean over concepts. (AUROC depends only on the
+order of the scores, so the normalisation does not change it; it is kept so that
+`normalised_scores` matches the paper's ŷ.)
+
+A row labelled `UNSCORED` (−1) enters the max activation and the normalisation but not the AUROC:
+AxBench's `AUCROCEvaluator` maps categories to labels with {positive: 1, negative: 0} and drops the
+rows its map has no label for, which are the hard negatives (`AxBenchDataModule(hard_negatives=...)`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.functional.classification import binary_auroc
 from torchmetrics.utilities import dim_zero_cat
+
+UNSCORED = -1  # the label of a row left out of the AUROC (kept in the max activation)
 
 
 def sequence_scores(token_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -35,13 +41,15 @@ class ConceptAUROC(Metric):
 
     update(token_scores (B, T), mask (B, T), concept_id (B,), label (B,)): token_scores are Ψ(h_i)
     of each row's own concept (the concept it is evaluated for); mask selects the scored tokens
-    (the response); label is 1 for a positive, 0 for a negative or hard negative. Rows with no
-    scored token (a response truncated away) are left out and counted in `skipped`.
+    (the response, or every token after the chat prefix); label is 1 for a positive, 0 for a
+    negative, `UNSCORED` (−1) for a row that counts toward `max_score` but not the AUROC (a hard
+    negative, as AxBench). Rows with no scored token (a response truncated away) are left out and
+    counted in `skipped`.
 
     compute() -> {"auroc": mean over the concepts that have both labels (NaN if none),
     "auroc_per_concept": (C,) with NaN where a concept lacks positives or negatives,
-    "max_score": (C,) the largest raw sequence score per concept (its max activation on the eval
-    set; NaN where a concept has no rows)}. States are concatenated across processes (DDP).
+    "max_score": (C,) the largest raw sequence score per concept over all its rows, unscored ones
+    included (its max activation on the eval set; NaN where a concept has no rows)}. States are concatenated across processes (DDP).
     """
 
     full_state_update = False
@@ -71,8 +79,11 @@ class ConceptAUROC(Metric):
                 f"concept_id must be in 0..{self.num_concepts - 1} (the concept each row is evaluated "
                 f"for); got values {sorted(set(concept_id.tolist()))[:10]}"
             )
-        if not set(label.unique().tolist()) <= {0, 1}:
-            raise ValueError(f"label must be 0 (negative) or 1 (positive); got {sorted(set(label.tolist()))}")
+        if not set(label.unique().tolist()) <= {UNSCORED, 0, 1}:
+            raise ValueError(
+                f"label must be 0 (negative), 1 (positive) or {UNSCORED} (left out of the AUROC); "
+                f"got {sorted(set(label.tolist()))}"
+            )
         scores = sequence_scores(token_scores, mask)
         keep = torch.isfinite(scores)
         self.skipped += (~keep).sum()
@@ -99,7 +110,7 @@ class ConceptAUROC(Metric):
         max_score = max_score.scatter_reduce(0, concept_id, raw, "amax")
         max_score[torch.isinf(max_score)] = float("nan")
         for c in concept_id.unique().tolist():
-            rows = concept_id == c
+            rows = (concept_id == c) & (label != UNSCORED)
             if 0 < label[rows].sum() < rows.sum():
                 per_concept[c] = binary_auroc(normalised[rows], label[rows])
         valid = ~torch.isnan(per_concept)

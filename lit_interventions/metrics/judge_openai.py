@@ -43,7 +43,8 @@ class OpenAIJudge(Judge):
         model: the model name the endpoint expects.
         api_key_env: name of the environment variable holding the key (None: no key, for local
             servers). A named variable that is unset is an error.
-        temperature, max_tokens: sampling of the judge's replies (AxBench: temperature 0).
+        temperature, max_tokens: sampling of the judge's replies. AxBench's judge: temperature 0.7
+            and no cap on the reply's length (max_tokens None: the request names none).
         timeout: seconds per request; workers: concurrent requests.
         retries: further attempts after a failure that may pass (unreachable, timed out, HTTP
             408/429/5xx), waiting `backoff`·2^attempt seconds (or the server's Retry-After).
@@ -59,8 +60,8 @@ class OpenAIJudge(Judge):
         base_url: str = "https://api.openai.com/v1",
         model: str = "gpt-4o-mini",
         api_key_env: str | None = None,
-        temperature: float = 0.0,
-        max_tokens: int = 256,
+        temperature: float = 0.7,
+        max_tokens: int | None = None,
         timeout: float = 120.0,
         workers: int = 4,
         retries: int = 3,
@@ -69,6 +70,10 @@ class OpenAIJudge(Judge):
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r} must start with http:// or https://")
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+            raise ValueError(f"temperature={temperature!r} must be a finite number >= 0")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens={max_tokens!r} must be an integer >= 1, or None for no cap")
         if workers < 1:
             raise ValueError(f"workers={workers!r} must be at least 1")
         if not isinstance(retries, int) or retries < 0:
@@ -129,12 +134,9 @@ class OpenAIJudge(Judge):
     def _chat(self, prompt: str, max_tokens: int | None = None, use_cache: bool = True) -> str:
         """The reply to one user prompt: the cached one if it is there and readable, else asked
         (`_post_with_retries`) and kept in the cache."""
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": self.temperature,
-            "max_tokens": max_tokens or self.max_tokens,
-        }
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": self.temperature}
+        if (max_tokens or self.max_tokens) is not None:
+            body["max_tokens"] = max_tokens or self.max_tokens
         cached = self._cache_path(body) if use_cache else None
         if cached is not None and cached.is_file():
             try:

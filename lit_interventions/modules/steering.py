@@ -28,7 +28,8 @@ after the chat prefix (instruction and response, as AxBench's code; `detect_on: 
 the response), min-max normalised per concept, AUROC per concept (`val/auroc/<concept>`) and their
 mean (`val/auroc`).
 The largest sequence score of each concept becomes its `max_activations` entry (the steering
-unit of the released dictionary).
+unit of the released dictionary); a concept whose largest score is ≤ 0 (a dead ReFT-r1 row) gets
+`DEAD_MAX_ACTIVATION`, as AxBench.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from lit_interventions.modules.steering_closed_form import (  # noqa: F401  (re-
 from lit_interventions.modules.steering_objective import intervention_mask
 
 DETECT_ON = ("content", "response")
+DEAD_MAX_ACTIVATION = 50.0  # the steering unit of a concept whose max activation is <= 0 (AxBench's value)
 # A concept method's options by the names of SteeringModule arguments: (method, its init_args key).
 METHOD_OPTIONS = {
     "topk": ("reft_r1", "topk"),
@@ -79,6 +81,14 @@ def method_option_error(name: str, value) -> Exception:
         f"CLI: --model.method {path} --model.method.{key} {value!r}; Python: "
         f"method={path.rpartition('.')[2]}({key}={value!r}))"
     )
+
+
+def steering_units(max_scores: torch.Tensor) -> torch.Tensor:
+    """Each concept's max activation m_c, the unit of the steering factor (α = factor × m_c):
+    its largest sequence score on the eval set, or `DEAD_MAX_ACTIVATION` where that is ≤ 0, so a
+    dead row still steers (AxBench `Model.pre_compute_mean_activations`:
+    `max_act if max_act > 0 else 50`)."""
+    return torch.where(max_scores > 0, max_scores, torch.full_like(max_scores, DEAD_MAX_ACTIVATION))
 
 
 class SteeringModule(FrozenLMModule):
@@ -331,10 +341,11 @@ class SteeringModule(FrozenLMModule):
 
     def record_detection(self, stage: str, result: dict) -> None:
         """Called by the `AUROCCallback` with its computed result: the largest sequence score of
-        each concept on the validation set becomes its max activation (the steering unit)."""
+        each concept on the validation set becomes its max activation (the steering unit), see
+        `steering_units`."""
         seen = ~torch.isnan(result["max_score"])
         if stage == "val" and not self.trainer.sanity_checking:
-            self.max_activations[seen] = result["max_score"][seen].to(self.max_activations)
+            self.max_activations[seen] = steering_units(result["max_score"][seen]).to(self.max_activations)
         auroc = {
             "mean": float(result["auroc"]),
             "per_concept": {n: float(v) for n, v in zip(self.concepts, result["auroc_per_concept"])},

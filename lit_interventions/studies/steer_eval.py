@@ -30,12 +30,13 @@ import torch
 
 from lit_interventions.artifacts.plots import report_figures
 from lit_interventions.cli.studies import claim_out_dir, run_cli
-from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
+from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
 from lit_interventions.core.sharding import LoadOptions
 from lit_interventions.interventions.base import trusting_remote_code
-from lit_interventions.metrics.judge import ASPECTS, Judge, chat_prompt, generate_replies, make_judge
+from lit_interventions.metrics.judge import ASPECTS, Judge, chat_prompt, generate_replies
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
+from lit_interventions.studies.steer_checks import FACTORS, check_settings, concept_cells, ready_judge, steered_lm
 from lit_interventions.studies.steer_report import (
     FACTOR_COLUMNS,
     SCORES,
@@ -51,7 +52,6 @@ from lit_interventions.studies.steer_sources import (
     DictionarySteerer,
     load_dictionary,
     load_instructions,
-    pick_concepts,
 )
 
 __all__ = [
@@ -72,21 +72,28 @@ __all__ = [
     "run_steer_eval",
 ]
 
-FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]
 _read_generations = read_generations  # its name before the split (tests import it from here)
 
 
 def generate(
-    model, tokenizer, instructions: list[str], max_new_tokens: int, temperature: float, batch_size: int, seed: int
+    model,
+    tokenizer,
+    instructions: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seed: int,
+    top_k: int = 50,
 ) -> list[str]:
-    """Sampled replies to each instruction (chat template, left padding), batched; each decoding
+    """Sampled replies to each instruction (chat template, left padding), batched, from the `top_k`
+    most likely tokens at `temperature` (0: every token; temperature 0: greedy); each decoding
     step counted in the study's progress (`core.progress.stage`)."""
     torch.manual_seed(seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     room = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     texts = [chat_prompt(tokenizer, i) if templated else i for i in instructions]
     sampling = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": 1.0}
         if temperature > 0
         else {"do_sample": False}
     )
@@ -120,75 +127,16 @@ class SteerPlan:
     temperature: float
     batch_size: int
     seed: int
+    top_k: int = 50
 
 
 # --- plan: validate everything before generating ------------------------------------------------
-def _check_settings(dictionary, checkpoint, factors, instructions, max_new_tokens, temperature, batch_size):
-    """The factors (default FACTORS), once the settings that need no file are checked."""
-    if (dictionary is None) == (checkpoint is None):
-        raise ValueError("give exactly one of --dictionary PATH or --checkpoint PATH")
-    factors = list(FACTORS if factors is None else factors)
-    if not factors or any(not isinstance(f, (int, float)) or f < 0 for f in factors):
-        raise ValueError(f"factors={factors!r} must be a non-empty list of non-negative numbers")
-    if not isinstance(instructions, int) or instructions < 2:
-        raise ValueError(f"instructions={instructions!r} must be an integer >= 2 (half select, half report)")
-    if max_new_tokens < 1 or temperature < 0 or batch_size < 1:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens}, temperature={temperature}, batch_size={batch_size}: "
-            "need max_new_tokens >= 1, temperature >= 0, batch_size >= 1"
-        )
-    return factors
-
-
 def _load_steerers(dictionary: str | None, checkpoint: str | list[str] | None, lm: str | None) -> list:
     """One DictionarySteerer, or a CheckpointSteerer per checkpoint path."""
     if dictionary is not None:
         return [DictionarySteerer(load_dictionary(dictionary))]
     paths = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
     return [CheckpointSteerer(load_steering_checkpoint(p, lm)) for p in paths]
-
-
-def _steered_lm(steerers: list, lm: str | None) -> str:
-    """The LM to steer: `lm`, or the one the steerers' cards name; it must match them, in name and
-    hidden size."""
-    models = {s.model for s in steerers if s.model}
-    if lm is None:
-        if len(models) != 1:
-            raise ValueError(f"cannot tell which LM to steer (the cards name {sorted(models) or 'none'}); pass --lm")
-        lm = models.pop()
-    elif models - {lm}:
-        raise ValueError(f"--lm {lm!r} differs from the model the steering weights were trained on: {sorted(models)}")
-    d = hidden_size(load_config(lm))
-    for steerer in steerers:
-        if steerer.hidden_size is not None and steerer.hidden_size != d:
-            raise ValueError(f"the dictionary has hidden size {steerer.hidden_size}, but {lm!r} has {d}")
-    return lm
-
-
-def _cells_of(concepts, steerers: list, from_dictionary: bool) -> dict:
-    """{steerer: its concepts to evaluate}: the chosen concepts of the dictionary, or the
-    checkpoints whose concept is chosen (each checkpoint's card must name one)."""
-    if from_dictionary:
-        return {steerers[0]: pick_concepts(concepts, steerers[0].concepts)}
-    wanted = (
-        None
-        if concepts in (None, "all", ["all"])
-        else set(pick_concepts(concepts, [s.concepts[0] for s in steerers if s.concepts]))
-    )
-    cells_of = {s: s.concepts for s in steerers if wanted is None or set(s.concepts) & wanted}
-    if any(not s.concepts for s in steerers):
-        raise ValueError("a checkpoint card names no concept; retrain with model.concept set")
-    return cells_of
-
-
-def _ready_judge(judge: dict | Judge | None) -> Judge:
-    """The judge (default the openai backend), checked to answer (e.g. the endpoint is down: stop
-    before generating)."""
-    if judge is None:
-        judge = {"backend": "openai"}
-    judge = judge if isinstance(judge, Judge) else make_judge(**judge)
-    judge.check()
-    return judge
 
 
 def plan_steer_eval(
@@ -209,22 +157,25 @@ def plan_steer_eval(
     device_map,
     quantization,
     trust_remote_code=False,
+    top_k=50,
 ) -> SteerPlan:
     """Check every argument, load the steerers, draw up the cells and claim the output directory
     (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
     placement = LoadOptions(device_map, quantization)
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
-    factors = _check_settings(dictionary, checkpoint, factors, instructions, max_new_tokens, temperature, batch_size)
+    factors = check_settings(
+        dictionary, checkpoint, factors, instructions, max_new_tokens, temperature, batch_size, top_k
+    )
     with trusting_remote_code(trust_remote_code):
         steerers = _load_steerers(dictionary, checkpoint, lm)
     if dictionary is None:
         factors = [1.0]
-    lm = _steered_lm(steerers, lm)
-    cells_of = _cells_of(concepts, steerers, dictionary is not None)
+    lm = steered_lm(steerers, lm)
+    cells_of = concept_cells(concepts, steerers, dictionary is not None)
     pool = load_instructions(instruction_file, lm)
     if len(pool) < instructions:
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
-    judge = _ready_judge(judge)
+    judge = ready_judge(judge)
     out = Path(out)
     method = steerers[0].method if len(steerers) == 1 else "+".join(sorted({s.method for s in steerers}))
     meta = {
@@ -236,11 +187,24 @@ def plan_steer_eval(
         "instruction_file": instruction_file,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "top_k": top_k,
         "seed": seed,
     }
     claim_out_dir(out, meta, what="a steering evaluation")
     return SteerPlan(
-        lm, placement, cells_of, factors, pool, judge, out, instructions, max_new_tokens, temperature, batch_size, seed
+        lm,
+        placement,
+        cells_of,
+        factors,
+        pool,
+        judge,
+        out,
+        instructions,
+        max_new_tokens,
+        temperature,
+        batch_size,
+        seed,
+        top_k,
     )
 
 
@@ -259,6 +223,7 @@ def _run_cell(plan: SteerPlan, model, tokenizer, steerer, concept: str, factor: 
             plan.temperature,
             plan.batch_size,
             seed=zlib.crc32(f"{plan.seed}:{concept}:{factor}".encode()),
+            top_k=plan.top_k,
         )
     scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
     select = plan.instructions // 2
@@ -329,6 +294,7 @@ def run_steer_eval(
     instruction_file: str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 1.0,
+    top_k: int = 50,
     batch_size: int = 10,
     judge: dict | Judge | None = None,
     out: str = "runs/steer_eval",
@@ -347,7 +313,8 @@ def run_steer_eval(
         factors: steering factors (default the paper's 14); ignored for checkpoints (one run, 1.0).
         instructions: N instructions per concept: the first N//2 choose the factor, the rest report.
         instruction_file: a JSON list or a text file of instructions (default: the AxBench data module's).
-        max_new_tokens, temperature: generation (the paper: 128, 1.0).
+        max_new_tokens, temperature, top_k: generation (AxBench: 128, 1.0 and transformers' default
+            top_k 50; top_k 0 samples from every token).
         batch_size: generation batch size.
         judge: the judge config, {backend: openai|local, ...options} (see metrics/judge.py).
         out: output directory. seed: instruction sampling and generation seed.
@@ -366,6 +333,7 @@ def run_steer_eval(
         instruction_file=instruction_file,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        top_k=top_k,
         batch_size=batch_size,
         judge=judge,
         out=out,
