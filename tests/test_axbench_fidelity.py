@@ -13,6 +13,7 @@ from lit_interventions.datamodules.axbench import BUILTIN_DIR, CATEGORIES, AxBen
 from sklearn.metrics import auc, roc_curve
 
 import lit_interventions.studies.steer_eval as steer_eval
+from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.metrics.detection import UNSCORED, ConceptAUROC
 from lit_interventions.metrics.judge_openai import OpenAIJudge
 from lit_interventions.modules.steering import DEAD_MAX_ACTIVATION, SteeringModule, steering_units
@@ -102,6 +103,14 @@ def test_dead_rows_steer_with_axbench_unit():
         steering_units(torch.tensor([3.5, 0.0, -1.25, 1e-3])), torch.tensor([3.5, 50.0, 50.0, 1e-3])
     )
     assert DEAD_MAX_ACTIVATION == 50.0
+    assert torch.isnan(steering_units(torch.tensor([float("nan")]))).all()  # never validated: refused later
+
+
+def test_a_stored_dictionary_steers_its_dead_row_with_axbench_unit():
+    vectors = torch.eye(3, 4)
+    d = Dictionary(vectors, torch.tensor([2.0, 0.0, -1.0]), ["a", "b", "c"], model="tiny", layer=1, method="reft_r1")
+    assert [d.steering_alpha(c, 0.5) for c in ("a", "b", "c")] == [1.0, 25.0, 25.0]
+    assert d.max_activations.tolist() == [2.0, 0.0, -1.0]  # the file's values are kept as stored
 
 
 def test_validation_sets_the_unit_of_a_dead_row(tiny_lm_dir):

@@ -46,7 +46,7 @@ from lit_interventions.core.lm import hidden_size, load_lm, load_tokenizer, num_
 from lit_interventions.core.sites import BLOCK_OUTPUT, check_layer, read_layers, residual_hook
 from lit_interventions.core.surprisal import bos_prefix
 from lit_interventions.inference.edits import STEERING_RULE, ApplyRequest, Edit, check_site, check_width, concept_rows
-from lit_interventions.interventions.additive import add_vector
+from lit_interventions.interventions.additive import add_vector, steering_units
 
 LATENTS = ("linear", "relu")  # h·w, ReLU(h·w)
 _RELU_BY_NAME = ("reft_r1", "ssv")  # the latent of a card that does not say it
@@ -266,9 +266,10 @@ class Dictionary:
         }
 
     def steering_alpha(self, concept: str | int, factor: float) -> float:
-        """α = factor × the concept's max activation on the eval set (AxBench §3.3)."""
+        """α = factor × the concept's max activation on the eval set (AxBench §3.3); 50 for a
+        concept whose max activation is ≤ 0, as AxBench steers a dead row (`steering_units`)."""
         row = self.index(concept)
-        peak = float(self.max_activations[row])
+        peak = float(steering_units(self.max_activations)[row])
         if not torch.isfinite(torch.tensor(peak)):
             raise ValueError(
                 f"concept {self.concepts[row]!r} has no max activation (the dictionary was never "
@@ -289,7 +290,9 @@ class Dictionary:
 
         def steer(states: torch.Tensor, rows: torch.Tensor, inputs=None) -> torch.Tensor:
             concept = request.per_row(chosen, rows, torch.long)
-            alpha = request.per_row(request.factor, rows) * self.max_activations.to(rows.device)[concept]
+            alpha = (
+                request.per_row(request.factor, rows) * steering_units(self.max_activations).to(rows.device)[concept]
+            )
             return states + (alpha[:, None] * self.vectors.to(states.device)[concept]).to(states.dtype)
 
         return [Edit(steer, request.positions.resolved(STEERING_RULE), self.layer)]

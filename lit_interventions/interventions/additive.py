@@ -22,6 +22,17 @@ from torch import nn
 
 from lit_interventions.interventions.base import Intervention, register_intervention
 
+DEAD_MAX_ACTIVATION = 50.0  # the steering unit of a concept whose max activation is <= 0 (AxBench's value)
+
+
+def steering_units(max_scores: torch.Tensor) -> torch.Tensor:
+    """Each concept's max activation m_c, the unit of the steering factor (α = factor × m_c):
+    its largest sequence score on the eval set, or `DEAD_MAX_ACTIVATION` where that is ≤ 0, so a
+    dead row still steers (AxBench `Model.pre_compute_mean_activations`:
+    `max_act if max_act > 0 else 50`). NaN (never validated) stays NaN."""
+    kept = (max_scores > 0) | max_scores.isnan()
+    return torch.where(kept, max_scores, torch.full_like(max_scores, DEAD_MAX_ACTIVATION))
+
 
 @register_intervention
 class ConceptDictionary(Intervention):

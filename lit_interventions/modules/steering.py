@@ -43,7 +43,7 @@ from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, read_layers, residual_hook, run_body, site_layer
-from lit_interventions.interventions.additive import ConceptDictionary
+from lit_interventions.interventions.additive import DEAD_MAX_ACTIVATION, ConceptDictionary, steering_units  # noqa: F401
 from lit_interventions.interventions.capabilities import is_trained
 from lit_interventions.interventions.concept_methods import ConceptMethod, L1Penalised, concept_method, method_config
 from lit_interventions.modules.site import FrozenLMModule
@@ -55,7 +55,6 @@ from lit_interventions.modules.steering_closed_form import (  # noqa: F401  (re-
 from lit_interventions.modules.steering_objective import intervention_mask
 
 DETECT_ON = ("content", "response")
-DEAD_MAX_ACTIVATION = 50.0  # the steering unit of a concept whose max activation is <= 0 (AxBench's value)
 # A concept method's options by the names of SteeringModule arguments: (method, its init_args key).
 METHOD_OPTIONS = {
     "topk": ("reft_r1", "topk"),
@@ -81,14 +80,6 @@ def method_option_error(name: str, value) -> Exception:
         f"CLI: --model.method {path} --model.method.{key} {value!r}; Python: "
         f"method={path.rpartition('.')[2]}({key}={value!r}))"
     )
-
-
-def steering_units(max_scores: torch.Tensor) -> torch.Tensor:
-    """Each concept's max activation m_c, the unit of the steering factor (α = factor × m_c):
-    its largest sequence score on the eval set, or `DEAD_MAX_ACTIVATION` where that is ≤ 0, so a
-    dead row still steers (AxBench `Model.pre_compute_mean_activations`:
-    `max_act if max_act > 0 else 50`)."""
-    return torch.where(max_scores > 0, max_scores, torch.full_like(max_scores, DEAD_MAX_ACTIVATION))
 
 
 class SteeringModule(FrozenLMModule):
