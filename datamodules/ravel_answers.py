@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lit_interventions.core.forward import cache_keyword
 from lit_interventions.core.lm import cache_dir
 from lit_interventions.core.sites import logits_at
 from lit_interventions.core.tokens import pad_batch
@@ -79,13 +80,14 @@ def greedy_tokens(model, seqs: list[list[int]], pad_id: int, n: int) -> list[lis
     for _ in range(1, n):
         mask = F.pad(mask, (0, 1), value=1)
         positions = positions[:, -1:] + 1
+        keyword = cache_keyword(type(model))
         out = model(
             input_ids=steps[-1][:, None],
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=out.past_key_values,
             use_cache=True,
             logits_to_keep=1,
+            **{keyword: getattr(out, keyword)},
         )
         steps.append(out.logits[:, -1].argmax(-1))
     return torch.stack(steps, 1).tolist()

@@ -16,6 +16,7 @@ from transformers import (
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
+    OPTConfig,
     PreTrainedTokenizerFast,
 )
 
@@ -97,6 +98,16 @@ def tiny_config(arch: str, vocab_size: int):
             head_dim=8,
             max_position_embeddings=128,
             sliding_window=16,
+            **common,
+        )
+    if arch == "opt":  # an inline MLP: fc1 and fc2 on the decoder layer, no MLP module
+        return OPTConfig(
+            hidden_size=HIDDEN,
+            ffn_dim=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            word_embed_proj_dim=HIDDEN,
+            max_position_embeddings=128,
             **common,
         )
     raise ValueError(arch)

@@ -29,7 +29,10 @@ def test_site_defaults_to_the_residual_stream_at_a_region():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"component": "mlp_out"}, r"component='mlp_out' is not one of: block_output, attention_output, mlp_output"),
+        (
+            {"component": "mlp_out"},
+            r"component='mlp_out' is not one of: block_output, attention_output, mlp_output, block_input, attention_head",
+        ),
         ({"position": "first"}, r"position='first' is not one of: region, last, response"),
         ({"position": "last", "region": "object"}, r"region='object' is only read with position='region'"),
     ],

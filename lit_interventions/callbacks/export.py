@@ -28,6 +28,7 @@ def _site(site) -> dict:
         "component": site.component,
         "position": site.position,
         **({"region": site.region} if site.region is not None else {}),
+        **({"head": list(site.head) if isinstance(site.head, tuple) else site.head} if site.head is not None else {}),
     }
 
 
@@ -63,6 +64,8 @@ class ExportIntervention(Callback):
         }
         if hp.get("component") not in (None, "block_output"):
             card["component"] = hp.get("component")
+        if hp.get("head") is not None:
+            card["head"] = hp.get("head")
         lm_config = getattr(getattr(pl_module, "lm", None), "config", None)
         if lm_config is not None:  # what `apply` checks an LM against
             card.update(num_layers=num_layers(lm_config), model_type=getattr(lm_config, "model_type", None))

@@ -69,6 +69,9 @@ def run_name(model, data) -> str:
         parts.append("layers" + "+".join(str(x) for x in layers))
     if mhp.get("component") not in (None, "block_output"):
         parts[-1:] = [f"{parts[-1]}_{mhp['component']}"] if parts else [mhp["component"]]
+    if mhp.get("head") is not None:  # the heads of a head component: _h1, _h0+2
+        heads = mhp["head"] if isinstance(mhp["head"], (list, tuple)) else [mhp["head"]]
+        parts[-1] = f"{parts[-1]}_h{'+'.join(str(h) for h in heads)}"
     return "/".join(part.replace(os.sep, "_") for part in parts) or "lightning_logs"
 
 

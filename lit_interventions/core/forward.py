@@ -49,8 +49,8 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def _cache_keyword(body: type) -> str:
-    """The keyword a decoder body's forward takes its key/value cache by: `cache` in recent
+def cache_keyword(body: type) -> str:
+    """The keyword a decoder body's (or causal LM's) forward takes its key/value cache by: `cache` in recent
     transformers, `past_key_values` before it (the new name avoids the deprecation warning)."""
     parameters = inspect.signature(body.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
@@ -74,7 +74,7 @@ def run_body(
         attention_mask=attention_mask,
         position_ids=positions,
         use_cache=past is not None,
-        **{_cache_keyword(type(body)): past},
+        **{cache_keyword(type(body)): past},
     )
     if out.last_hidden_state.device != input_ids.device:
         out.last_hidden_state = out.last_hidden_state.to(input_ids.device)
@@ -89,14 +89,15 @@ def read_layers(
     attention_mask: torch.Tensor,
     keys_values: DynamicCache | None = None,
     component: str = BLOCK_OUTPUT,
+    head=None,
 ) -> dict[int, torch.Tensor]:
-    """The residual stream (or `component`) at every position for each of `layers`,
-    {layer: (batch, seq, d)}, from one forward that stops after the highest of them. An empty
-    `keys_values` cache is filled with the keys and values of the blocks that ran."""
+    """The residual stream (or `component`, of `head` for a head component) at every position for
+    each of `layers`, {layer: (batch, seq, d)}, from one forward that stops after the highest of
+    them. An empty `keys_values` cache is filled with the keys and values of the blocks that ran."""
     _block_output_only(component, keys_values=keys_values)
     blocks = decoder_layers(model)
     for layer in layers:
-        check_component(layer, component, len(blocks))
+        check_component(layer, component, len(blocks), head, model.config)
     found, top = {}, max(layers)
 
     def grabber(layer):
@@ -109,7 +110,7 @@ def read_layers(
 
     with ExitStack() as stack:
         for layer in set(layers):
-            stack.enter_context(site_hook(model, layer, component, grabber(layer), input_ids.device))
+            stack.enter_context(site_hook(model, layer, component, grabber(layer), input_ids.device, head))
         try:
             run_body(model, input_ids, attention_mask, past=keys_values)
         except _StopForward:
@@ -152,10 +153,11 @@ def read_site(
     attention_mask: torch.Tensor,
     positions: torch.Tensor,
     component: str = BLOCK_OUTPUT,
+    head=None,
 ) -> torch.Tensor:
-    """f(x): the residual stream (or `component`) at (layer, positions), (batch, d). The forward
-    stops at `layer`."""
-    hidden = read_layers(model, [layer], input_ids, attention_mask, component=component)[layer]
+    """f(x): the residual stream (or `component`, of `head` for a head component) at (layer,
+    positions), (batch, d). The forward stops at `layer`."""
+    hidden = read_layers(model, [layer], input_ids, attention_mask, component=component, head=head)[layer]
     return hidden[row_index(hidden), positions]
 
 
@@ -246,12 +248,13 @@ def logits_at(
     vocab: torch.Tensor | None = None,
     prefix: tuple[int, torch.Tensor] | None = None,
     component: str = BLOCK_OUTPUT,
+    head=None,
 ) -> torch.Tensor:
     """Next-token logits at `logit_positions` only, (batch, vocab), or (batch, n) for the token
     ids `vocab` (batch, n) alone.
 
-    With an intervention, the residual stream (or `component`, see `Site`) at (layer,
-    site_positions) is replaced by `intervention(f(b))` during the forward, i.e. p_{f <- f*}.
+    With an intervention, the residual stream (or `component` and its `head`, see `Site`) at
+    (layer, site_positions) is replaced by `intervention(f(b))` during the forward, i.e. p_{f <- f*}.
 
     With `start_states` (batch, seq, d), the residual stream at `layer` computed earlier for
     these inputs (the LM is frozen, so it never changes), blocks 0..layer are skipped and the
@@ -285,6 +288,6 @@ def logits_at(
         if start_states is not None and layer != EMBEDDINGS:
             stack.enter_context(skip_blocks(model, layer))
         if intervention is not None or start_states is not None:
-            stack.enter_context(site_hook(model, layer, component, write, input_ids.device))
+            stack.enter_context(site_hook(model, layer, component, write, input_ids.device, head))
         hidden = run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
     return final_logits(model, hidden[row_index(hidden), logit_positions], vocab)

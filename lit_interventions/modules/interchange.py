@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lit_interventions.core.batch import PairBatch
-from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
+from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import BLOCK_OUTPUT, Site, final_logits, read_site, run_body, site_hook
 from lit_interventions.datamodules.base import BenchmarkDataModule
@@ -49,6 +49,7 @@ from lit_interventions.interventions.capabilities import (
 )
 from lit_interventions.interventions.compose import Composition
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
+from lit_interventions.modules.generation import greedy_answers
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective
 
@@ -74,7 +75,10 @@ class InterchangeModule(SiteModule):
             blocks above the layer, from the site on; False recomputes everything every step.
             The cache serves one site at the block output; other sites run the full forward.
         component: where in block `layer` the site is: block_output (the residual stream),
-            attention_output or mlp_output (`sites.Site`).
+            block_input, attention_output, mlp_output, attention_head, query, key, value or
+            mlp_neuron (`sites.Site`).
+        head: the head (an int) or heads (a list) of a head component (attention_head, query,
+            key, value); the intervention sees head_dim × the number of heads features.
         sites: several sites intervened on together in one forward (each `Site(layer, component,
             position, region)` gets its own `intervention(d)`): a composition, e.g. DAS on the
             subject and on the object. Replaces `layer`, `region` and `component`.
@@ -98,6 +102,7 @@ class InterchangeModule(SiteModule):
         dtype: str = "float32",
         cache: bool = True,
         component: str = BLOCK_OUTPUT,
+        head: int | list[int] | None = None,
         sites: list[Site] | None = None,
         device_map: str | int | dict | None = None,
         quantization: str | None = None,
@@ -113,18 +118,20 @@ class InterchangeModule(SiteModule):
         layer = self._check_site(lm, sites[0].layer if sites else layer, dtype)
         config = load_config(lm)
         n_layers = num_layers(config)
-        for site in sites or [Site(layer, component)]:
-            site.check(n_layers)  # the component too (layer -1 has only block_output), before any weights load
+        for site in sites or [Site(layer, component, head=head)]:
+            site.check(n_layers, config)  # component and heads too (layer -1 has only block_output), no weights load
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validates both
         self.save_hyperparameters()
         self.hparams.layer = layer
         if sites is not None or component != BLOCK_OUTPUT:
             self.hparams.cache = False  # the cached fast path reads one site's block output
-        d = hidden_size(config)
         build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
-        self.intervention = build(d) if sites is None else Composition([build(d) for _ in sites])
+        if sites is None:
+            self.intervention = build(Site(layer, component, head=head).width(config))
+        else:
+            self.intervention = Composition([build(site.width(config)) for site in sites])
         self.objective = CounterfactualLoss() if objective is None else objective
-        self.eval_outputs: set[str] = set()  # what metric callbacks also need: "clean", "label_logits"
+        self.eval_outputs: set[str] = set()  # what callbacks also need: "clean", "label_logits", "generated"
 
     # --- what the data supports -----------------------------------------------------------------
 
@@ -179,6 +186,7 @@ class InterchangeModule(SiteModule):
                 batch.source.attention_mask,
                 self._positions(batch, "source", site),
                 component=site.component,
+                head=site.head,
             )
             for site in sites
         ]
@@ -191,6 +199,7 @@ class InterchangeModule(SiteModule):
                         site.component,
                         _writer(part, source, self._positions(batch, "base", site)),
                         batch.base.input_ids.device,
+                        site.head,
                     )
                 )
             hidden = run_body(self.lm, batch.base.input_ids, batch.base.attention_mask).last_hidden_state
@@ -232,7 +241,8 @@ class InterchangeModule(SiteModule):
 
     @torch.no_grad()
     def dev_scores(self, data, candidates: dict[str, nn.Module]) -> dict[str, dict]:
-        """{name: the data's `dev_metric()` of that intervention on the whole val split}."""
+        """{name: the data's `dev_metric()` of that intervention on the whole val split (fed
+        its greedy answers)}."""
         metrics = {name: data.dev_metric() for name in candidates}
         own = self.intervention
         try:
@@ -240,7 +250,7 @@ class InterchangeModule(SiteModule):
                 batch = self.transfer_batch_to_device(batch, self.device, 0)
                 for name, candidate in candidates.items():
                     self.intervention = candidate.to(self.device)
-                    metrics[name].update(self.intervened_logits(batch).float().cpu(), batch)
+                    metrics[name].update(greedy_answers(self, batch).cpu(), batch)
         finally:
             self.intervention = own
         return {name: metric.compute() for name, metric in metrics.items()}
@@ -271,7 +281,8 @@ class InterchangeModule(SiteModule):
 
     def _evaluate(self, batch, stage: str) -> dict:
         """The standard output the metric callbacks read (`callbacks/metrics.py`): intervened
-        logits, and where a callback needs them, clean logits and the two labels' logits."""
+        logits, and where a callback needs them, clean logits, the two labels' logits and the
+        greedy answer (`generation.greedy_answers`)."""
         if isinstance(self.intervention, NeedsFit) and self.intervention.needs_fit:
             raise ValueError(
                 f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
@@ -280,9 +291,10 @@ class InterchangeModule(SiteModule):
         intervened = self.intervened_logits(batch)
         clean = self.clean_logits(batch) if "clean" in self.eval_outputs else None
         labels = self.label_logits(batch) if "label_logits" in self.eval_outputs else None
+        generated = greedy_answers(self, batch, intervened) if "generated" in self.eval_outputs else None
         loss = self.objective.task_loss(intervened, batch)
         self.log(f"{stage}/loss", loss, batch_size=len(batch), sync_dist=True)
-        return {"intervened": intervened, "clean": clean, "label_logits": labels}
+        return {"intervened": intervened, "clean": clean, "label_logits": labels, "generated": generated}
 
     def label_logits(self, batch: PairBatch, clean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(p(· | b), p*(· | b, s)) at the base's last token of the two labels alone, (batch, 2)

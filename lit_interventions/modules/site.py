@@ -107,6 +107,11 @@ class SiteModule(FrozenLMModule):
         """Where in the block the site is (`sites.COMPONENTS`); the residual stream by default."""
         return self.hparams.get("component") or BLOCK_OUTPUT
 
+    @property
+    def head(self) -> int | list[int] | None:
+        """The head or heads of a head component (`sites.HEAD_COMPONENTS`); None for the others."""
+        return self.hparams.get("head")
+
     def _states(self, batch: PairBatch) -> torch.Tensor | None:
         """The cached residual stream at the layer of the batch's bases (None: no cache)."""
         cache = self.activations
@@ -128,6 +133,7 @@ class SiteModule(FrozenLMModule):
                 states.attention_mask,
                 states.pos,
                 component=self.component,
+                head=self.head,
             )
         return cache.at_site(self.hparams.layer, states)
 
@@ -148,6 +154,7 @@ class SiteModule(FrozenLMModule):
             vocab=vocab,
             prefix=self._prefix(batch),
             component=self.component,
+            head=self.head,
         )
 
     def clean_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
