@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_interventions.core.parts import BLOCKS, PER_HEAD, fused_layout
 from lit_interventions.core.sites import (
@@ -21,7 +21,11 @@ from lit_interventions.core.sites import (
     read_site,
     site_width,
 )
+from lit_interventions.export.cli import main as export_main
+from lit_interventions.inference.apply import apply
+from lit_interventions.inference.positions import encode_text
 from lit_interventions.interventions.base import load_intervention
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch
@@ -287,3 +291,46 @@ def test_fit_at_one_head_trains_das_and_fits_diffmean(tmp_path, tiny_lm_dir, met
     # the odds the callback logged are those of the intervention at head 1, recomputed here
     scored = module.score(cli.datamodule.loader("dev", 16))
     assert cli.trainer.callback_metrics["val/odds"].item() == pytest.approx(scored["odds"], abs=1e-4)
+
+
+@pytest.mark.parametrize("component,head", [("attention_head", 1), ("value", [1, 0]), ("mlp_neuron", None)])
+def test_an_artifact_trained_at_a_fine_site_applies_there(component, head, tmp_path, tiny_lm, tiny_lm_dir, tokenizer):
+    """`apply` reads the source and writes the base at the site the card records, head included:
+    the same logits as the intervention placed there by hand."""
+    model = tiny_lm("llama")
+    width = Site(1, component, head=head).width(model.config)
+    das = RotatedSpaceIntervention(width, 2)
+    card = {"model": tiny_lm_dir("llama"), "layer": 1, "component": component, "head": head}
+    das.save_pretrained(tmp_path, card)
+    base, source = encode_text(tokenizer, "The dog is here"), encode_text(tokenizer, "The keys are there")
+    with apply(model, str(tmp_path), tokenizer=tokenizer, source="The keys are there") as edited:
+        got = edited(**base).logits[:, -1]
+    last = lambda enc: enc["attention_mask"].sum(-1) - 1  # noqa: E731
+    src = read_site(model, 1, source["input_ids"], source["attention_mask"], last(source), component, head)
+    want = logits_at(
+        model, base["input_ids"], base["attention_mask"], last(base), 1, last(base),
+        lambda h: das(h, src), component=component, head=head,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(got, model(**base).logits[:, -1])
+    wrong = {**card, "head": None} if head is not None else {**card, "component": "attention_output"}
+    das.save_pretrained(tmp_path / "wrong", wrong)
+    with pytest.raises(ValueError, match="needs|width|hidden size"):
+        with apply(model, str(tmp_path / "wrong"), tokenizer=tokenizer, source="The keys are there"):
+            pass
+
+
+def test_export_refuses_a_fine_site_with_one_line(tmp_path, tiny_lm_dir, capsys):
+    lm_dir = tiny_lm_dir("llama")
+    card = {"model": lm_dir, "layer": 1, "component": "attention_head", "head": 1}
+    RotatedSpaceIntervention(
+        Site(1, "attention_head", head=1).width(AutoConfig.from_pretrained(lm_dir)), 2
+    ).save_pretrained(tmp_path / "das", card)
+    with pytest.raises(SystemExit) as exit_:
+        export_main(["--artifact", str(tmp_path / "das"), "--to", "pyvene", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'das'} acts at attention_head (head 1); export writes sites at block_output, "
+        "block_input, attention_output, mlp_output (apply it with lit_interventions.apply)\n"
+    )
+    assert not (tmp_path / "out").exists()

@@ -16,9 +16,11 @@ from transformers import AutoModelForCausalLM
 from lit_interventions.core.blocks import decoder_layers
 from lit_interventions.core.files import check_finite, write_atomically
 from lit_interventions.core.lm import load_config
-from lit_interventions.core.sites import BLOCK_OUTPUT
+from lit_interventions.core.sites import ATTENTION_OUTPUT, BLOCK_INPUT, BLOCK_OUTPUT, MLP_OUTPUT
 
 OPTIONS = ("concept", "factor")  # the options a capability may take, by the name of its parameter
+
+EXPORTED_COMPONENTS = (BLOCK_OUTPUT, BLOCK_INPUT, ATTENTION_OUTPUT, MLP_OUTPUT)  # sites other tools name alike
 
 
 @dataclass
@@ -65,6 +67,12 @@ class ExportRequest:
                 "export each part from its own directory"
             )
         layer, component = site.get("layer"), site.get("component") or BLOCK_OUTPUT
+        head = site.get("head", self.config.get("head"))
+        if component not in EXPORTED_COMPONENTS or head is not None:
+            raise ValueError(
+                f"{self.directory} acts at {component}" + (f" (head {head})" if head is not None else "")
+                + f"; export writes sites at {', '.join(EXPORTED_COMPONENTS)} (apply it with lit_interventions.apply)"
+            )  # fmt: skip
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ValueError(
                 f"{self.directory}: config.json records no site layer (site={site!r}); save the artifact with "

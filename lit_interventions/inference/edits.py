@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lit_interventions.core.blocks import BLOCK_OUTPUT, check_component, decoder_layers
+from lit_interventions.core.blocks import BLOCK_OUTPUT, check_component, decoder_layers, site_width
 from lit_interventions.core.forward import read_layers
 from lit_interventions.core.hooks import site_hook
-from lit_interventions.core.lm import hidden_size, num_layers
+from lit_interventions.core.lm import num_layers
 from lit_interventions.inference.positions import Positions, PositionTracker, encode_text
 
 STEERING_RULE, INTERCHANGE_RULE = "all", "last"
@@ -46,6 +46,7 @@ class Edit:
     layer: int | None = None
     component: str = BLOCK_OUTPUT
     module: str | None = None
+    head: int | tuple[int, ...] | None = None  # the head(s) of a head component
 
 
 @dataclass
@@ -77,27 +78,32 @@ class ApplyRequest:
         return torch.full(rows.shape, values, dtype=dtype, device=rows.device)
 
 
-def site_of(config: dict, where: str) -> tuple[int, str]:
-    """(layer, component) of the site config.json records (`site`, else its top-level `layer`)."""
+def site_of(config: dict, where: str) -> tuple[int, str, int | tuple[int, ...] | None]:
+    """(layer, component, head) of the site config.json records (`site`, else its top-level
+    `layer`, `component` and `head`)."""
     site = config.get("site")
     site = site if isinstance(site, dict) else {}
     layer = site.get("layer", config.get("layer"))
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise ValueError(f"{where}: records no site layer (site={config.get('site')!r}); it cannot be applied")
-    return layer, site.get("component") or config.get("component") or BLOCK_OUTPUT
+    head = site.get("head", config.get("head"))
+    head = tuple(head) if isinstance(head, list) else head
+    return layer, site.get("component") or config.get("component") or BLOCK_OUTPUT, head
 
 
-def check_width(width: int, lm: nn.Module, config: dict, where: str) -> None:
-    """One ValueError naming both when the artifact's hidden size is not the LM's."""
-    size = hidden_size(lm.config)
+def check_width(width: int, lm: nn.Module, config: dict, where: str, component: str = BLOCK_OUTPUT, head=None) -> None:
+    """One ValueError naming both when the artifact's width is not the LM's at its site (the
+    hidden size; head_dim × heads for a head component, the MLP's units for `mlp_neuron`)."""
+    size = site_width(lm.config, component, head)
     if width != size:
+        what = "hidden size" if component in (BLOCK_OUTPUT, "block_input") else f"width at {component}"
         raise ValueError(
-            f"{where} was trained on {config.get('model')!r} (hidden size {width}); the LM given, "
-            f"{lm_name(lm)!r}, has hidden size {size}"
+            f"{where} was trained on {config.get('model')!r} ({what} {width}); the LM given, "
+            f"{lm_name(lm)!r}, has {what} {size}"
         )
 
 
-def check_site(layer: int, component: str, lm: nn.Module, config: dict, where: str) -> None:
+def check_site(layer: int, component: str, lm: nn.Module, config: dict, where: str, head=None) -> None:
     """One ValueError naming both when the LM is of another type or layer count than the ones
     recorded, or has no such layer."""
     trained_type, lm_type = config.get("model_type"), getattr(lm.config, "model_type", None)
@@ -113,7 +119,7 @@ def check_site(layer: int, component: str, lm: nn.Module, config: dict, where: s
             f"{where} was trained on {config.get('model')!r} ({trained}); the LM given, {lm_name(lm)!r}, "
             f"has {n_layers} layers (0..{n_layers - 1})"
         )
-    check_component(layer, component, n_layers)
+    check_component(layer, component, n_layers, head, lm.config)
 
 
 def lm_name(lm: nn.Module) -> str:
@@ -163,7 +169,7 @@ def concept_rows(request: ApplyRequest, names: Sequence[str] | None, count: int,
 
 
 @torch.no_grad()
-def source_states(request: ApplyRequest, layer: int, component: str, where: str) -> torch.Tensor:
+def source_states(request: ApplyRequest, layer: int, component: str, where: str, head=None) -> torch.Tensor:
     """The source state at (layer, component) and the request's source position, (d,): read from
     the source text before this request's hooks are placed (an enclosing `apply` still edits
     it), or the tensor given."""
@@ -175,7 +181,7 @@ def source_states(request: ApplyRequest, layer: int, component: str, where: str)
         raise ValueError(f"{where}: a source text needs the LM's tokenizer (tokenizer=...)")
     enc = encode_text(request.tokenizer, request.source)
     ids, mask = enc["input_ids"].to(request.lm.device), enc["attention_mask"].to(request.lm.device)
-    hidden = read_layers(request.lm, [layer], ids, mask, component=component)[layer][0]  # (seq, d)
+    hidden = read_layers(request.lm, [layer], ids, mask, component=component, head=head)[layer][0]  # (seq, d)
     rule, width = request.source_positions, hidden.shape[0]
     if rule.rule in ("last", "site"):
         return hidden[-1]
@@ -188,11 +194,11 @@ def intervention_edits(intervention: nn.Module, config: dict, request: ApplyRequ
     """The edit of an intervention of the protocol at the site `config` records: f* =
     intervention(f(b), f(s)) for an interchange, intervention(f(b), concept_id, factor) for one
     that edits base alone (steering: every position by default)."""
-    layer, component = site_of(config, where)
-    check_site(layer, component, request.lm, config, where)
+    layer, component, head = site_of(config, where)
+    check_site(layer, component, request.lm, config, where, head)
     tensors = intervention.export()
     if tensors:
-        check_width(next(iter(tensors.values())).shape[-1], request.lm, config, where)
+        check_width(next(iter(tensors.values())).shape[-1], request.lm, config, where, component, head)
     steering = bool(getattr(intervention, "edits_base_alone", False))
     positions = request.positions.resolved(STEERING_RULE if steering else INTERCHANGE_RULE)
     context = _context(intervention, where)
@@ -208,13 +214,13 @@ def intervention_edits(intervention: nn.Module, config: dict, request: ApplyRequ
                 keywords["factor"] = request.per_row(request.factor, rows)
             return intervention(states, None, **keywords)
 
-        return [Edit(steer, positions, layer, component)]
-    source = source_states(request, layer, component, where)
+        return [Edit(steer, positions, layer, component, head=head)]
+    source = source_states(request, layer, component, where, head)
 
     def interchange(states, rows, inputs=None):
         return intervention(states, source.to(states.device, states.dtype).expand_as(states))
 
-    return [Edit(interchange, positions, layer, component)]
+    return [Edit(interchange, positions, layer, component, head=head)]
 
 
 @contextmanager
@@ -247,7 +253,7 @@ def _hook(lm: nn.Module, edit: Edit, tracker: PositionTracker):
         def on_hidden(hidden):
             return _apply_at(edit, hidden, tracker.mask(edit.positions, hidden.shape[0], hidden.device), None)
 
-        with site_hook(lm, edit.layer, edit.component, on_hidden):
+        with site_hook(lm, edit.layer, edit.component, on_hidden, head=edit.head):
             yield
         return
     module = dict(lm.named_modules()).get(edit.module)
