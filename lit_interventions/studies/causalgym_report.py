@@ -12,7 +12,6 @@ import numpy as np
 
 from lit_interventions.artifacts.plots import DPI, heatmap_figure, save_figures
 from lit_interventions.core.files import write_atomically
-from lit_interventions.datamodules.templates import load_task
 
 SUMMARY_COLUMNS = ["task", "method", "accuracy", "overall_odds", "selectivity"]
 
@@ -51,12 +50,11 @@ def store_rows(store, tasks: list[str], names: list[str], layers: list[int]) -> 
     ]
 
 
-def store_summary(store, tasks, names, layers, templates, out: Path) -> list[dict]:
-    """summary.csv of a sweep's store rows of these tasks, methods and layers (`write_summary`),
-    the overall odds over each task's scored regions."""
+def store_summary(store, scored: dict[str, list[str]], names, layers, out: Path) -> list[dict]:
+    """summary.csv of a sweep's store rows of these tasks (`scored`: {task: its scored regions}),
+    methods and layers (`write_summary`), the overall odds over each task's scored regions."""
     accuracy = {r["task"]: float(r["accuracy"]) for r in store.rows("accuracy")}
-    scored = {task: load_task(task, templates).scored_regions for task in tasks}
-    return write_summary(store_rows(store, tasks, names, layers), accuracy, out, scored)
+    return write_summary(store_rows(store, list(scored), names, layers), accuracy, out, scored)
 
 
 def _cells(results: list[dict]) -> dict[tuple[str, str], dict[tuple[int, str], dict]]:

@@ -21,6 +21,7 @@ from itertools import chain
 import torch
 
 from lit_interventions.core.progress import stage
+from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.causalgym import CausalGymDataModule, EmptyRegionError
 from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.registry import FITTED, MethodSpec, kind
@@ -185,14 +186,14 @@ def score_unit(
 
 
 @torch.no_grad()
-def task_accuracy(task, templates, lm, sizes, cache, dtype="float32", batch_size=64) -> float:
-    """Acc: the share of eval pairs where the unintervened model ranks y_b above y_s.
+def task_accuracy(data: BenchmarkDataModule, lm, cache, dtype="float32", batch_size=64) -> float:
+    """Acc: the share of `data`'s eval pairs (a task's data module, set up) where the
+    unintervened model ranks y_b above y_s.
 
     Before that, the cache is filled with every train and eval sentence of the task, in a few
-    full batches (the sites' loaders then find them all), with the keys and values of all their
-    tokens above the lowest layer: a trained method at any region then runs the upper blocks from
-    its site on."""
-    data = _region_data(task, templates, lm, None, None, sizes)
+    full batches (the sites' loaders then find them all: every region's data module holds the
+    same sentences), with the keys and values of all their tokens above the lowest layer: a
+    trained method at any region then runs the upper blocks from its site on."""
     loaders = chain(data.loader("train", batch_size), data.loader("eval", batch_size))
     cache.fill(loaders, batch_size=batch_size, prefix="all")
     module = InterchangeModule(lm=lm, layer=cache.layers[-1], dtype=dtype).to(cache.model.device)

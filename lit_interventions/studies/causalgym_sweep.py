@@ -1,6 +1,12 @@
 """The CausalGym study in one command: every method at every layer × region of every task.
 
     lit-interventions sweep causalgym --config configs/sweep_causalgym.yaml [--tasks all] [--out DIR]
+    lit-interventions sweep causalgym --config configs/sweep_causalgym.yaml --pairs pairs.jsonl
+
+The tasks are a template file's (default: CausalGym's 29) or, with `--pairs`, one counterfactual
+pairs file's (its stem the task's name, its regions `site` and `last`; `causalgym_tasks`): each a
+name, its regions, the regions its overall odds count, and a data factory the sweep asks for a
+region's data module.
 
 The methods are `class_path` configs ({name, class_path, init_args}, and for a trained one lr,
 warmup_ratio, objective; `lit_interventions.interventions.registry.MethodSpec`), listed in the
@@ -44,7 +50,6 @@ rank finished (`lit_interventions.studies.distributed`):
 from __future__ import annotations
 
 import functools
-import hashlib
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -59,7 +64,6 @@ from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
-from lit_interventions.datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
 from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
 from lit_interventions.studies import distributed
 from lit_interventions.studies.causalgym_report import overall, store_rows, store_summary, summarise, write_heatmaps
@@ -72,6 +76,7 @@ from lit_interventions.studies.causalgym_scoring import (
     sweep_site,
     task_accuracy,
 )
+from lit_interventions.studies.causalgym_tasks import SweepTask, sweep_tasks
 from lit_interventions.studies.causalgym_training import saved_trained, train_das, trained_path, unchanged_sites
 
 METHODS = ["das", "probe", "diffmean", "lda", "pca", "kmeans", "random", "lat", "vanilla"]  # `all`: CausalGym's
@@ -122,32 +127,13 @@ class Setup:
 
     methods: list[MethodSpec]
     kinds: dict[str, str]  # name -> registry.FITTED, TRAINED or FIXED
-    templates: str | None
+    tasks: dict[str, SweepTask]  # name -> its regions and its data factory (`causalgym_tasks`)
     lm: str
     control: bool
-    sizes: dict
     seed: int
     dtype: str
     batch_size: int
-    regions: dict[str, list[str]]
     stacked_scoring: bool = True
-
-
-def check_inputs(tasks: list[str], templates, dtype: str, sizes: dict) -> None:
-    """What can be refused before the output directory is claimed and the model loaded."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-    for name in ("train_pairs", "eval_pairs"):
-        if not isinstance(sizes[name], int) or sizes[name] < 1:
-            raise ValueError(f"{name}={sizes[name]!r} must be a positive integer")
-    for task in tasks:
-        available = load_task(task, templates).distinct_pairs()
-        for name in ("train_pairs", "eval_pairs"):
-            if sizes[name] > available:
-                raise ValueError(
-                    f"{name}={sizes[name]} but task {task!r} has only {available} distinct pairs; "
-                    f"ask for at most {available}"
-                )
 
 
 def sweep_units(
@@ -237,23 +223,17 @@ def _sweep(store, units, setup: Setup, done, accuracy) -> None:
     methods trained (`_train_unit`), then its sites scored and stored (`_score_sites`); fills
     `accuracy` ({task: Acc})."""
     model = load_lm(setup.lm, setup.dtype).to("cuda" if torch.cuda.is_available() else "cpu")  # modules follow it
-    total = sum(len(setup.regions[task]) * len(layers) for task, layers in units)
+    total = sum(len(setup.tasks[task].regions) * len(layers) for task, layers in units)
     with Progress(total, "sites", "site") as progress:  # closed on its own line, however it ends
         for task, layers in units:
             cache = ActivationCache(model, layers)  # one cache per unit: every layer, computed once for its sentences
-            accuracy[task] = task_accuracy(
-                task, setup.templates, setup.lm, setup.sizes, cache, setup.dtype, setup.batch_size
-            )
-
-            @functools.cache
-            def data_of(region, kind=None, task=task):
-                """A region's data module (kind: None, or the control task), tokenised once per task."""
-                return _region_data(task, setup.templates, setup.lm, region, kind, setup.sizes)
-
+            # a region's data module (kind: None, or the control task), tokenised once per unit
+            data_of = functools.cache(setup.tasks[task].data)
+            accuracy[task] = task_accuracy(data_of(None, None), setup.lm, cache, setup.dtype, setup.batch_size)
             todo = {
                 (layer, region): [m for m in setup.methods if (task, m.name, layer, region) not in done]
                 for layer in layers
-                for region in setup.regions[task]
+                for region in setup.tasks[task].regions
             }
             trained = _train_unit(store.out, task, todo, data_of, cache, setup, progress)
             progress.note(f"{task}: scoring")
@@ -285,10 +265,11 @@ def _plan(units, names: list[str], control: bool):
 
 
 def run_sweep(
-    tasks: str | list[str] = "agr_sv_num_pp",
+    tasks: str | list[str] | None = None,
     methods: str | list[str | dict] = "all",
     layers: str | list[int] = "all",
     templates: str | None = None,
+    pairs: str | None = None,
     lm: str = DEFAULT_LM,
     control: bool = False,
     out: str = "runs/sweep",
@@ -307,16 +288,19 @@ def run_sweep(
     (`lit_interventions.studies.distributed`).
 
     Args:
-        tasks: task names, or 'all'.
+        tasks: task names of the template file, or 'all' (default: agr_sv_num_pp).
         methods: registered names (das, probe, diffmean, lda, pca, kmeans, random, lat, vanilla,
             dbm), method configs ({name, class_path, init_args[, lr, warmup_ratio, objective]}),
             a list of both; or 'all' (CausalGym's: all of these but dbm).
         layers: layer indices (-1 = embeddings), or 'all'.
         templates: a template file in the CausalGym schema (default: our 29 tasks).
+        pairs: a counterfactual pairs file instead (`datamodules/pairs.py`): one task, named
+            for its stem, regions `site` and `last`, split by `seed` as `train.py` splits it (the
+            sizes do not apply). Not with `tasks`, `templates` or `control`.
         lm: the LM (embedded name, .gguf, local directory or hub id).
         control: also run the dog/give control task (adds control_odds and selectivity).
         out: output directory.
-        train_pairs, eval_pairs: pairs before swap-doubling (the paper: 200, 50).
+        train_pairs, eval_pairs: a template task's pairs before swap-doubling (the paper: 200, 50).
         seed: data and method seed.
         dtype: the frozen LM's dtype (float32, bfloat16, float16); trained methods train in float32.
         batch_size: rows per forward that only reads the frozen LM (the cache fill, the states
@@ -333,32 +317,32 @@ def run_sweep(
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
-    template_path = Path(templates) if templates else BUILTIN_TEMPLATES
-    tasks = choose_names(tasks, list(load_templates(template_path)), "tasks")
+    sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
+    # every input is checked before the output directory is claimed: a refused run leaves nothing
+    found, data_meta = sweep_tasks(tasks, templates, pairs, control, lm, sizes)
     specs = choose_methods(methods)
     names = [spec.name for spec in specs]
     config = load_config(lm)
     layers = choose_layers(layers, num_layers(config))
-    units = sweep_units(tasks, layers, layers_per_unit)
-    sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
-    check_inputs(tasks, templates, dtype, sizes)  # before the output directory is claimed: a refused run leaves nothing
-    regions = {task: load_task(task, templates).regions for task in tasks}
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    units = sweep_units(list(found), layers, layers_per_unit)
     kinds = method_kinds(specs, hidden_size(config), seed)  # every class_path imported before any work
-    setup = Setup(specs, kinds, templates, lm, control, sizes, seed, dtype, batch_size, regions, stacked_scoring)
-    digest = hashlib.sha256(template_path.read_bytes()).hexdigest()
-    meta = {"lm": lm, "dtype": dtype, "templates": templates or "builtin", "templates_sha256": digest, **sizes}
+    setup = Setup(specs, kinds, found, lm, control, seed, dtype, batch_size, stacked_scoring)
+    meta = {"lm": lm, "dtype": dtype, **data_meta}  # a data file is known by its sha256, not its path
     out = Path(out)
-    with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates",)) as run:
+    with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates", "pairs")) as run:
         todo, (done, with_control) = run.start(
             _plan(units, names, control), hint=" (--layers_per_unit splits a task's layers into more units)"
-        )  # the template file is known by its sha256
+        )
         _run_units(run, todo, setup, done, with_control)
+        scored = {name: task.scored_regions for name, task in found.items()}
         summary = run.finish(
-            _position(units),
-            partial(store_summary, tasks=tasks, names=names, layers=layers, templates=templates, out=out),
+            _position(units), partial(store_summary, scored=scored, names=names, layers=layers, out=out)
         )
         if ranks.is_main:  # the figures last: one not written leaves the results as they are
-            write_heatmaps(store_rows(run.main, tasks, names, layers), regions, summary, out)
+            regions = {name: task.regions for name, task in found.items()}
+            write_heatmaps(store_rows(run.main, list(found), names, layers), regions, summary, out)
         return summary
 
 
@@ -366,7 +350,7 @@ def _run_units(run, todo, setup: Setup, done: set, with_control: set) -> None:
     """This rank's units of `todo` (the most sites first), each swept (`_sweep`), then its Acc and
     its finished (task, layer, method) stored together."""
     names, control = [m.name for m in setup.methods], setup.control
-    for task, group in run.take(todo, cost=lambda unit: len(unit[1]) * len(setup.regions[unit[0]])):  # its sites
+    for task, group in run.take(todo, cost=lambda unit: len(unit[1]) * len(setup.tasks[unit[0]].regions)):  # its sites
         accuracy = {}
         raise_pending()  # a signal a library swallowed stops the sweep between units
         _sweep(run.store, [(task, group)], setup, done, accuracy)

@@ -1,0 +1,136 @@
+"""What the CausalGym sweep sweeps: its tasks, each a name, its regions, the regions its overall
+odds count, and a data factory (region, kind -> the region's data module).
+
+Two sources give them, checked before the output directory is claimed and the model loaded:
+- a template file (`template_tasks`: CausalGym's 29 built-in tasks, or a file in its schema):
+  each task's pairs sampled `train_pairs` / `eval_pairs` by the seed, its regions the template's,
+  scored from the first label-variable region on (`TaskTemplate.scored_regions`), the dog/give
+  control task available (kind `CONTROL`);
+- a counterfactual pairs file (`pairs_task`, `datamodules/pairs.py`): one task named for the
+  file's stem, regions `site` and `last`, both scored, the file's own splits (its rows without a
+  split divided by the seed, as `train.py` divides them), no control task.
+
+What a resumed run must find unchanged is recorded in its meta.json (`data_meta`): the template
+file's or the pairs file's sha256, the sizes and the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+from lit_interventions.cli.studies import choose_names
+from lit_interventions.datamodules.base import BenchmarkDataModule
+from lit_interventions.datamodules.pairs import REGIONS as PAIRS_REGIONS
+from lit_interventions.datamodules.pairs import PairsDataModule
+from lit_interventions.datamodules.pairs_files import read_pairs
+from lit_interventions.datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
+from lit_interventions.studies.causalgym_scoring import _region_data
+
+DEFAULT_TASK = "agr_sv_num_pp"
+
+
+@dataclass(frozen=True)
+class SweepTask:
+    """One task of a sweep: `data(region, kind=None)` is the region's data module, set up (None:
+    the region is empty in every pair; kind: None, or the control task `CONTROL`; region None:
+    the task's default region, whose sentences fill the activation cache)."""
+
+    name: str
+    regions: list[str]
+    scored_regions: list[str]
+    data: Callable[..., BenchmarkDataModule | None]
+
+
+def check_sizes(tasks: list[str], templates: str | None, sizes: dict) -> None:
+    """`train_pairs` / `eval_pairs` positive and no more than each task's distinct pairs."""
+    for name in ("train_pairs", "eval_pairs"):
+        if not isinstance(sizes[name], int) or sizes[name] < 1:
+            raise ValueError(f"{name}={sizes[name]!r} must be a positive integer")
+    for task in tasks:
+        available = load_task(task, templates).distinct_pairs()
+        for name in ("train_pairs", "eval_pairs"):
+            if sizes[name] > available:
+                raise ValueError(
+                    f"{name}={sizes[name]} but task {task!r} has only {available} distinct pairs; "
+                    f"ask for at most {available}"
+                )
+
+
+def template_tasks(tasks: str | list[str], templates: str | None, lm: str, sizes: dict) -> dict[str, SweepTask]:
+    """{name: SweepTask} of the template file's tasks asked for (a name, a list or 'all'),
+    `sizes` ({train_pairs, eval_pairs, seed}) checked against each (`check_sizes`)."""
+    path = Path(templates) if templates else BUILTIN_TEMPLATES
+    names = choose_names(tasks, list(load_templates(path)), "tasks")
+    check_sizes(names, templates, sizes)
+    found = {}
+    for name in names:
+        template = load_task(name, templates)
+        data = partial(_template_data, name, templates, lm, sizes)
+        found[name] = SweepTask(name, template.regions, template.scored_regions, data)
+    return found
+
+
+def _template_data(task, templates, lm, sizes, region, kind=None):
+    """A template task's data module at `region` (kind: None, or the control task), set up."""
+    return _region_data(task, templates, lm, region, kind, sizes)
+
+
+def _pairs_data(path: str, lm: str, seed: int, region: str | None, kind: str | None = None) -> PairsDataModule:
+    """The pairs file's data module at `region`, set up (the options `configs/das_pairs.yaml`
+    gives, the split by `seed`)."""
+    if kind is not None:
+        raise ValueError(f"kind={kind!r}: a pairs file has no control task")
+    data = PairsDataModule(path, lm=lm, region=region, seed=seed)
+    data.setup("fit")
+    return data
+
+
+def pairs_task(path: str, lm: str, seed: int) -> SweepTask:
+    """The SweepTask of a counterfactual pairs file (`PairsDataModule`): named for its stem,
+    regions `site` and `last`, both scored. The file is read and checked here (every row, the
+    labels' tokens under `lm`'s tokenizer, the splits), before any model loads."""
+    _pairs_data(path, lm, seed, None)  # a bad row or split is refused now, as one line
+    regions = list(PAIRS_REGIONS)
+    name = Path(path.rstrip("/")).stem
+    return SweepTask(name, regions, regions, partial(_pairs_data, path, lm, seed))
+
+
+def pairs_digest(path: str) -> str:
+    """The sha256 of a pairs file's bytes; of a dataset directory or a hub id, of its rows as read
+    (`read_pairs`, each row's fields without its place)."""
+    if Path(path).is_file():
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    rows = [{k: v for k, v in asdict(row).items() if k != "where"} for row in read_pairs(path)]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+def sweep_tasks(tasks, templates, pairs, control: bool, lm: str, sizes: dict) -> tuple[dict[str, SweepTask], dict]:
+    """The sweep's tasks ({name: SweepTask}: a pairs file's one, else the template file's) and
+    what meta.json records of their data: the file's sha256 (a resumed run on a changed file is
+    refused) and the sizes. `--pairs` with `--tasks`, `--templates` or `--control` is refused."""
+    if pairs is None:
+        found = template_tasks(DEFAULT_TASK if tasks is None else tasks, templates, lm, sizes)
+        digest = hashlib.sha256((Path(templates) if templates else BUILTIN_TEMPLATES).read_bytes()).hexdigest()
+        return found, {"templates": templates or "builtin", "templates_sha256": digest, **sizes}
+    if not isinstance(pairs, str) or not pairs.strip():
+        raise ValueError(
+            f"pairs={pairs!r}: give a .jsonl or .csv file, a dataset directory or a Hugging Face dataset id"
+        )
+    for option, value in (("tasks", tasks), ("templates", templates)):
+        if value is not None:
+            raise ValueError(
+                f"{option}={value!r} with pairs={pairs!r}: a pairs file is the sweep's one task; "
+                f"give --pairs or --{option}, not both"
+            )
+    if control:
+        raise ValueError(
+            f"control=True with pairs={pairs!r}: the dog/give control relabels a template task's types, "
+            "a pairs file has none; leave --control false"
+        )
+    task = pairs_task(pairs, lm, sizes["seed"])
+    return {task.name: task}, {"pairs": pairs, "pairs_sha256": pairs_digest(pairs), "seed": sizes["seed"]}
