@@ -82,3 +82,13 @@ CALM_SMALL = dict(  # the tiny CALM setup of tests/test_calm.py and tests/test_c
     probe="linear",
     max_tokens=60,
 )
+
+
+# train.py options of a quick test fit: one epoch, validated at its end, no bar, checkpoint or logger
+ONE_QUIET_EPOCH = [
+    "--trainer.max_epochs=1",
+    "--trainer.val_check_interval=1.0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.logger=false",
+]

@@ -12,7 +12,7 @@ import pytest
 
 import train
 from lit_interventions.studies import causalgym_sweep as sweep
-from tests.helpers import csv_rows
+from tests.helpers import ONE_QUIET_EPOCH, csv_rows
 from tests.test_pairs_data import PAIRS, example_rows, write_jsonl
 
 LAYERS = [0, 1]
@@ -101,11 +101,7 @@ def test_the_sweeps_odds_at_a_site_equal_train_py_validation(method, region, sit
             f"--model.region={region}",
             *intervention,
             "--data.eval_batch_size=64",  # the sweep's batch_size
-            "--trainer.max_epochs=1",
-            "--trainer.val_check_interval=1.0",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.enable_checkpointing=false",
-            "--trainer.logger=false",
+            *ONE_QUIET_EPOCH,
             f"--trainer.default_root_dir={tmp_path}",
         ]
     )

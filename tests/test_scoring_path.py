@@ -18,7 +18,7 @@ from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 from lit_interventions.modules.interchange import InterchangeModule, fit_states
 from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies.causalgym_scoring import _region_data, fit_site
-from tests.helpers import csv_rows
+from tests.helpers import ONE_QUIET_EPOCH, csv_rows
 
 TASK, LAYER, REGION = "agr_sv_num_pp", 1, "subject"
 SIZES = {"train_pairs": 10, "eval_pairs": 8, "seed": 0}
@@ -126,11 +126,7 @@ def test_the_sweeps_odds_at_a_site_equal_train_py_validation_exactly(
             "--data.eval_pairs=8",
             "--data.dev_seed=0",  # dev drawn as eval is: validation scores the sweep's eval pairs
             "--data.eval_batch_size=16",
-            "--trainer.max_epochs=1",
-            "--trainer.val_check_interval=1.0",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.enable_checkpointing=false",
-            "--trainer.logger=false",
+            *ONE_QUIET_EPOCH,
             f"--trainer.default_root_dir={tmp_path}",
         ]
     )
