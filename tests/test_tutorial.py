@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _text(cell) -> str:
     """What a code cell printed (streams and plain-text results)."""
     parts = []
-    for output in cell.get("outputs", []):
+    for output in cell.get("outputs", []):  # each output on its own lines (stderr's bars end without one)
         parts.append(output.get("text", ""))
         parts.append(output.get("data", {}).get("text/plain", ""))
-    return "".join(parts)
+    return "\n".join(part for part in parts if part)
 
 
 @pytest.mark.slow
