@@ -14,6 +14,7 @@ from lit_interventions.datamodules.templates import load_task
 from safetensors.torch import load_file
 
 from lit_interventions.cli.commands import run
+from lit_interventions.metrics.detection import UNSCORED
 from tests.conftest import HIDDEN
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
@@ -88,7 +89,8 @@ def test_the_example_axbench_directory_loads_its_concepts_and_rows(tiny_lm_dir, 
     data.setup()
     train, evaluation = data.splits["train"], data.splits["eval"]
     assert len(train) == 12 and len(evaluation) == 10  # 8 positives + 4 negatives (pool, or each by its genre)
-    assert sum(e.label for e in train) == 8 and sum(e.label for e in evaluation) == 4
+    assert sum(e.label for e in train) == 8 and sum(e.label == 1 for e in evaluation) == 4
+    assert sum(e.label == UNSCORED for e in evaluation) == 2  # hard negatives: left out of the AUROC, as AxBench
     negatives = sorted(e.concept_id for e in train if e.label == 0)
     assert negatives == ([0, 0, 1, 1] if genre_negatives else [-1, -1, -1, -1])  # by genre, or the shared pool
     assert sorted(e.category for e in evaluation if e.concept_id == 1) == [0, 0, 1, 1, 2]
