@@ -699,7 +699,10 @@ def test_judge_client_retries_with_backoff(judge_server, tmp_path, caplog):
     chat.fail, chat.calls = 10, []
     with pytest.raises(ConnectionError, match=r"HTTP 500.*after 2 attempts"):
         failing.ask(["Rate this."])
-    bad = make_judge("openai", base_url=url, model="stub", max_tokens=-5, backoff=0.01, cache=None)
+    with pytest.raises(ValueError, match=r"max_tokens=-5 must be an integer >= 1, or None for no cap"):
+        make_judge("openai", base_url=url, model="stub", max_tokens=-5, backoff=0.01, cache=None)
+    bad = make_judge("openai", base_url=url, model="stub", backoff=0.01, cache=None)
+    bad.max_tokens = -5  # a request the server refuses (400) is our fault: not retried
     chat.fail, chat.calls = 0, []
     with pytest.raises(ConnectionError, match=r"HTTP 400.*max_tokens") as err:  # our fault: not retried
         bad.ask(["Rate this."])
