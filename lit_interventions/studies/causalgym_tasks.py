@@ -94,7 +94,7 @@ def pairs_task(path: str, lm: str, seed: int) -> SweepTask:
     """The SweepTask of a counterfactual pairs file (`PairsDataModule`): named for its stem,
     regions `site` and `last`, both scored. The file is read and checked here (every row, the
     labels' tokens under `lm`'s tokenizer, the splits), before any model loads."""
-    _pairs_data(path, lm, seed, None)  # a bad row or split is refused now, as one line
+    _pairs_data(path, lm, seed, None)  # a bad row or split is refused here, before any model loads, as one line
     regions = list(PAIRS_REGIONS)
     name = Path(path.rstrip("/")).stem
     return SweepTask(name, regions, regions, partial(_pairs_data, path, lm, seed))
