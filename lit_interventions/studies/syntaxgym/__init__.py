@@ -49,6 +49,7 @@ from lit_interventions.studies.syntaxgym.score import (
     SuiteResult,
     counted_suites,
     evaluate_suite,
+    score_rows,
     sg_score,
     write_csv,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "parse_formula",
     "region_refs",
     "counted_suites",
+    "score_rows",
     "sg_score",
     "suite_from_json",
     "suite_paths",

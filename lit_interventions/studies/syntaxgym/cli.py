@@ -17,15 +17,7 @@ import torch
 
 from lit_interventions.cli.parsing import Parser, fail, resolve_configs
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, load_lm, load_tokenizer
-from lit_interventions.studies.syntaxgym.score import (
-    ALL_SUITES_ROW,
-    SG_SCORE_ROW,
-    SuiteResult,
-    counted_suites,
-    evaluate_suite,
-    sg_score,
-    write_csv,
-)
+from lit_interventions.studies.syntaxgym.score import SuiteResult, evaluate_suite, score_rows, write_csv
 from lit_interventions.studies.syntaxgym.suites import load_suite, suite_paths
 
 
@@ -92,9 +84,8 @@ def main(argv: list[str] | None = None) -> list[SuiteResult]:
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
     write_csv(results, out)
-    for row, all_suites in ((ALL_SUITES_ROW, True), (SG_SCORE_ROW, False)):
-        counted = len(counted_suites(results, all_suites))
-        print(f"{row:<28} suites {counted:>2}  accuracy {sg_score(results, all_suites):.3f}")
+    for name, suites, _, score in score_rows(results):
+        print(f"{name:<28} suites {suites:>2}  accuracy {score:.3f}")
     print(f"wrote {out} ({time.perf_counter() - started:.1f} s with model loading)")
     print(f"files in {out.parent}", flush=True)
     return results

@@ -97,6 +97,16 @@ def counted_suites(results: list[SuiteResult], all_suites: bool = False) -> list
     return [result for result in results if all_suites or not EXCLUDED_SUITES.search(result.name)]
 
 
+def score_rows(results: list[SuiteResult]) -> list[tuple[str, int, int, float]]:
+    """The two summary rows, (name, suites, items, score): `SG score (all suites)`, then the
+    official analysis's `SG score`, each over the suites it counts."""
+    rows = []
+    for name, all_suites in ((ALL_SUITES_ROW, True), (SG_SCORE_ROW, False)):
+        counted = counted_suites(results, all_suites)
+        rows.append((name, len(counted), sum(result.items for result in counted), sg_score(results, all_suites)))
+    return rows
+
+
 def write_csv(results: list[SuiteResult], out: Path) -> None:
     """suite,items,accuracy per suite, then the `SG score (all suites)` row and, last, the `SG score`
     row of the official analysis (each with the items of the suites it counts)."""
@@ -106,6 +116,5 @@ def write_csv(results: list[SuiteResult], out: Path) -> None:
         writer.writerow(["suite", "items", "accuracy"])
         for result in results:
             writer.writerow([result.name, result.items, f"{result.accuracy:.6f}"])
-        for row, all_suites in ((ALL_SUITES_ROW, True), (SG_SCORE_ROW, False)):
-            items = sum(result.items for result in counted_suites(results, all_suites))
-            writer.writerow([row, items, f"{sg_score(results, all_suites):.6f}"])
+        for name, _, items, score in score_rows(results):
+            writer.writerow([name, items, f"{score:.6f}"])
