@@ -17,6 +17,7 @@ and the field.
 from __future__ import annotations
 
 import csv
+import inspect
 import io
 import json
 import random
@@ -107,7 +108,13 @@ def _dataset_rows(path: str) -> list[tuple[str, dict]]:
             f"reading {path!r} (a dataset directory or a hub id) needs the datasets package: {INSTALL}"
         ) from None
     saved = Path(path).is_dir() and any((Path(path) / name).is_file() for name in SAVED_DATASET)
-    loaded = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+    # a hub dataset's loading script is code: never run (datasets < 3 would ask to run it)
+    no_code = (
+        {"trust_remote_code": False}
+        if "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters
+        else {}
+    )
+    loaded = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, **no_code)
     if not isinstance(loaded, datasets.DatasetDict):
         return [(f"{path} row {i}", dict(row)) for i, row in enumerate(loaded, 1)]
     if len(loaded) == 1:
