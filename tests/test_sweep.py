@@ -1,12 +1,13 @@
 """The CausalGym sweep on a tiny model: files, resumption, the overall odds, degenerate sites, errors."""
 
 import csv
+import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from lit_interventions.datamodules.templates import load_task
+from lit_interventions.datamodules.templates import load_task, load_templates
 
 from lit_interventions.studies import causalgym_scoring as scoring
 from lit_interventions.studies import causalgym_sweep as sweep
@@ -186,6 +187,47 @@ def test_other_data_sizes_are_refused_and_control_is_added_on_rerun(tmp_path, ti
             regions=["subject", "prep", "the", "object"],
         )
     )  # the summary covers the layers asked for
+
+
+def test_the_control_runs_on_the_tasks_listed_only(tmp_path, tiny_lm_dir, monkeypatch):
+    # The whole study in one command: the control on the agreement tasks, not on the others.
+    lm_dir = tiny_lm_dir("llama")
+    options = dict(tasks=["agr_sv_num_pp", "garden_npz_obj"], methods=["diffmean"], layers=[0])
+    summary = _run(tmp_path / "listed", lm_dir, control=["agr_sv_num_pp"], **options)
+    rows = _rows(tmp_path / "listed" / "out" / "results.csv")
+    assert {r["task"] for r in rows if r["control_odds"] != ""} == {"agr_sv_num_pp"}
+    assert {r["task"] for r in rows if r["control_odds"] == ""} == {"garden_npz_obj"}
+    assert {line["task"]: "selectivity" in line for line in summary} == {"agr_sv_num_pp": True, "garden_npz_obj": False}
+    _run(tmp_path / "alone", lm_dir, control=True, **{**options, "tasks": ["agr_sv_num_pp"]})
+    alone = _rows(tmp_path / "alone" / "out" / "results.csv")
+    assert [r for r in rows if r["task"] == "agr_sv_num_pp"] == alone  # as the control on that task alone
+
+    scored = []  # a rerun with the control on both tasks redoes only the task that had none
+    score_unit = sweep.score_unit
+    monkeypatch.setattr(sweep, "score_unit", lambda task, *a, **k: scored.append(task) or score_unit(task, *a, **k))
+    _run(tmp_path / "listed", lm_dir, control=True, **options)
+    assert scored == ["garden_npz_obj"]
+    assert all(r["control_odds"] != "" for r in _rows(tmp_path / "listed" / "out" / "results.csv"))
+    with pytest.raises(
+        ValueError, match=r"Unknown control tasks \['npi_any_subj-relc'\]; valid: agr_sv_num_pp, garden"
+    ):
+        _run(tmp_path / "bad", lm_dir, control=["npi_any_subj-relc"], **options)
+    assert not (tmp_path / "bad" / "out").exists()  # refused before the output directory is claimed
+
+
+def test_the_study_config_runs_every_task_with_the_control_on_agreement_and_npi(monkeypatch):
+    seen = {}
+
+    @functools.wraps(sweep.run_sweep)
+    def run_sweep(**options):
+        seen.update(options)
+        return []
+
+    monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+    sweep.main(["--config", "configs/sweep_causalgym.yaml", "--config", "configs/causalgym_study.yaml"])
+    agreement_npi = [t for t in load_templates() if t.startswith(("agr_", "npi_"))]
+    assert len(agreement_npi) == 11 and sorted(seen["control"]) == sorted(agreement_npi)
+    assert (seen["tasks"], seen["layers"], seen["dtype"], len(seen["methods"])) == ("all", "all", "bfloat16", 9)
 
 
 def test_trained_das_is_saved_and_reused_after_an_interruption(tmp_path, tiny_lm_dir, monkeypatch):

@@ -76,7 +76,7 @@ from lit_interventions.studies.causalgym_scoring import (
     sweep_site,
     task_accuracy,
 )
-from lit_interventions.studies.causalgym_tasks import SweepTask, sweep_tasks
+from lit_interventions.studies.causalgym_tasks import SweepTask, controlled_tasks, sweep_tasks
 from lit_interventions.studies.causalgym_training import saved_trained, train_das, trained_path, unchanged_sites
 
 METHODS = ["das", "probe", "diffmean", "lda", "pca", "kmeans", "random", "lat", "vanilla"]  # `all`: CausalGym's
@@ -129,7 +129,7 @@ class Setup:
     kinds: dict[str, str]  # name -> registry.FITTED, TRAINED or FIXED
     tasks: dict[str, SweepTask]  # name -> its regions and its data factory (`causalgym_tasks`)
     lm: str
-    control: bool
+    control: frozenset[str]  # the tasks the control task runs on
     seed: int
     dtype: str
     batch_size: int
@@ -163,7 +163,7 @@ def _train_unit(out: Path, task: str, todo: dict, data_of, cache, setup: Setup, 
             continue
         progress = out / method.name / "progress"  # the loop's state while it runs (`train_das`)
         for found, kind, name in [(trained, None, task), (control_trained, CONTROL, f"{task}_{CONTROL}")]:
-            if kind is None or setup.control:
+            if kind is None or task in setup.control:
                 shown.note(f"{name}: {method.name}")
                 found[method.name] = saved_trained(
                     partial(trained_path, out, task, control=kind, method=method.name),
@@ -185,7 +185,8 @@ def _score_sites(store, task, todo, data_of, cache, setup: Setup, trained: tuple
     s = setup
     if s.stacked_scoring:  # every site at once: stored together (an interruption loses the unit's scoring)
         try:
-            rows = score_unit(task, todo, s.lm, data_of, cache, s.seed, s.dtype, *trained, s.batch_size, s.control)
+            control = task in s.control
+            rows = score_unit(task, todo, s.lm, data_of, cache, s.seed, s.dtype, *trained, s.batch_size, control)
         except StackedScoringFailed as error:  # only the stacked forwards: a failed fit is raised as it is
             warnings.warn(
                 f"the stacked scoring failed on {s.lm} ({error}); each site is scored in its own "
@@ -199,7 +200,7 @@ def _score_sites(store, task, todo, data_of, cache, setup: Setup, trained: tuple
     for (layer, region), methods in todo.items():
         if methods:
             at = [{n: f[(layer, region)] for n, f in t.items() if (layer, region) in f} for t in trained]
-            control_data = data_of(region, CONTROL) if s.control else None
+            control_data = data_of(region, CONTROL) if task in s.control else None
             rows = sweep_site(
                 task,
                 layer,
@@ -240,19 +241,21 @@ def _sweep(store, units, setup: Setup, done, accuracy) -> None:
             _score_sites(store, task, todo, data_of, cache, setup, trained, progress)
 
 
-def _plan(units, names: list[str], control: bool):
+def _plan(units, names: list[str], control: frozenset[str]):
     """plan(store): the units with work left; the finished sites, and the layers finished with
-    the control."""
+    the control (on the tasks of `control`)."""
 
     def plan(store) -> tuple[list, tuple[set, set]]:
         done = {
             (r["task"], r["method"], int(r["layer"]), r["region"])
             for r in store.rows("results")
-            if r["control_odds"] or not control
+            if r["control_odds"] or r["task"] not in control
         }  # a site run without the control is redone with it
         finished_rows = store.rows("finished")
         with_control = {(r["task"], int(r["layer"]), r["method"]) for r in finished_rows if r["control"] == "1"}
-        finished = with_control | {(r["task"], int(r["layer"]), r["method"]) for r in finished_rows if not control}
+        finished = with_control | {
+            (r["task"], int(r["layer"]), r["method"]) for r in finished_rows if r["task"] not in control
+        }
         measured = {r["task"] for r in store.rows("accuracy")}
         todo = [
             (task, group)
@@ -271,7 +274,7 @@ def run_sweep(
     templates: str | None = None,
     pairs: str | None = None,
     lm: str = DEFAULT_LM,
-    control: bool = False,
+    control: bool | list[str] = False,
     out: str = "runs/sweep",
     train_pairs: int = 200,
     eval_pairs: int = 50,
@@ -298,7 +301,8 @@ def run_sweep(
             for its stem, regions `site` and `last`, split by `seed` as `train.py` splits it (the
             sizes do not apply). Not with `tasks`, `templates` or `control`.
         lm: the LM (embedded name, .gguf, local directory or hub id).
-        control: also run the dog/give control task (adds control_odds and selectivity).
+        control: also run the dog/give control task (adds control_odds and selectivity): true on
+            every task, or a list of the tasks to run it on.
         out: output directory.
         train_pairs, eval_pairs: a template task's pairs before swap-doubling (the paper: 200, 50).
         seed: data and method seed.
@@ -328,12 +332,14 @@ def run_sweep(
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     units = sweep_units(list(found), layers, layers_per_unit)
     kinds = method_kinds(specs, hidden_size(config), seed)  # every class_path imported before any work
-    setup = Setup(specs, kinds, found, lm, control, seed, dtype, batch_size, stacked_scoring)
+    setup = Setup(
+        specs, kinds, found, lm, controlled_tasks(control, list(found)), seed, dtype, batch_size, stacked_scoring
+    )
     meta = {"lm": lm, "dtype": dtype, **data_meta}  # a data file is known by its sha256, not its path
     out = Path(out)
     with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates", "pairs")) as run:
         todo, (done, with_control) = run.start(
-            _plan(units, names, control), hint=" (--layers_per_unit splits a task's layers into more units)"
+            _plan(units, names, setup.control), hint=" (--layers_per_unit splits a task's layers into more units)"
         )
         _run_units(run, todo, setup, done, with_control)
         scored = {name: task.scored_regions for name, task in found.items()}
@@ -349,9 +355,9 @@ def run_sweep(
 def _run_units(run, todo, setup: Setup, done: set, with_control: set) -> None:
     """This rank's units of `todo` (the most sites first), each swept (`_sweep`), then its Acc and
     its finished (task, layer, method) stored together."""
-    names, control = [m.name for m in setup.methods], setup.control
+    names = [m.name for m in setup.methods]
     for task, group in run.take(todo, cost=lambda unit: len(unit[1]) * len(setup.tasks[unit[0]].regions)):  # its sites
-        accuracy = {}
+        accuracy, control = {}, task in setup.control
         raise_pending()  # a signal a library swallowed stops the sweep between units
         _sweep(run.store, [(task, group)], setup, done, accuracy)
         finished = [

@@ -134,3 +134,13 @@ def sweep_tasks(tasks, templates, pairs, control: bool, lm: str, sizes: dict) ->
         )
     task = pairs_task(pairs, lm, sizes["seed"])
     return {task.name: task}, {"pairs": pairs, "pairs_sha256": pairs_digest(pairs), "seed": sizes["seed"]}
+
+
+def controlled_tasks(control: bool | list[str], tasks: list[str]) -> frozenset[str]:
+    """The tasks the dog/give control runs on: `control` true (all of `tasks`), false (none), or a
+    list of task names, each one of `tasks` (the paper runs it on the agreement and NPI tasks)."""
+    if isinstance(control, bool):
+        return frozenset(tasks if control else ())
+    if not isinstance(control, (list, tuple)) or not all(isinstance(name, str) for name in control):
+        raise ValueError(f"control={control!r}: give true, false or a list of the sweep's task names")
+    return frozenset(choose_names(list(control), tasks, "control tasks"))
