@@ -14,6 +14,7 @@ from sklearn.metrics import auc, roc_curve
 
 import lit_interventions.studies.steer_eval as steer_eval
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.metrics.detection import UNSCORED, ConceptAUROC
 from lit_interventions.metrics.judge_openai import OpenAIJudge
 from lit_interventions.modules.steering import DEAD_MAX_ACTIVATION, SteeringModule, steering_units
@@ -60,6 +61,23 @@ def test_auroc_leaves_hard_negatives_out_as_axbench():
     as_negatives = _scored([1, 1, 1, 0, 0, 0, 0, 0])
     assert as_negatives["auroc"].item() == pytest.approx(9 / 15, rel=FLOAT32_EPS, abs=0)
     assert as_negatives["max_score"].item() == torch.tensor(0.95).item()
+
+
+def test_one_concept_logs_its_auroc_and_records_its_max_activation():
+    """torchmetrics squeezes a one-element result to a scalar; the callback still logs the one
+    concept's AUROC under its name and records a (1,) max activation."""
+    logged, recorded = {}, {}
+    module = SimpleNamespace(
+        concepts=["dogs/cats"],
+        log_dict=logged.update,
+        record_detection=lambda prefix, result: recorded.update(result),
+    )
+    result = _scored([1, 1, 1, 0, 0, 0, UNSCORED, UNSCORED])
+    assert result["auroc_per_concept"].dim() == 0  # what torchmetrics hands the callback
+    AUROCCallback().log_values(module, result, "val", None)
+    assert sorted(logged) == ["val/auroc", "val/auroc/dogs∕cats"]
+    assert logged["val/auroc/dogs∕cats"].item() == pytest.approx(8 / 9, rel=FLOAT32_EPS, abs=0)
+    assert recorded["max_score"].shape == (1,) and recorded["max_score"].item() == torch.tensor(0.95).item()
 
 
 def test_auroc_refuses_other_labels():
