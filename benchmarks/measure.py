@@ -15,8 +15,9 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -125,8 +125,9 @@ def token_surprisals(
 
     `wanted[i]` lists the positions t >= 1 of sentence i to score (default: all of them); the
     others, and t = 0 (nothing precedes it), are nan. The body runs once on the right-padded
-    batch (position ids ignore padding); the LM head (`sites.final_logits`, with Gemma's
-    soft-capping) runs only on the hidden states at t - 1 of the wanted positions.
+    batch (position ids ignore padding) on the device of the LM's embeddings; the LM head
+    (`sites.final_logits`, with Gemma's soft-capping) runs only on the hidden states at t - 1 of
+    the wanted positions. The surprisals come back on the CPU.
     """
     lengths = [len(ids) for ids in token_ids]
     input_ids, attention_mask, _ = pad_batch(token_ids, pad_id)
@@ -138,15 +139,19 @@ def token_surprisals(
     if len(rows):
         if int(cols.min()) < 1 or any(t >= length for positions, length in zip(wanted, lengths) for t in positions):
             raise ValueError(f"wanted positions must lie in 1..length-1 of their sentence, got {wanted}")
+        device = model.get_input_embeddings().weight.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         hidden = model.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids(attention_mask),
             use_cache=False,
         ).last_hidden_state
-        logits = final_logits(model, hidden[rows, cols - 1]).float()
-        log_probs = logits.gather(-1, input_ids[rows, cols, None]).squeeze(-1) - logits.logsumexp(-1)
-        bits[rows, cols] = -log_probs / math.log(2)
+        rows_at, cols_at = rows.to(hidden.device), cols.to(hidden.device)
+        logits = final_logits(model, hidden[rows_at, cols_at - 1]).float()  # (wanted tokens, vocab)
+        targets = input_ids.to(hidden.device)[rows_at, cols_at, None]
+        log_probs = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
+        bits[rows, cols] = (-log_probs / math.log(2)).cpu()
     return [bits[row, :length] for row, length in enumerate(lengths)]
 
 
