@@ -19,7 +19,8 @@
 
 A reference site costs the same whatever the other sites are, so `--reference_layers` times it on
 a sample of layers while ours runs all of `--layers`, as a whole study does; both figures are
-seconds per site.
+seconds per site. Each side runs in its own spawned process (`measure.isolated`), which loads the
+LM untimed and reports its peak RSS.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import pyvene
 import torch
 import torch.nn.functional as F
 from lit_interventions.datamodules.causalgym import CausalGymDataModule
+from measure import alternate, isolated, report
 from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.cli.studies import choose_layers
@@ -123,6 +125,33 @@ def our_sweep(args, one_loop: bool = True) -> float:
     return time.perf_counter() - start
 
 
+def _loaded(lm: str, dtype: str) -> float:
+    """Seconds to load the LM into this process's cache (set-up, not timed)."""
+    start = time.perf_counter()
+    load_lm(lm, dtype)
+    return time.perf_counter() - start
+
+
+def ours_side(args, one_loop: bool = True) -> tuple[float, float]:
+    """(set-up seconds, seconds of our sweep of the task), in a process of its own."""
+    setup = _loaded(args.lm, args.dtype)
+    return setup, our_sweep(args, one_loop)
+
+
+def per_layer_side(args) -> tuple[float, float]:
+    """(set-up seconds, seconds of our sweep with one DAS loop per layer)."""
+    return ours_side(args, one_loop=False)
+
+
+def reference_side(args, reference_layers: list[int], regions: list[str]) -> tuple[float, None]:
+    """(set-up seconds, None): the pyvene reference at every region of `reference_layers`."""
+    setup = _loaded(args.lm, "float32")
+    for layer in reference_layers:
+        for region in regions:
+            reference_site(args.lm, args.task, layer, region, args.methods)
+    return setup, None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lm", default="smollm2-135m-instruct")
@@ -155,21 +184,15 @@ def main() -> None:
     )  # checked before any work
     regions = CausalGymDataModule(task=args.task).template.regions
     sites = len(args.layers) * len(regions)
-    load_lm(args.lm, args.dtype)  # the timings exclude loading the model
 
-    if args.against == "per_layer":
-        ours, reference = [], []
-        for _ in range(args.repeat):
-            ours.append(our_sweep(args) / sites)
-            reference.append(our_sweep(args, one_loop=False) / sites)
-        ours, reference = min(ours), min(reference)
+    if args.against == "per_layer":  # alternating --repeat times; the fastest run of each
+        ours, reference = alternate(ours_side, per_layer_side, args.repeat, args)
+        reference_sites = sites
     else:
-        ours = our_sweep(args) / sites
-        start = time.perf_counter()
-        for layer in reference_layers:
-            for region in regions:
-                reference_site(args.lm, args.task, layer, region, args.methods)
-        reference = (time.perf_counter() - start) / (len(reference_layers) * len(regions))
+        ours = isolated(ours_side, args)
+        reference = isolated(reference_side, args, reference_layers, regions)
+        reference_sites = len(reference_layers) * len(regions)
+    ours.seconds, reference.seconds = ours.seconds / sites, reference.seconds / reference_sites
 
     print(
         f"{args.lm} ({args.dtype}), task {args.task}, layers {args.layers}, {len(regions)} regions, "
@@ -177,8 +200,8 @@ def main() -> None:
     )
     if args.against == "pyvene" and reference_layers != args.layers:
         print(f"the reference timed at layers {reference_layers} ({len(reference_layers) * len(regions)} sites)")
-    print(f"seconds per site: reference ({args.against}) {reference:.2f}, ours {ours:.2f}")
-    print(f"ratio={reference / ours:.2f}")
+    print(f"reference: {args.against}")
+    report("sweep", ours, reference, unit="site")
 
 
 if __name__ == "__main__":
