@@ -16,6 +16,7 @@
     python benchmarks/sweep_speed.py [--lm smollm2-135m-instruct] [--layers 7 22] [--methods das diffmean probe]
     python benchmarks/sweep_speed.py --against per_layer --lm gemma-3-270m --dtype bfloat16 --layers all --methods das
     python benchmarks/sweep_speed.py --layers all --reference_layers 7 22   # a whole task against a sample
+    python benchmarks/sweep_speed.py --lm /tmp/pythia-1b-random --device cuda   # both sides on the GPU
 
 A reference site costs the same whatever the other sites are, so `--reference_layers` times it on
 a sample of layers while ours runs all of `--layers`, as a whole study does; both figures are
@@ -26,6 +27,7 @@ LM untimed and reports its peak RSS.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from functools import partial
@@ -47,35 +49,40 @@ from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies import causalgym_training as training
 
 
-def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str]) -> None:
-    """One site the way the CausalGym code runs it."""
+def reference_site(lm: str, task: str, layer: int, region: str, methods: list[str], device: str = "cpu") -> None:
+    """One site the way the CausalGym code runs it, on `device`."""
     data = CausalGymDataModule(task=task, lm=lm, region=region)
     try:
         data.setup("fit")
     except ValueError:
         return
-    model = load_lm(lm)
+    model = load_lm(lm).to(device)
     config = pyvene.IntervenableConfig(
         representations=[pyvene.RepresentationConfig(layer=layer, component="block_output", low_rank_dimension=1)],
         intervention_types=pyvene.LowRankRotatedSpaceIntervention,
     )
     intervenable = pyvene.IntervenableModel(config, model)
+    intervenable.set_device(device)
     intervention = next(iter(intervenable.interventions.values()))
     intervention = intervention[0] if isinstance(intervention, (tuple, list)) else intervention
 
     def forward(batch):
-        base, source = batch.base, batch.source
+        base, source = batch.base, batch.source  # on `device`
         locations = {"sources->base": ([[[p] for p in source.sites]], [[[p] for p in base.sites]])}
         _, out = intervenable(
             {"input_ids": base.input_ids, "attention_mask": base.attention_mask},
             [{"input_ids": source.input_ids, "attention_mask": source.attention_mask}],
             unit_locations=locations,
         )
-        return out.logits[torch.arange(len(batch)), base.last]
+        return out.logits[torch.arange(len(batch), device=out.logits.device), base.last]
 
-    train, evaluation = data.loader("train", 4), data.loader("eval", 16)
+    train = [b.to(device) for b in data.loader("train", 4)]
+    evaluation = [b.to(device) for b in data.loader("eval", 16)]
     X = torch.cat(
-        [read_site(model, layer, b.base.input_ids, b.base.attention_mask, b.base.pos) for b in data.loader("train", 16)]
+        [
+            read_site(model, layer, b.base.input_ids, b.base.attention_mask, b.base.pos).cpu()
+            for b in (b.to(device) for b in data.loader("train", 16))
+        ]
     )
     types = np.array([e.base_type for e in data.splits["train"]])
     for method in methods:
@@ -94,12 +101,12 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
                 direction = None
             if direction is not None:
                 with torch.no_grad():
-                    intervention.rotate_layer.weight = direction[:, None]
+                    intervention.rotate_layer.weight = direction[:, None].to(device)
         with torch.no_grad():
             for batch in evaluation:
                 base = batch.base
                 clean = model(input_ids=base.input_ids, attention_mask=base.attention_mask).logits
-                clean = clean[torch.arange(len(batch)), base.last]
+                clean = clean[torch.arange(len(batch), device=clean.device), base.last]
                 log_odds_ratio(clean, forward(batch), base.label, batch.source.label)
 
 
@@ -148,7 +155,7 @@ def reference_side(args, reference_layers: list[int], regions: list[str]) -> tup
     setup = _loaded(args.lm, "float32")
     for layer in reference_layers:
         for region in regions:
-            reference_site(args.lm, args.task, layer, region, args.methods)
+            reference_site(args.lm, args.task, layer, region, args.methods, args.device)
     return setup, None
 
 
@@ -169,7 +176,14 @@ def main() -> None:
     parser.add_argument("--train_pairs", type=int, default=200)
     parser.add_argument("--eval_pairs", type=int, default=50)
     parser.add_argument("--repeat", type=int, default=1, help="alternate ours and the per_layer reference n times")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu", help="both sides"
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available; pass --device cpu")
+    if args.device == "cpu":  # the sweep takes a GPU whenever it sees one: the children see none
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.against == "pyvene" and (args.dtype, args.train_pairs, args.eval_pairs) != ("float32", 200, 50):
         parser.error("--against pyvene runs the paper's sizes in float32: leave --dtype, --train_pairs, --eval_pairs")
     layers = "all" if args.layers == ["all"] else [int(layer) for layer in args.layers]
