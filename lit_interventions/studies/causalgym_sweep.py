@@ -336,7 +336,12 @@ def run_sweep(
         specs, kinds, found, lm, controlled_tasks(control, list(found)), seed, dtype, batch_size, stacked_scoring
     )
     meta = {"lm": lm, "dtype": dtype, **data_meta}  # a data file is known by its sha256, not its path
-    out = Path(out)
+    return _claimed_run(ranks, Path(out), meta, units, names, layers, setup)
+
+
+def _claimed_run(ranks, out: Path, meta: dict, units, names: list[str], layers: list[int], setup: Setup) -> list[dict]:
+    """Claim (or resume) `out`, run this process's units, merge, summarise and draw the heatmaps."""
+    found = setup.tasks
     with distributed.ShardedRun(ranks, out, meta, [RESULTS, ACCURACY, FINISHED], ignore=("templates", "pairs")) as run:
         todo, (done, with_control) = run.start(
             _plan(units, names, setup.control), hint=" (--layers_per_unit splits a task's layers into more units)"
