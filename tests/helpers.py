@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import socket
 import subprocess
@@ -92,3 +93,24 @@ ONE_QUIET_EPOCH = [
     "--trainer.enable_checkpointing=false",
     "--trainer.logger=false",
 ]
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_module(monkeypatch, name: str):
+    """The script `benchmarks/NAME.py` as a module registered under its name (a dataclass it defines
+    looks its module up), with `benchmarks/` on the path for the `measure` it imports."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def benchmark_error(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`python benchmarks/SCRIPT *args`, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=120
+    )

@@ -4,28 +4,21 @@ rows and score the same AUROC on a tiny Llama with our built-in concepts: ReFT-r
 one concept, DiffMean per concept over several; the script runs end to end; a bad argument is one
 error line."""
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from lit_interventions.datamodules.axbench import BUILTIN_DIR
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import BENCHMARKS, benchmark_error, benchmark_module
+
 LAYER, MAX_LENGTH = 1, 64  # the tiny LM has 3 blocks and 128 positions
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    """The benchmark module, importable by its name (its dataclass looks its module up)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports `measure` beside it
-    spec = importlib.util.spec_from_file_location("axbench_speed", BENCHMARKS / "axbench_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "axbench_speed", module)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module(monkeypatch, "axbench_speed")
 
 
 def both(bench, lm: str, method: str, concepts: tuple[int, ...], epochs: int = 2, extra=()) -> tuple[dict, dict]:
@@ -91,9 +84,7 @@ def test_the_script_runs_end_to_end_and_ends_with_the_ratios(tiny_lm_dir):
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "axbench_speed.py"), *args], capture_output=True, text=True, timeout=120
-    )
+    done = benchmark_error("axbench_speed.py", *args)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(message), done.stderr

@@ -3,32 +3,20 @@ official loop's structure (pyvene, full base and source forwards) train the same
 same init on the same batches and score the same Cause / Iso, on a tiny Gemma 3; a bad argument
 is one error line."""
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from lit_interventions.datamodules.ravel import RavelDataModule, load_ravel
 
-from tests.test_ravel_data import oracle
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import benchmark_error, benchmark_module, oracle
 
 
 @pytest.fixture
 def bench(monkeypatch, tmp_path):
     """The benchmark module, with the model's answers cached under this test's directory and an
     oracle that answers every pair right."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports `measure` beside it
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path))
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(load_ravel(None, "city").entities)))
-    spec = importlib.util.spec_from_file_location("ravel_speed", BENCHMARKS / "ravel_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ravel_speed", module)  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module(monkeypatch, "ravel_speed")
 
 
 @pytest.mark.parametrize("method", ["das", "mdas"])
@@ -54,9 +42,7 @@ def test_ours_and_the_reference_loop_train_and_score_the_same(bench, tiny_lm_dir
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "ravel_speed.py"), *args], capture_output=True, text=True, timeout=120
-    )
+    done = benchmark_error("ravel_speed.py", *args)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(message), done.stderr

@@ -2,29 +2,19 @@
 same region surprisals on tiny models (every region, every condition, every item), the reference
 loop equals a hand computation of s(x_t) = -log2 p(x_t | x_<t), and a bad argument is one error line."""
 
-import importlib.util
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lit_interventions.core.lm import load_lm
+from tests.helpers import benchmark_error, benchmark_module
 from tests.test_syntaxgym import TINY_SUITE, _write
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports `measure` beside it
-    spec = importlib.util.spec_from_file_location("syntaxgym_speed", BENCHMARKS / "syntaxgym_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "syntaxgym_speed", module)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module(monkeypatch, "syntaxgym_speed")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "gemma3"])
@@ -72,8 +62,6 @@ def test_the_reference_is_lm_zoos_definition_by_hand(bench, tiny_lm_dir):
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "syntaxgym_speed.py"), *args], capture_output=True, text=True, timeout=120
-    )
+    done = benchmark_error("syntaxgym_speed.py", *args)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(message), done.stderr
