@@ -34,7 +34,11 @@ def test_a_planted_difference_is_named(bench, tiny_lm_dir, tmp_path):
     path = str(_write(tmp_path, TINY_SUITE))
     _, ours = bench.run_ours([path], tiny_lm_dir("llama"), "float32", "cpu", 4, None)
     changed = [(name, [dict(values) for values in items]) for name, items in ours]
-    changed[0][1][1]["mismatch", 3] += 1e-3
+    assert bench.first_difference(changed, ours, 1e-4) is None and bench.largest_difference(changed, ours) == 0.0
+    value = changed[0][1][1]["mismatch", 3]
+    changed[0][1][1]["mismatch", 3] += 2e-4 * value  # past 1e-4 of its size; 0.5e-4 of it elsewhere passes
+    changed[0][1][2]["match", 3] += 0.5e-4 * max(1.0, changed[0][1][2]["match", 3])
+    assert bench.largest_difference(changed, ours) == pytest.approx(2e-4 * value, rel=1e-6)
     found = bench.first_difference(changed, ours, 1e-4)
     assert found.startswith("suite 'tiny_agreement', item 2, condition 'mismatch', region 3: ")
 
@@ -59,6 +63,7 @@ def test_the_reference_is_lm_zoos_definition_by_hand(bench, tiny_lm_dir):
         ),
         (["--batch_size", "0"], "syntaxgym_speed.py: error: --batch_size=0 must be a positive integer"),
         (["--dtype", "bfloat16"], "syntaxgym_speed.py: error: --dtype bfloat16 rounds differently per batch"),
+        (["--tolerance", "-1"], "syntaxgym_speed.py: error: --tolerance=-1.0 must be a non-negative number"),
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
