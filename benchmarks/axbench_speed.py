@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -58,11 +57,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 from lit_interventions.datamodules.axbench import AxBenchDataModule, load_concepts
-from measure import alternate, report
+from measure import OneLineParser, alternate, built_cli, exit_if_unequal, report
 
 from lit_interventions.artifacts.dictionary import latent_values
 from lit_interventions.callbacks.metrics import safe_name
-from lit_interventions.cli.lightning import train_main
 from lit_interventions.cli.parsing import fail
 from lit_interventions.core.lm import DTYPES, hidden_size, load_config, num_layers
 from lit_interventions.core.sites import residual_hook
@@ -116,15 +114,6 @@ class Setting:
         return args + list(self.extra)
 
 
-def built(setting: Setting, root: str):
-    """The CLI's model, data module and trainer for `setting`, the data set up and the LM loaded
-    on the device (what both sides share)."""
-    cli = train_main(setting.cli_args(root), run=False)
-    cli.datamodule.setup("fit")
-    _ = cli.model.to(setting.device).lm
-    return cli
-
-
 def initial_rows(module, n: int) -> torch.Tensor:
     """The (n, d) rows the module's dictionary starts from (`_build`: seeded, whatever the global RNG)."""
     return ConceptDictionary(
@@ -136,7 +125,7 @@ def ours(setting: Setting) -> tuple[float, dict]:
     """Our fit and test, through the CLI's trainer: (set-up seconds, AUROCs and rows)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        cli = built(setting, root)
+        cli = built_cli(setting.cli_args(root), setting.device)
         initial = initial_rows(cli.model, len(cli.datamodule.concepts)).detach()
         setup = time.perf_counter() - start
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -258,7 +247,7 @@ def reference(setting: Setting) -> tuple[float, dict]:
     """AxBench's loop on the same data and init, one concept at a time: (set-up seconds, AUROCs and rows)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        cli = built(setting, root)
+        cli = built_cli(setting.cli_args(root), setting.device)
     module, shared = cli.model, cli.datamodule
     names, initial = shared.concepts, initial_rows(module, len(shared.concepts)).detach()
     options = {k: v for k, v in shared.hparams.items() if k in inspect.signature(AxBenchDataModule).parameters}
@@ -281,13 +270,6 @@ def reference(setting: Setting) -> tuple[float, dict]:
         rows.append(row.cpu())
     per = metric.compute()["auroc_per_concept"].reshape(-1).tolist()
     return setup, {"auroc": dict(zip(names, per)), "rows": torch.stack(rows), "initial": initial}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with a bad argument as one `error: ...` line on stderr (exit status 2)."""
-
-    def error(self, message: str):
-        fail(message)
 
 
 def concept_ids(values: list[int] | None, available: int) -> list[int]:
@@ -373,12 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         if not same:
             unequal.append(method)
         report(method, mine, theirs, len(args.concepts), "concept")
-    if unequal:
-        print(
-            f"error: the AUROC of ours and the reference differ by more than {TOLERANCE} for {', '.join(unequal)}",
-            file=sys.stderr,
-        )
-        raise SystemExit(1)
+    exit_if_unequal(unequal, "the AUROC", TOLERANCE)
 
 
 if __name__ == "__main__":

@@ -8,18 +8,28 @@ returns what the equality check compares (metrics, surprisals) as plain Python o
 
 `alternate` runs the two sides in turn `repeat` times, so that a change in a shared machine's load
 falls on both; each side's figure is its fastest run.
+
+Beside the clock, what the benchmark scripts share: their one-line argument errors
+(`OneLineParser`), the `train.py` objects both sides of a Lightning benchmark start from
+(`built_cli`), the exit status when the two sides disagree (`exit_if_unequal`), and the pyvene
+interchange forward of the reference loops (`pyvene_last_logits`).
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lit_interventions.cli.lightning import train_main
+from lit_interventions.cli.parsing import fail
 
 
 @dataclass
@@ -82,3 +92,43 @@ def report(name: str, ours: Measured, reference: Measured, units: int = 1, unit:
     if reference.peak_cuda_mib or ours.peak_cuda_mib:
         print(f"peak CUDA memory (MiB): reference {reference.peak_cuda_mib:.0f}, ours {ours.peak_cuda_mib:.0f}")
     print(f"{name} ratio={reference.seconds / ours.seconds:.2f}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a bad argument as one `error: ...` line on stderr (exit status 2)."""
+
+    def error(self, message: str):
+        fail(message)
+
+
+def built_cli(cli_args: list[str], device: str):
+    """`train.py`'s model, data module and trainer for `cli_args` (not run), the data set up and the
+    LM loaded on `device`: what both sides of a Lightning benchmark start from."""
+    cli = train_main(cli_args, run=False)
+    cli.datamodule.setup("fit")
+    _ = cli.model.to(device).lm
+    return cli
+
+
+def exit_if_unequal(unequal: list[str], what: str, tolerance: float) -> None:
+    """Exit status 1, with one error line, when the methods in `unequal` gave other `what` than the
+    reference."""
+    if unequal:
+        print(
+            f"error: {what} of ours and the reference differ by more than {tolerance} for {', '.join(unequal)}",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+
+
+def pyvene_last_logits(intervenable, base, source) -> torch.Tensor:
+    """A pyvene interchange as the official loops run it: a full base and a full source forward,
+    the source's state at its site written at the base's site; the logits at each base row's last
+    token, (batch, vocab). `base` and `source` are `core.batch.Side`s."""
+    locations = {"sources->base": ([[[p] for p in source.sites]], [[[p] for p in base.sites]])}
+    _, out = intervenable(
+        {"input_ids": base.input_ids, "attention_mask": base.attention_mask},
+        [{"input_ids": source.input_ids, "attention_mask": source.attention_mask}],
+        unit_locations=locations,
+    )
+    return out.logits[torch.arange(len(base.input_ids), device=out.logits.device), base.last]

@@ -31,7 +31,6 @@ Iso agree within 0.02 (exit status 1 when not) and prints `METHOD ratio=X` per m
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,16 +40,15 @@ import pyvene
 import torch
 import torch.nn.functional as F
 from lit_interventions.datamodules.ravel import load_ravel
-from measure import alternate, report
+from measure import OneLineParser, alternate, built_cli, exit_if_unequal, pyvene_last_logits, report
 from pyvene.models.gemma2.modelings_intervenable_gemma2 import (
     gemma2_lm_type_to_dimension_mapping,
     gemma2_lm_type_to_module_mapping,
 )
 from transformers import Gemma3ForCausalLM, get_linear_schedule_with_warmup
 
-from lit_interventions.cli.lightning import train_main
 from lit_interventions.cli.parsing import fail
-from lit_interventions.core.batch import CAUSE, ISO, PairBatch, Side
+from lit_interventions.core.batch import CAUSE, ISO, PairBatch
 from lit_interventions.core.lm import load_config, num_layers
 from lit_interventions.metrics.disentangle import Disentanglement
 from lit_interventions.modules.generation import answer_length, extend
@@ -104,20 +102,11 @@ class Setting:
         return args
 
 
-def built(setting: Setting, root: str):
-    """The CLI's model, data module and trainer for `setting`, the data set up and the LM loaded
-    on the device (what both sides share)."""
-    cli = train_main(setting.cli_args(root), run=False)
-    cli.datamodule.setup("fit")
-    _ = cli.model.to(setting.device).lm
-    return cli
-
-
 def ours(setting: Setting) -> tuple[float, dict]:
     """Our fit and test, through the CLI's trainer: (set-up seconds, scores and bases)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        cli = built(setting, root)
+        cli = built_cli(setting.cli_args(root), setting.device)
         initial = cli.model.intervention.basis.detach().cpu().clone()
         setup = time.perf_counter() - start
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -153,19 +142,6 @@ def pyvene_das(model: torch.nn.Module, layer: int, ours_intervention: torch.nn.M
     return intervenable, intervention
 
 
-def pyvene_logits(intervenable, batch: PairBatch, base: Side | None = None) -> torch.Tensor:
-    """A full base and a full source forward through pyvene; the logits at the base's last token."""
-    base = batch.base if base is None else base
-    source = batch.source
-    locations = {"sources->base": ([[[p] for p in source.sites]], [[[p] for p in base.sites]])}
-    _, out = intervenable(
-        {"input_ids": base.input_ids, "attention_mask": base.attention_mask},
-        [{"input_ids": source.input_ids, "attention_mask": source.attention_mask}],
-        unit_locations=locations,
-    )
-    return out.logits[torch.arange(len(batch), device=out.logits.device), base.last]
-
-
 def cause_iso_loss(logits: torch.Tensor, batch: PairBatch, multitask: bool) -> torch.Tensor:
     """L_Cause, with `multitask` plus the mean over the Iso attributes of each one's L_Iso
     (RAVEL §4), the cross-entropy of the first answer token."""
@@ -191,7 +167,7 @@ def reference_scores(intervenable, data, device: str) -> dict[str, float]:
         for _ in range(answer_length(batch)):
             if tokens:
                 base = extend(base, tokens[-1])
-            tokens.append(pyvene_logits(intervenable, batch, base).argmax(-1))
+            tokens.append(pyvene_last_logits(intervenable, base, batch.source).argmax(-1))
         metric.update_batch(torch.stack(tokens, 1).cpu(), batch.to("cpu"))
     values = metric.compute()
     return {"cause": float(values["cause"]), "iso": float(values["iso"])}
@@ -201,7 +177,7 @@ def reference(setting: Setting) -> tuple[float, dict]:
     """The official loop's structure on the same data and init: (set-up seconds, scores and bases)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        cli = built(setting, root)
+        cli = built_cli(setting.cli_args(root), setting.device)
     module, data = cli.model, cli.datamodule
     initial = module.intervention.basis.detach().cpu().clone()
     state = torch.get_rng_state()  # building pyvene's intervention draws; ours draws the order next
@@ -215,20 +191,15 @@ def reference(setting: Setting) -> tuple[float, dict]:
     for _ in range(cli.trainer.max_epochs):
         for batch in loader:
             batch = batch.to(setting.device)
-            cause_iso_loss(pyvene_logits(intervenable, batch), batch, module.objective.multitask).backward()
+            cause_iso_loss(
+                pyvene_last_logits(intervenable, batch.base, batch.source), batch, module.objective.multitask
+            ).backward()
             optimizer.step()
             schedule.step()
             optimizer.zero_grad()
     scores = reference_scores(intervenable, data, setting.device)
     basis = intervention.rotate_layer.weight.detach().T.cpu()
     return setup, {**scores, "basis": basis, "initial": initial}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with a bad argument as one `error: ...` line on stderr (exit status 2)."""
-
-    def error(self, message: str):
-        fail(message)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -295,12 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         if not same:
             unequal.append(method)
         report(method, mine, theirs, 1, "attribute")
-    if unequal:
-        print(
-            f"error: Cause / Iso of ours and the reference differ by more than {TOLERANCE} for {', '.join(unequal)}",
-            file=sys.stderr,
-        )
-        raise SystemExit(1)
+    exit_if_unequal(unequal, "Cause / Iso", TOLERANCE)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import pyvene
 import torch
 import torch.nn.functional as F
 from lit_interventions.datamodules.causalgym import CausalGymDataModule
-from measure import alternate, isolated, report
+from measure import alternate, isolated, pyvene_last_logits, report
 from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.cli.studies import choose_layers
@@ -66,15 +66,8 @@ def reference_site(lm: str, task: str, layer: int, region: str, methods: list[st
     intervention = next(iter(intervenable.interventions.values()))
     intervention = intervention[0] if isinstance(intervention, (tuple, list)) else intervention
 
-    def forward(batch):
-        base, source = batch.base, batch.source  # on `device`
-        locations = {"sources->base": ([[[p] for p in source.sites]], [[[p] for p in base.sites]])}
-        _, out = intervenable(
-            {"input_ids": base.input_ids, "attention_mask": base.attention_mask},
-            [{"input_ids": source.input_ids, "attention_mask": source.attention_mask}],
-            unit_locations=locations,
-        )
-        return out.logits[torch.arange(len(batch), device=out.logits.device), base.last]
+    def forward(batch):  # on `device`
+        return pyvene_last_logits(intervenable, batch.base, batch.source)
 
     train = [b.to(device) for b in data.loader("train", 4)]
     evaluation = [b.to(device) for b in data.loader("eval", 16)]
