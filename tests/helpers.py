@@ -109,7 +109,7 @@ def benchmark_module(monkeypatch, name: str):
     return module
 
 
-def benchmark_error(script: str, *args: str) -> subprocess.CompletedProcess:
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     """`python benchmarks/SCRIPT *args`, as a user runs it."""
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=120

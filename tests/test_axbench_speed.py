@@ -11,7 +11,7 @@ import pytest
 import torch
 from lit_interventions.datamodules.axbench import BUILTIN_DIR
 
-from tests.helpers import BENCHMARKS, benchmark_error, benchmark_module
+from tests.helpers import BENCHMARKS, benchmark_module, run_benchmark
 
 LAYER, MAX_LENGTH = 1, 64  # the tiny LM has 3 blocks and 128 positions
 
@@ -84,7 +84,7 @@ def test_the_script_runs_end_to_end_and_ends_with_the_ratios(tiny_lm_dir):
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
-    done = benchmark_error("axbench_speed.py", *args)
+    done = run_benchmark("axbench_speed.py", *args)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(message), done.stderr

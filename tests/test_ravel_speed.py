@@ -7,7 +7,7 @@ import pytest
 import torch
 from lit_interventions.datamodules.ravel import RavelDataModule, load_ravel
 
-from tests.helpers import benchmark_error, benchmark_module, oracle
+from tests.helpers import benchmark_module, oracle, run_benchmark
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_ours_and_the_reference_loop_train_and_score_the_same(bench, tiny_lm_dir
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
-    done = benchmark_error("ravel_speed.py", *args)
+    done = run_benchmark("ravel_speed.py", *args)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(message), done.stderr

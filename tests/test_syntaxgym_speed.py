@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_interventions.core.lm import load_lm
-from tests.helpers import benchmark_error, benchmark_module
+from tests.helpers import benchmark_module, run_benchmark
 from tests.test_syntaxgym import TINY_SUITE, _write
 
 
@@ -54,6 +54,18 @@ def test_the_reference_is_lm_zoos_definition_by_hand(bench, tiny_lm_dir):
     assert bench.sentence_surprisals(model, ids) == pytest.approx(by_hand, abs=1e-5)
 
 
+def test_the_script_runs_end_to_end_and_ends_with_the_ratio(tiny_lm_dir, tmp_path):
+    _write(tmp_path, TINY_SUITE, "tiny_agreement.json")
+    done = run_benchmark(
+        "syntaxgym_speed.py", "--suites_dir", str(tmp_path), "--suites", "all", "--lm", tiny_lm_dir("llama")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "1 suites, 3 items: largest region difference " in lines[-4]
+    assert lines[-3].startswith("seconds: reference ") and lines[-2].startswith("peak RSS (MiB): reference ")
+    assert lines[-1].startswith("syntaxgym ratio=") and float(lines[-1].split("=")[1]) > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -67,6 +79,6 @@ def test_the_reference_is_lm_zoos_definition_by_hand(bench, tiny_lm_dir):
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
-    done = benchmark_error("syntaxgym_speed.py", *args)
+    done = run_benchmark("syntaxgym_speed.py", *args)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(message), done.stderr
