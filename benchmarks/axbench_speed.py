@@ -62,10 +62,10 @@ from measure import OneLineParser, alternate, built_cli, exit_if_unequal, report
 from lit_interventions.artifacts.dictionary import latent_values
 from lit_interventions.callbacks.metrics import safe_name
 from lit_interventions.cli.parsing import fail
-from lit_interventions.core.lm import DTYPES, hidden_size, load_config, num_layers
+from lit_interventions.core.lm import DTYPES, check_device, hidden_size, load_config, num_layers
 from lit_interventions.core.sites import residual_hook
 from lit_interventions.interventions.additive import ConceptDictionary
-from lit_interventions.metrics.detection import ConceptAUROC
+from lit_interventions.metrics.detection import ConceptAUROC, per_concept_shapes
 from lit_interventions.modules.steering import response_tokens
 from lit_interventions.modules.steering_objective import intervention_mask
 
@@ -268,7 +268,7 @@ def reference(setting: Setting) -> tuple[float, dict]:
             row = fit_diffmean(module, data, setting.device)
         detect(module, data, row, index, metric, setting.device)
         rows.append(row.cpu())
-    per = metric.compute()["auroc_per_concept"].reshape(-1).tolist()
+    per = per_concept_shapes(metric.compute())["auroc_per_concept"].tolist()
     return setup, {"auroc": dict(zip(names, per)), "rows": torch.stack(rows), "initial": initial}
 
 
@@ -305,8 +305,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "repeat", "max_length"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name} {getattr(args, name)} must be a positive integer")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: no CUDA device is available; pass --device cpu")
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        fail(str(err))
     if not Path(args.concept_dir).is_dir():
         fail(f"--concept_dir {args.concept_dir} is not a directory: get the published files with "
              f"`lit-interventions data axbench-concept10 --out {args.concept_dir}`, or pass --concept_dir")  # fmt: skip

@@ -49,7 +49,7 @@ from transformers import Gemma3ForCausalLM, get_linear_schedule_with_warmup
 
 from lit_interventions.cli.parsing import fail
 from lit_interventions.core.batch import CAUSE, ISO, PairBatch
-from lit_interventions.core.lm import load_config, num_layers
+from lit_interventions.core.lm import check_device, load_config, num_layers
 from lit_interventions.metrics.disentangle import Disentanglement
 from lit_interventions.modules.generation import answer_length, extend
 
@@ -223,8 +223,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("train_size", "eval_size", "epochs", "repeat", "k"):
         if getattr(args, name) < 1:
             fail(f"--{name} {getattr(args, name)} must be a positive integer")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: no CUDA device is available; pass --device cpu")
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        fail(str(err))
     if not Path(args.ravel_dir).is_dir():
         fail(
             f"--ravel_dir {args.ravel_dir} is not a directory: get the published files with "

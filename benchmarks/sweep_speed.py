@@ -41,7 +41,7 @@ from measure import alternate, isolated, pyvene_last_logits, report
 from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.cli.studies import choose_layers
-from lit_interventions.core.lm import load_config, load_lm, num_layers
+from lit_interventions.core.lm import check_device, load_config, load_lm, num_layers
 from lit_interventions.core.sites import read_site
 from lit_interventions.interventions.directions import fit_direction
 from lit_interventions.metrics import log_odds_ratio
@@ -173,8 +173,10 @@ def main() -> None:
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu", help="both sides"
     )
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available; pass --device cpu")
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     if args.device == "cpu":  # the sweep takes a GPU whenever it sees one: the children see none
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.against == "pyvene" and (args.dtype, args.train_pairs, args.eval_pairs) != ("float32", 200, 50):

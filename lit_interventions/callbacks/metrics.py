@@ -17,7 +17,7 @@ import re
 import torch
 from lightning import Callback
 
-from lit_interventions.metrics.detection import ConceptAUROC
+from lit_interventions.metrics.detection import ConceptAUROC, per_concept_shapes
 from lit_interventions.metrics.disentangle import ISO, Disentanglement
 from lit_interventions.metrics.odds import InterchangeOdds
 
@@ -145,8 +145,7 @@ class AUROCCallback(_MetricCallback):
         )
 
     def log_values(self, pl_module, result, prefix, metric):
-        # torchmetrics squeezes a one-element result to a scalar: one concept's values are (1,) again
-        result = {**result, **{key: result[key].reshape(-1) for key in ("auroc_per_concept", "max_score")}}
+        result = per_concept_shapes(result)
         values = {f"{prefix}/auroc": result["auroc"]}
         for name, value in zip(pl_module.concepts, result["auroc_per_concept"]):
             values[f"{prefix}/auroc/{safe_name(name)}"] = value

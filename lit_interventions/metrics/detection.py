@@ -36,6 +36,13 @@ def min_max_normalise(scores: torch.Tensor, concept_id: torch.Tensor, num_concep
     return torch.where(span > 0, (scores - low[concept_id]) / span.clamp(min=1e-30), torch.zeros_like(scores))
 
 
+def per_concept_shapes(result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`ConceptAUROC`'s result with its per-concept values as (C,) tensors: torchmetrics squeezes a
+    one-element result to a scalar, so one concept's `auroc_per_concept` and `max_score` come back
+    0-d from `compute()`."""
+    return {**result, **{key: result[key].reshape(-1) for key in ("auroc_per_concept", "max_score")}}
+
+
 class ConceptAUROC(Metric):
     """Mean over concepts of the AUROC of max-pooled detection scores.
 
