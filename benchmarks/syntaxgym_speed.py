@@ -42,7 +42,7 @@ from measure import alternate, report
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, check_device, load_lm, load_tokenizer
 from lit_interventions.core.surprisal import aggregate, encode_regions
 from lit_interventions.studies.syntaxgym import Suite, evaluate_suite, load_suite, sg_score, suite_paths
-from lit_interventions.studies.syntaxgym.score import SuiteResult
+from lit_interventions.studies.syntaxgym.score import judged
 
 FLOAT32_TOLERANCE = 1e-4
 # the default sample: one suite of each of the 10 families of phenomena (10,068 of the 34 suites'
@@ -146,14 +146,9 @@ def first_difference(ours: Scores, reference: Scores, tolerance: float) -> str |
     return None
 
 
-def accuracy_of(scores: Scores, paths: list[str]) -> float:
+def accuracy_of(scores: Scores, suites: list[Suite]) -> float:
     """The SG score (official analysis's suites) of `scores`, the suites' predictions checked."""
-    results = []
-    for path, (name, items) in zip(paths, scores, strict=True):
-        suite = load_suite(path)
-        correct = [all(prediction.holds(values) for prediction in suite.predictions) for values in items]
-        results.append(SuiteResult(name, correct, items))
-    return sg_score(results)
+    return sg_score([judged(suite, items) for suite, (_, items) in zip(suites, scores, strict=True)])
 
 
 class _Parser(argparse.ArgumentParser):
@@ -215,8 +210,7 @@ def _arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     args, paths = _arguments(argv)
-    for path in paths:  # a malformed suite stops here, before any LM loads
-        load_suite(path)
+    suites = [load_suite(path) for path in paths]  # a malformed suite stops here, before any LM loads
     settings = (paths, args.lm, args.dtype, args.device, args.batch_size, args.threads)
     ours, reference = alternate(run_ours, run_reference, args.repeat, *settings)
     difference = first_difference(ours.result, reference.result, args.tolerance)
@@ -224,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.lm} ({args.dtype}, {args.device}), {len(paths)} suites, "
         f"{sum(len(items) for _, items in ours.result)} items: largest region difference "
         f"{largest_difference(ours.result, reference.result):.2e} bits; SG score ours "
-        f"{accuracy_of(ours.result, paths):.3f}, reference {accuracy_of(reference.result, paths):.3f}"
+        f"{accuracy_of(ours.result, suites):.3f}, reference {accuracy_of(reference.result, suites):.3f}"
     )
     report("syntaxgym", ours, reference)
     if difference is not None:

@@ -81,6 +81,12 @@ def evaluate_suite(
     for (item_index, condition, numbers), values, indices in zip(keys, surprisals, wanted):
         for index in indices:
             item_values[item_index][condition, numbers[index]] = values[index]
+    return judged(suite, item_values)
+
+
+def judged(suite: Suite, item_values: list[RegionValues]) -> SuiteResult:
+    """The suite's result from its items' region surprisals: an item is correct when every
+    prediction holds for it."""
     correct = [all(prediction.holds(values) for prediction in suite.predictions) for values in item_values]
     return SuiteResult(suite.name, correct, item_values)
 
