@@ -76,6 +76,7 @@ def collate(rows, pad_id=0, prefix=1):
         batch["content_mask"][i, prefix : len(ids)] = 1
         if r["label"] == 1:
             batch["token_labels"][i, len(r["prompt"]) : len(ids)] = r["concept_id"]
+    batch["output_mask"] = batch["response_mask"].clone()  # the synthetic responses have no end-of-turn token
     batch["concept_id"] = torch.tensor([r["concept_id"] for r in rows])
     batch["label"] = torch.tensor([r["label"] for r in rows])
     batch["category"] = batch["label"].clone()

@@ -10,9 +10,11 @@ WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
 
 
 def _training_data(trainer) -> str:
+    """What the dictionary was trained on: the data module's concept directory or data file
+    (`concept_dir`, `path`), `builtin` for the built-in data, `unknown` without a data module."""
     datamodule = trainer.datamodule
     hp = getattr(datamodule, "hparams", {}) or {}
-    return str(hp.get("concept_dir") or ("builtin" if datamodule is not None else "unknown"))
+    return str(hp.get("concept_dir") or hp.get("path") or ("builtin" if datamodule is not None else "unknown"))
 
 
 class ExportDictionary(Callback):

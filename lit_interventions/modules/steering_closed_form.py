@@ -47,12 +47,13 @@ def fit_concept_direction(
 
 def response_tokens(hidden: torch.Tensor, batch: dict, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The response tokens of a batch to keep, (n, d) float32 on CPU, and their labels (n,): a
-    positive's tokens with its concept, the negatives' tokens as −1. `hidden`: the residual stream
-    at the layer, (batch, seq, d); negatives carrying concept ids are refused (`method`: the
-    method's name, for the message)."""
-    response = batch["response_mask"].bool()
-    positive = response & (batch["token_labels"] >= 0)
-    negative = response & (batch["label"] == 0)[:, None]
+    positive's tokens with its concept, the negatives' tokens as −1. Both sides are the response
+    text (`output_mask`), without the end-of-turn token that closes every response alike.
+    `hidden`: the residual stream at the layer, (batch, seq, d); negatives carrying concept ids are
+    refused (`method`: the method's name, for the message)."""
+    text = batch["output_mask"].bool()
+    positive = text & (batch["token_labels"] >= 0)
+    negative = text & (batch["label"] == 0)[:, None]
     if ((batch["label"] == 0) & (batch["concept_id"] >= 0)).any():
         raise ValueError(
             f"{method} is fitted against the shared negative pool (concept_id -1); "
