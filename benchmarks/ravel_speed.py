@@ -76,6 +76,7 @@ class Setting:
     epochs: int
     device: str
     entity_type: str = "city"
+    max_candidates: int = 200
 
     def cli_args(self, root: str) -> list[str]:
         """`train.py fit`'s arguments (no subcommand: the trainer runs it) with the method's config and this setting; validation off (the official
@@ -89,6 +90,7 @@ class Setting:
             "--data.target_attribute": self.attribute,
             "--data.train_size": self.train_size,
             "--data.eval_size": self.eval_size,
+            "--data.max_candidates": self.max_candidates,
             "--trainer.max_epochs": self.epochs,
             "--trainer.accelerator": "gpu" if self.device == "cuda" else "cpu",
             "--trainer.default_root_dir": root,
@@ -217,10 +219,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train_size", type=int, default=96, help="Cause examples to train on (MDAS: as many Iso)")
     parser.add_argument("--eval_size", type=int, default=48, help="Cause test examples (and as many Iso)")
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument(
+        "--max_candidates",
+        type=int,
+        default=200,
+        help="(entity, template) pairs checked per attribute and split (the data module's max_candidates)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=1, help="alternate ours and the reference n times")
     args = parser.parse_args(argv)
-    for name in ("train_size", "eval_size", "epochs", "repeat", "k"):
+    for name in ("train_size", "eval_size", "epochs", "repeat", "k", "max_candidates"):
         if getattr(args, name) < 1:
             fail(f"--{name} {getattr(args, name)} must be a positive integer")
     try:
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods:
         setting = Setting(
             method, args.lm, args.ravel_dir, args.attribute, args.layer, args.k,
-            args.train_size, args.eval_size, args.epochs, args.device, args.entity_type,
+            args.train_size, args.eval_size, args.epochs, args.device, args.entity_type, args.max_candidates,
         )  # fmt: skip
         mine, theirs = alternate(ours, reference, args.repeat, setting)
         a, b = mine.result, theirs.result

@@ -33,12 +33,20 @@ def test_ours_and_the_reference_loop_train_and_score_the_same(bench, tiny_lm_dir
     assert (mine["cause"], mine["iso"]) == (theirs["cause"], theirs["iso"])
 
 
+def test_max_candidates_reaches_the_data_module_both_sides_build(bench, tiny_lm_dir, tmp_path):
+    setting = bench.Setting("das", tiny_lm_dir("gemma3"), None, "Country", 1, 4, 24, 12, 1, "cpu", max_candidates=7)
+    data = bench.built_cli(setting.cli_args(str(tmp_path)), "cpu").datamodule
+    assert data.hparams.max_candidates == 7
+    assert len(data.candidates("Country", "train")) == 7
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--ravel_dir", "/nonexistent/ravel"], "error: --ravel_dir /nonexistent/ravel is not a directory"),
         (["--methods", "dbm"], "error: argument --methods: invalid choice: 'dbm'"),
         (["--epochs", "0"], "error: --epochs 0 must be a positive integer"),
+        (["--max_candidates", "0"], "error: --max_candidates 0 must be a positive integer"),
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message):
