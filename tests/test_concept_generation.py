@@ -360,7 +360,7 @@ def test_bad_options_are_one_error_line_before_any_model_loads(files, extra, mes
         (lambda d, c: c.write_bytes(b"caf\xe9\n"), "not UTF-8 text (byte 3)"),
         (lambda d, c: c.unlink(), "concepts.txt: no such file"),
         (lambda d, c: (d / "out").write_text("x"), "--out"),
-        (lambda d, c: (d / "p.txt").write_text("code\tWrite a loop.\nSay hi.\n"), "1 instruction(s) for genre 'math'"),
+        (lambda d, c: (d / "p.txt").write_text("code\tWrite a loop.\nSay hi.\n"), "1 instruction(s) for genre 'text'"),
     ],
 )
 def test_bad_files_are_one_error_line_from_the_console_script(files, setup, message):
