@@ -233,6 +233,9 @@ def build_concepts(
     (`check_counts`), write the directory; returns the provenance record."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:  # temporary files of a run killed while writing its outputs
+        for stale in out.glob(f".{name}.*.tmp"):
+            stale.unlink(missing_ok=True)
     progress = progress or Progress()
     cache = GenerationCache(out / CACHE)
     names = [c.name for c in concepts]

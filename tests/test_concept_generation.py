@@ -159,8 +159,10 @@ def test_an_interrupted_run_resumes_to_the_rows_of_an_uninterrupted_one(tmp_path
         _build(broken, Fake(PLANTED, fail_after=20))  # in the middle of a batch of 2
     assert sorted(p.name for p in broken.iterdir()) == [CACHE]  # no output file, no temporary file
     assert len((broken / CACHE).read_text().splitlines()) == 19  # the batch that failed is not kept
+    (broken / ".train_data.parquet.999.tmp").write_text("half")  # a run killed while writing its outputs
     resumed = Fake(PLANTED)
     _build(broken, resumed)
+    assert not (broken / ".train_data.parquet.999.tmp").exists()
     assert resumed.generated == 50 - 19
     for a, b in zip(_tables(whole), _tables(broken)):
         pd.testing.assert_frame_equal(a, b)
