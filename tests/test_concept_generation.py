@@ -381,9 +381,12 @@ def test_bad_files_are_one_error_line_from_the_console_script(files, setup, mess
 
 @pytest.mark.slow
 def test_the_embedded_model_writes_the_example_concepts(tmp_path):
-    record = run(["concepts", "--concepts", str(EXAMPLE), "--out", str(tmp_path), "--per_concept", "2"])
-    record = run(["concepts", "--concepts", str(EXAMPLE), "--out", str(tmp_path), "--per_concept", "2"])
-    assert record["generations"]["generated"] == 0
+    argv = ["concepts", "--concepts", str(EXAMPLE), "--out", str(tmp_path), "--per_concept", "2"]
+    argv += ["--eval_per_concept", "1", "--max_new_tokens", "24"]
+    first = run(argv)
+    assert first["generations"] == {"total": 13, "generated": 13, "cached": 0}
+    record = run(argv)
+    assert record["generations"]["generated"] == 0 and record["concepts"] == first["concepts"]
     assert record["generator"]["lm"] == "smollm2-135m-instruct" and len(record["generator"]["sha256"]) == 64
     data = load_concepts(tmp_path)
     assert data.concepts == ["references to rivers and lakes", "Python decorators"] and data.genres[1] == "code"
