@@ -204,7 +204,8 @@ def check_prompts(prompts: dict[str, list[str]], concepts: list[Concept], path) 
 
 def parse_genre(reply: str) -> str:
     """The genre a reply names: the first of the words text, code, math (or mathematics) and none
-    in it; none, or no such word, is text (AxBench's fallback)."""
+    in it; none, or no such word, is text (AxBench's fallback in `get_concept_genres`, which
+    takes text, code, math in that order wherever they appear)."""
     match = re.search(r"\b(text|code|math|mathematics|maths|none)\b", reply.lower())
     word = match.group(1) if match else "none"
     return {"none": "text", "mathematics": "math", "maths": "math"}.get(word, word)
@@ -252,7 +253,8 @@ def plan_rows(
     genre the concepts have), then per concept its training positives, eval positives and eval
     negatives (the negatives answer the same held-out instructions as the positives). Each concept
     starts at its own offset in the instructions, so concepts of one genre do not all answer the
-    same ones first."""
+    same ones first. AxBench: the pool in `DatasetFactory.__init__`, the positives in
+    `create_train_df`, the eval rows in `create_eval_df` (without its hard negatives)."""
     split = split_instructions(prompts, seed)
     jobs = []
     for genre in [g for g in GENRES if g in genres]:
