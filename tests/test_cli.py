@@ -39,7 +39,8 @@ HELP = {  # subcommand line -> options its help must name
     ("syntaxgym",): ["--suites", "--lm", "--out", "--batch_size", "--threads"],
     ("serve-judge",): ["--lm", "--host", "--port", "--max_new_tokens", "--max_body_bytes", "--timeout"],
     ("data",): ["name", "--out", "--base_url", "axbench-concept10"],
-    (): ["fit", "validate", "test", "sweep", "calm", "steer", "syntaxgym", "serve-judge", "data"],
+    ("concepts",): ["--concepts", "--prompts", "--out", "--per_concept", "--lm", "--base_url", "--api_key_env"],
+    (): ["fit", "validate", "test", "sweep", "calm", "steer", "syntaxgym", "serve-judge", "data", "concepts"],
 }
 
 

@@ -26,7 +26,7 @@ BIKE, ARROW = "references to bicycles and cycling", "JavaScript arrow functions"
 
 def test_the_example_files_are_small():
     sizes = {p.relative_to(EXAMPLES).as_posix(): p.stat().st_size for p in EXAMPLES.rglob("*") if p.is_file()}
-    assert len(sizes) == 14 and max(sizes.values()) < 10240, sizes
+    assert len(sizes) == 15 and max(sizes.values()) < 10240, sizes
 
 
 def test_the_example_task_has_the_regions_and_pairs_its_file_defines():

@@ -13,6 +13,7 @@ exit code 2) for every job this package runs.
     lit-interventions serve               --artifact DIR_OR_HUB_ID [--lm NAME] --port 8000
     lit-interventions export              --artifact DIR_OR_HUB_ID --to FORMAT --out DIR
     lit-interventions data                NAME --out DIR
+    lit-interventions concepts            --concepts FILE --out DIR [--prompts FILE] [--lm NAME | --base_url URL --model NAME]
 
 `python -m lit_interventions ...` is the same command (torchrun runs it with `-m lit_interventions`).
 Every command exits 0 when it succeeds, 2 on bad input, 143 / 130 when stopped by SIGTERM /
@@ -69,6 +70,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": (
         "lit_interventions.cli.data:main",
         "download a published dataset (CausalGym, SyntaxGym, RAVEL, AxBench), sha256-checked",
+    ),
+    "concepts": (
+        "lit_interventions.cli.concepts:main",
+        "write AxBench-style concept data for a list of concepts with a generator chat model",
     ),
 }
 

@@ -107,6 +107,22 @@ def _embedded_gguf(name: str) -> Path:
     return path
 
 
+def weights_record(name: str) -> dict:
+    """What identifies the weights of `name` without loading them: {"weights": where they are,
+    "sha256": ...}. An embedded name or a .gguf file: the GGUF file and its sha256; a local
+    directory: the sha256 of each weights file in it; a hub id: the id, sha256 None."""
+    if name in EMBEDDED or name.endswith(".gguf"):
+        path = _embedded_gguf(name) if name in EMBEDDED else Path(name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {name}")
+        return {"weights": str(path), "sha256": gguf_sha256(path)}
+    directory = Path(name).expanduser()
+    if directory.is_dir():
+        files = sorted(p for p in directory.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+        return {"weights": str(directory), "sha256": {p.name: gguf_sha256(p) for p in files}}
+    return {"weights": name, "sha256": None}
+
+
 def _dequantize(gguf: Path):
     """(model, tokenizer) of a GGUF file, dequantized to float32 (30-100 s)."""
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
