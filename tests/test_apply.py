@@ -181,10 +181,13 @@ def test_composition_parts_at_their_own_sites(tiny_lm, tokenizer):
     torch.testing.assert_close(composed, nested, rtol=0, atol=0)
 
 
-def test_lora_applied_by_hooks_equals_peft(tiny_lm_dir, tiny_lm, tokenizer):
-    """A LoRA adapter applied to the shared LM with hooks gives the logits of peft's adapted copy."""
+@pytest.mark.parametrize("rslora", [False, True], ids=["alpha_over_r", "rslora"])
+def test_lora_applied_by_hooks_equals_peft(tiny_lm_dir, tiny_lm, tokenizer, rslora):
+    """A LoRA adapter applied to the shared LM with hooks gives the logits of peft's adapted copy,
+    scaled by α/r, or α/√r with rsLoRA."""
     lm_dir = tiny_lm_dir("llama")
-    module = LoRAModule(lm=lm_dir, rank=2, alpha=8)
+    module = LoRAModule(lm=lm_dir, rank=4, alpha=8, rslora=rslora)
+    assert module.scaling == (4.0 if rslora else 2.0)
     with torch.no_grad():
         for name, p in module.adapter.items():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)

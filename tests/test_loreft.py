@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.cli.commands import run
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.sites import final_logits
 from lit_interventions.interventions.loreft import LoReFTIntervention, loreft
@@ -180,6 +181,34 @@ def test_lora_adapter_on_o_proj_changes_output_and_saves_only_adapter(tiny_lm_di
     by_kind = from_pretrained(tmp_path)  # an adapter needs its LM: the module, as load_steering_checkpoint
     assert type(by_kind) is LoRAModule and abs(_loss(by_kind, loader) - after) < 1e-4
     assert abs(float(lm_loss(load_lm(lm), next(iter(loader)))) - clean) < 1e-6  # shared LM untouched
+
+
+def test_rslora_scales_by_alpha_over_root_rank_and_keeps_it_through_saving(tiny_lm_dir, tokenizer, tmp_path):
+    lm = tiny_lm_dir("llama")
+    module = LoRAModule(lm=lm, rank=4, alpha=8, rslora=True, lr=5e-2)
+    peft_layer = next(m for name, m in module._frozen["peft"].named_modules() if name.endswith("o_proj"))
+    assert peft_layer.scaling["default"] == module.scaling == 8 / 2  # α/√r, not α/r = 2
+    loader = _batches(tokenizer)
+    _fit(module, loader, tmp_path, steps=5)
+    loaded = from_pretrained(tmp_path)
+    assert loaded.hparams.rslora is True and loaded.scaling == 4.0
+    assert abs(_loss(loaded, loader) - _loss(module, loader)) < 1e-5
+    assert json.loads((tmp_path / "config.json").read_text())["rslora"] is True
+
+
+def test_the_axbench_lora_config_trains_rslora_with_dropout_on_its_layers(tiny_lm_dir, tmp_path):
+    argv = [
+        "fit", "--config", "lora_axbench.yaml", f"--model.lm={tiny_lm_dir('llama')}", "--model.layers=[0,2]",
+        "--data.concept_dir=examples/data/axbench", "--trainer.max_epochs=2", "--trainer.accelerator=cpu",
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    cli = run(argv)
+    module = cli.model
+    adapted = {name.replace("__", ".").split(".layers.")[1].split(".")[0] for name in module.adapter}
+    assert adapted == {"0", "2"} and module.scaling == 32 / 2  # α/√r, r = 4
+    assert {d["default"].p for d in module._frozen["dropouts"]} == {0.05}
+    batches = len(cli.datamodule.train_dataloader())  # 18 a batch, 2 accumulated a step
+    assert cli.trainer.global_step == 2 * -(-batches // 2)
 
 
 @pytest.mark.parametrize(

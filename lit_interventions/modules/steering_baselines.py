@@ -22,6 +22,7 @@ registered ones by the name the directory (or a Lightning `.ckpt`) records.
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -276,6 +277,8 @@ class LoRAModule(_SteeringModule):
     Args:
         lm: the LM; a private copy gets the adapter (the shared frozen LM is never modified).
         rank: r; alpha: lora_alpha (the paper: 32); dropout: lora_dropout.
+        rslora: scale the update by α/√r (rank-stabilised LoRA, peft's `use_rslora`; AxBench's
+            sweeps) instead of α/r.
         target_modules: module name suffixes; default the attention output projection
             (`o_proj`, or the architecture's equivalent, see `ATTENTION_OUTPUTS`).
         layers: layer indices that get adapters (default: all).
@@ -290,6 +293,7 @@ class LoRAModule(_SteeringModule):
         rank: int = 4,
         alpha: int = 32,
         dropout: float = 0.0,
+        rslora: bool = False,
         target_modules: list[str] | None = None,
         layers: list[int] | None = None,
         concept_id: int | None = None,
@@ -317,6 +321,7 @@ class LoRAModule(_SteeringModule):
             r=rank,
             lora_alpha=alpha,
             lora_dropout=dropout,
+            use_rslora=bool(rslora),
             target_modules=target_modules,
             layers_to_transform=layers,
             bias="none",
@@ -360,13 +365,16 @@ class LoRAModule(_SteeringModule):
             "target_modules": self.hparams.target_modules,
             "layers": self.hparams.layers,
             "dropout": self.hparams.dropout,
+            "rslora": bool(self.hparams.rslora),
         }
         return tensors, card
 
     @classmethod
     def from_export(cls, tensors: dict[str, torch.Tensor], card: dict, lm: str | None = None) -> LoRAModule:
         """LoRA with the card's rank, alpha, targets and layers, and the adapter from `tensors`."""
-        module = cls(**cls._card_args(card, lm, ("rank", "alpha", "target_modules"), layers=None, dropout=0.0))
+        module = cls(
+            **cls._card_args(card, lm, ("rank", "alpha", "target_modules"), layers=None, dropout=0.0, rslora=False)
+        )
         module.load_adapter(tensors)
         return module
 
@@ -374,13 +382,17 @@ class LoRAModule(_SteeringModule):
         where = "every layer" if self.hparams.layers is None else f"layers {list(self.hparams.layers)}"
         return f"the attention output projections ({', '.join(self.hparams.target_modules)}) of {where}"
 
+    @property
+    def scaling(self) -> float:
+        """The update's scale: α/r, or α/√r with `rslora`."""
+        rank = self.hparams.rank
+        return self.hparams.alpha / (math.sqrt(rank) if self.hparams.rslora else rank)
+
     def edits(self, config: dict, request: ApplyRequest, where: str = "the LoRA adapter") -> list[Edit]:
-        """What `lit_interventions.apply` does with it: W₀x + (α/r)·B A x on each adapted module of
-        the LM given (found by name), at every position unless the request names others."""
+        """What `lit_interventions.apply` does with it: W₀x + `scaling`·B A x on each adapted module
+        of the LM given (found by name), at every position unless the request names others."""
         tensors, _ = self.export()
-        return lora_edits(
-            tensors, self.hparams.alpha / self.hparams.rank, request, {**config, "model": self.hparams.lm}, where
-        )
+        return lora_edits(tensors, self.scaling, request, {**config, "model": self.hparams.lm}, where)
 
     def peft_adapter(self) -> tuple:
         """(its peft LoraConfig, its state dict as peft saves it): `lit-interventions export --to peft`."""
