@@ -55,6 +55,27 @@ from lit_interventions.core.loaders import split_loader
 CHAT_LM = "smollm2-135m-instruct"
 
 
+def chat_tokenizer(lm: str, chat_template: bool | None) -> tuple:
+    """(the tokenizer of `lm`, whether rows are formatted as chat turns): `chat_template` None
+    means when the tokenizer has one; True without one is a ValueError."""
+    tokenizer = load_tokenizer(lm)
+    chat = has_chat_template(tokenizer) if chat_template is None else chat_template
+    if chat and not has_chat_template(tokenizer):
+        raise ValueError(f"chat_template=True but the tokenizer of {lm!r} has no chat template")
+    return tokenizer, chat
+
+
+def warn_truncated(splits: dict[str, list[Example]], max_length: int) -> None:
+    """One warning per split whose examples lost the end of their response to `max_length`."""
+    for split, examples in splits.items():
+        truncated = sum(e.truncated for e in examples)
+        if truncated:
+            warnings.warn(
+                f"{split}: {truncated} of {len(examples)} responses truncated to max_length={max_length}",
+                stacklevel=3,
+            )
+
+
 class AxBenchDataModule(BenchmarkDataModule):
     """Concept data for steering and detection.
 
@@ -148,24 +169,14 @@ class AxBenchDataModule(BenchmarkDataModule):
         if self.splits:
             return
         hp = self.hparams
-        self.tokenizer = load_tokenizer(self.lm)
-        chat = has_chat_template(self.tokenizer) if hp.chat_template is None else hp.chat_template
-        if chat and not has_chat_template(self.tokenizer):
-            raise ValueError(f"chat_template=True but the tokenizer of {self.lm!r} has no chat template")
-        self.chat = chat
+        self.tokenizer, self.chat = chat_tokenizer(self.lm, hp.chat_template)
         index = {c: i for i, c in enumerate(self.concept_ids)}
         labels = {"train": None, "eval": EVAL_LABELS[hp.hard_negatives]}
         for split in ("train", "eval"):
             self.splits[split] = tokenize_rows(
-                self.rows(split), self.tokenizer, chat, hp.max_length, hp.end_of_turn, index, labels[split]
+                self.rows(split), self.tokenizer, self.chat, hp.max_length, hp.end_of_turn, index, labels[split]
             )
-        for split, examples in self.splits.items():
-            truncated = sum(e.truncated for e in examples)
-            if truncated:
-                warnings.warn(
-                    f"{split}: {truncated} of {len(examples)} responses truncated to max_length={hp.max_length}",
-                    stacklevel=2,
-                )
+        warn_truncated(self.splits, hp.max_length)
 
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
         if not self.splits.get(split):

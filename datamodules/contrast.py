@@ -24,8 +24,6 @@ scored for their pair's concept (label 0), positives as 1.
 
 from __future__ import annotations
 
-import warnings
-
 import pandas as pd
 from lit_interventions.datamodules.axbench import (
     CATEGORIES,
@@ -33,13 +31,13 @@ from lit_interventions.datamodules.axbench import (
     NEGATIVE_POOL,
     AxBenchDataModule,
     Example,
-    has_chat_template,
+    chat_tokenizer,
     tokenize_rows,
+    warn_truncated,
 )
 from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.contrast_files import assign_splits, concept_data, read_contrast
 
-from lit_interventions.core.lm import load_tokenizer
 from lit_interventions.core.surprisal import bos_prefix
 
 
@@ -154,18 +152,9 @@ class ContrastDataModule(BenchmarkDataModule):
         if self.splits:
             return
         hp = self.hparams
-        self.tokenizer = load_tokenizer(self.lm)
-        chat = has_chat_template(self.tokenizer) if hp.chat_template is None else hp.chat_template
-        if chat and not has_chat_template(self.tokenizer):
-            raise ValueError(f"chat_template=True but the tokenizer of {self.lm!r} has no chat template")
-        self.chat = chat
+        self.tokenizer, self.chat = chat_tokenizer(self.lm, hp.chat_template)
         for split in ("train", "eval"):
             self.splits[split] = tokenize_contrast(
-                self.rows(split), self.tokenizer, chat, hp.max_length, hp.end_of_turn
+                self.rows(split), self.tokenizer, self.chat, hp.max_length, hp.end_of_turn
             )
-            truncated = sum(e.truncated for e in self.splits[split])
-            if truncated:
-                warnings.warn(
-                    f"{split}: {truncated} of {len(self.splits[split])} texts truncated to max_length={hp.max_length}",
-                    stacklevel=2,
-                )
+        warn_truncated(self.splits, hp.max_length)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -58,6 +59,21 @@ def run_command(*args: str, env: dict | None = None, timeout: int = 300) -> subp
     return subprocess.run(
         [*head, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """`rows` as a .jsonl file, one JSON object a line."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str]) -> Path:
+    """`rows` as a .csv file with the header `fields` (a row's missing field is an empty cell)."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
 
 
 def csv_rows(path: Path) -> list[dict]:

@@ -5,7 +5,6 @@ model loads; DiffMean fitted from a file equals the mean difference of its state
 hand, detects a planted concept on the held-out pairs, and the console command writes a dictionary
 that `detect` and `generate` use (tiny random-init models)."""
 
-import csv
 import json
 from pathlib import Path
 
@@ -19,11 +18,10 @@ from transformers import AutoModelForCausalLM
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.cli.commands import run
 from lit_interventions.interventions.concept_methods import PCAMethod, ProbeMethod
-from tests.helpers import run_command
+from tests.helpers import run_command, write_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 CONTRAST = EXAMPLES / "contrast.jsonl"
-FIELDS = ["concept", "prompt", "positive", "negative", "split"]
 PLACES = ["garden", "kitchen", "hallway", "yard", "barn", "shed", "attic", "porch", "room", "park"]
 # a planted concept: the positive text names a dog, its negative a man; the same prompt
 PLANTED = [
@@ -34,19 +32,6 @@ PLANTED = [
     }
     for place in PLACES
 ]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def fields(rows) -> list[tuple]:

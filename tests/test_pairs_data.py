@@ -3,7 +3,6 @@ and a `save_to_disk` directory give the same pairs; a row's position is the last
 substring; a bad row is one line naming the row and the field, before any model loads; the
 example file trains DAS through `train.py fit` and fits DiffMean (tiny random-init models)."""
 
-import csv
 import json
 from pathlib import Path
 
@@ -16,25 +15,12 @@ from transformers import PreTrainedTokenizerFast
 
 from lit_interventions.cli.commands import run
 from lit_interventions.core.batch import CAUSE, ISO
-from tests.helpers import run_command
+from tests.helpers import run_command, write_csv, write_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 PAIRS = EXAMPLES / "pairs.jsonl"
 FIELDS = ["base", "source", "base_label", "source_label", "base_position", "source_position", "split", "type"]
 ROW = {"base": "The keys to the cabinet", "source": "The key to the cabinet", "base_label": "are", "source_label": "is"}
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def example_rows() -> list[dict]:
@@ -57,7 +43,7 @@ def test_jsonl_csv_and_a_saved_dataset_give_the_same_pairs(tmp_path, tiny_lm_dir
     datasets.Dataset.from_list([{field: row.get(field) for field in FIELDS} for row in rows]).save_to_disk(saved)
     lm = tiny_lm_dir("gpt2")
     found = []
-    for path in (write_jsonl(tmp_path / "p.jsonl", rows), write_csv(tmp_path / "p.csv", rows), saved):
+    for path in (write_jsonl(tmp_path / "p.jsonl", rows), write_csv(tmp_path / "p.csv", rows, FIELDS), saved):
         data = PairsDataModule(str(path), lm=lm, multitask=True)
         data.setup()
         found.append(served(data))
@@ -128,7 +114,7 @@ def test_a_bad_row_is_one_line_naming_the_row_and_the_field(tmp_path, monkeypatc
     monkeypatch.setattr("lit_interventions.datamodules.pairs.load_tokenizer", _no_model)
     bad = {k: v for k, v in (ROW | change).items() if v is not None}
     path = tmp_path / f"bad{suffix}"
-    write_jsonl(path, [ROW, bad]) if suffix == ".jsonl" else write_csv(path, [ROW, bad])
+    write_jsonl(path, [ROW, bad]) if suffix == ".jsonl" else write_csv(path, [ROW, bad], FIELDS)
     with pytest.raises(ValueError) as err:
         PairsDataModule(str(path))
     assert str(err.value).startswith(f"bad{suffix} {message}") and "\n" not in str(err.value)
