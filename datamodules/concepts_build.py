@@ -10,6 +10,8 @@ Every reply is kept in `generations.jsonl` as it arrives (one JSON line, flushed
 keyed by the sha256 of the generator's identity, the prompt, the sampling settings and the reply's
 seed, so a rerun, or a run after an interruption, generates only what is missing. The four output
 files are written under temporary names and renamed into place only once all are written.
+Progress is the studies' (`core.progress`): the replies done of all, with an ETA, a line every
+10 s when stdout is not a terminal.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -38,6 +39,8 @@ from lit_interventions.datamodules.concepts_recipe import (
     parse_genre,
     plan_rows,
 )
+
+from lit_interventions.core.progress import Progress
 
 CACHE = "generations.jsonl"
 PROVENANCE = "generation.json"
@@ -88,19 +91,6 @@ class GenerationCache:
         self.file.close()
 
 
-class Progress:
-    """A line on stderr at the end of each stage of each concept, and within a stage whenever
-    `every` seconds have passed since the last line."""
-
-    def __init__(self, every: float = 10.0, stream=None):
-        self.every, self.stream, self.last = every, stream or sys.stderr, time.monotonic()
-
-    def say(self, text: str, force: bool = True) -> None:
-        if force or time.monotonic() - self.last >= self.every:
-            print(text, file=self.stream, flush=True)
-            self.last = time.monotonic()
-
-
 def _groups(jobs: list[Job], batch_size: int) -> list[tuple[str, list[list[Job]]]]:
     """Jobs grouped by (stage, concept) in order, each group cut into batches of `batch_size`:
     fixed by the plan, so a batch is drawn the same way whatever the cache holds."""
@@ -110,24 +100,24 @@ def _groups(jobs: list[Job], batch_size: int) -> list[tuple[str, list[list[Job]]
     return [(key, [g[i : i + batch_size] for i in range(0, len(g), batch_size)]) for key, g in groups.items()]
 
 
-def run_jobs(jobs, generator, cache: GenerationCache, batch_size: int, progress: Progress, names) -> dict[Job, str]:
-    """Each job's reply: from the cache, else generated a batch at a time and cached."""
+def run_jobs(jobs, generator, cache: GenerationCache, batch_size: int, names, desc: str) -> dict[Job, str]:
+    """Each job's reply: from the cache, else generated a batch at a time and cached. Progress
+    (`core.progress`, `desc`): the replies done of all, noting the stage and concept; a local
+    generator's decoding steps are a stage below it."""
     identity, replies = generator.cache_identity(), {}
-    for (stage, who), batches in _groups(jobs, batch_size):
-        label = f"{stage} [{who}]" if stage == "pool" else f"{stage} concept {who} {names[who]!r}"
-        done = new = 0
-        total = sum(len(b) for b in batches)
-        for batch in batches:
-            keys = [cache_key(identity, j.prompt, generator.sampling, j.seed) for j in batch]
-            if any(k not in cache.replies for k in keys):
-                drawn = generator.generate([j.prompt for j in batch], [j.seed for j in batch])
-                for job, key, reply in zip(batch, keys, drawn):
-                    if key not in cache.replies:
-                        cache.put(key, {"stage": job.stage, "concept": job.concept, "seed": job.seed, "reply": reply})
-                        new += 1
-            replies.update({job: cache.replies[key] for job, key in zip(batch, keys)})
-            done += len(batch)
-            progress.say(f"{label}: {done}/{total} ({new} generated, {done - new} cached)", force=done == total)
+    with Progress(len(jobs), desc, "reply") as shown:
+        for (stage, who), batches in _groups(jobs, batch_size):
+            shown.note(f"{stage} [{who}]" if stage == "pool" else f"{stage}: {names[who]}")
+            for batch in batches:
+                keys = [cache_key(identity, j.prompt, generator.sampling, j.seed) for j in batch]
+                if any(k not in cache.replies for k in keys):
+                    drawn = generator.generate([j.prompt for j in batch], [j.seed for j in batch])
+                    for job, key, reply in zip(batch, keys, drawn):
+                        if key not in cache.replies:
+                            record = {"stage": job.stage, "concept": job.concept, "seed": job.seed, "reply": reply}
+                            cache.put(key, record)
+                replies.update({job: cache.replies[key] for job, key in zip(batch, keys)})
+                shown.update(len(batch))
     return replies
 
 
@@ -226,9 +216,7 @@ def _provenance(generator, settings, concepts, genres, answered, train, evaluati
     return json.dumps(record, indent=2, ensure_ascii=False) + "\n"
 
 
-def build_concepts(
-    concepts: list[Concept], prompts: dict, out, generator, settings: Settings, sources: dict, progress=None
-) -> dict:
+def build_concepts(concepts: list[Concept], prompts: dict, out, generator, settings: Settings, sources: dict) -> dict:
     """Generate (or take from the cache) every row, check each concept has what a run needs
     (`check_counts`), write the directory; returns the provenance record."""
     out = Path(out)
@@ -236,18 +224,18 @@ def build_concepts(
     for name in OUTPUTS:  # temporary files of a run killed while writing its outputs
         for stale in out.glob(f".{name}.*.tmp"):
             stale.unlink(missing_ok=True)
-    progress = progress or Progress()
     cache = GenerationCache(out / CACHE)
     names = [c.name for c in concepts]
     try:
         asked = genre_jobs(concepts, settings.seed)
         genres, answered = decide_genres(
-            concepts, run_jobs(asked, generator, cache, settings.batch_size, progress, names), asked
+            concepts, run_jobs(asked, generator, cache, settings.batch_size, names, "genre replies"), asked
         )
         for i, genre in enumerate(genres):
-            progress.say(f"concept {i} {names[i]!r}: genre {genre}" + ("" if concepts[i].genre else " (generator)"))
+            chosen = "" if concepts[i].genre else " (generator)"
+            print(f"concepts: {names[i]!r} is {genre}{chosen}", file=sys.stderr, flush=True)
         jobs = plan_rows(names, genres, prompts, settings.per_concept, settings.eval_per_concept, settings.seed)
-        replies = run_jobs(jobs, generator, cache, settings.batch_size, progress, names)
+        replies = run_jobs(jobs, generator, cache, settings.batch_size, names, "replies")
     finally:
         cache.close()
     train, evaluation, dropped = build_tables(names, genres, jobs, replies)

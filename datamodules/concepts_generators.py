@@ -17,6 +17,7 @@ import torch
 
 from lit_interventions.core.chat_endpoint import ChatEndpoint
 from lit_interventions.core.lm import load_lm, load_tokenizer, weights_record
+from lit_interventions.core.progress import TokenSteps, stage
 from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
 
 DEFAULT_GENERATOR = "smollm2-135m-instruct"
@@ -71,15 +72,18 @@ class LocalGenerator(Generator):
         )
         torch.manual_seed(seeds[0])
         texts = [chat_prompt(self.tokenizer, p) for p in prompts]
-        replies = generate_replies(
-            self.model,
-            self.tokenizer,
-            texts,
-            self.sampling["max_new_tokens"],
-            batch_size=len(texts),
-            max_length=self.max_length,
-            **options,
-        )
+        steps = self.sampling["max_new_tokens"]
+        with stage(steps, "generated tokens", "token") as shown:  # below the build's progress
+            replies = generate_replies(
+                self.model,
+                self.tokenizer,
+                texts,
+                steps,
+                batch_size=len(texts),
+                max_length=self.max_length,
+                streamer=TokenSteps(shown, steps),
+                **options,
+            )
         self.generated += len(replies)
         return replies
 

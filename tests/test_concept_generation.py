@@ -217,10 +217,17 @@ def test_concept_and_prompt_files(tmp_path):
 # ----------------------------------------------------------------------------- a tiny local LM
 
 
-def test_the_local_generator_writes_a_directory_that_fits_diffmean(tmp_path, tiny_lm_dir):
+def test_the_local_generator_writes_a_directory_that_fits_diffmean(tmp_path, tiny_lm_dir, capsys, monkeypatch):
     lm = tiny_lm_dir("llama")
     common = ["concepts", "--concepts", str(EXAMPLE), "--lm", lm, "--per_concept", "4", "--eval_per_concept", "2"]
+    monkeypatch.setenv("LIT_INTERVENTIONS_PROGRESS_SECONDS", "0")  # a progress line at every update
     record = run([*common, "--out", str(tmp_path / "a"), "--max_new_tokens", "6", "--seed", "3"])
+    shown = capsys.readouterr().out.splitlines()
+    # the genre question of the 1 concept without one; then 4 pool replies per genre and 4 + 2 + 2 per concept
+    total = 4 * len({concept["genre"] for concept in record["concepts"]}) + 2 * (4 + 2 + 2)
+    assert shown[0].startswith("genre replies 0/1") and f"replies 0/{total}  elapsed" in "\n".join(shown)
+    assert shown[-1].startswith(f"replies {total}/{total} (eval_negative: Python decorators)")
+    assert any("|  generated tokens 3/6" in line for line in shown)  # each decoding step of a batch
     weights = Path(lm) / "model.safetensors"
     assert record["generator"] == {
         "kind": "local",
