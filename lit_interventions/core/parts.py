@@ -182,3 +182,19 @@ def site_tap(model: nn.Module, layer: int, component: str, head=None) -> Tap:
         where = f"the output projection of {type(attention).__name__}"
         return Tap(out_projection, "input", n_heads * head_dim, head_columns(heads, head_dim), where)
     return _projection_tap(model, layer, component, heads)
+
+
+# Attention output projections by architecture, in the order they are tried.
+ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
+
+
+def attention_output_modules(model: nn.Module) -> list[str]:
+    """Suffix names of the attention output projection (the LoRA target), by architecture."""
+    names = [name for name, _ in model.named_modules()]
+    for suffix in ATTENTION_OUTPUTS:
+        if any(name.endswith("." + suffix) for name in names):
+            return [suffix]
+    raise ValueError(
+        f"Cannot find an attention output projection in {type(model).__name__}: "
+        f"no module named like {ATTENTION_OUTPUTS}; pass target_modules."
+    )

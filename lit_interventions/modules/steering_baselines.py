@@ -8,7 +8,7 @@ stays frozen; only the intervention (LoReFT) or the adapter (LoRA) is trained an
   position** (prompt and response, and every generated token at steering time), so training and
   generation see the same edit.
 - LoRA: peft `LoraConfig(r=rank, lora_alpha=32, target_modules=[attention output projection])`
-  in every layer (or `layers`). The target is `o_proj` (Llama, Gemma, Qwen, SmolLM...); for
+  in every layer (or `layers`), scaled α/r (or α/√r, `rslora`). The target is `o_proj` (Llama, Gemma, Qwen, SmolLM...); for
   architectures without it, the attention output projection found by name: `out_proj`,
   `attention.dense` (GPT-NeoX), `attn.c_proj` (GPT-2).
 
@@ -33,6 +33,7 @@ from torchmetrics import MeanMetric
 from lit_interventions.artifacts.hub import artifact_config, intervention_config, write_hub_files
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.core.optim import OptimizerArgs
+from lit_interventions.core.parts import attention_output_modules
 from lit_interventions.core.sites import residual_hook, site_layer
 from lit_interventions.inference.edits import ApplyRequest, Edit
 from lit_interventions.inference.lora import lora_edits
@@ -41,9 +42,6 @@ from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_objective import lm_loss
 from lit_interventions.modules.steering_registry import CHECKPOINT_KEY
-
-# Attention output projections by architecture, in the order they are tried.
-ATTENTION_OUTPUTS = ["o_proj", "out_proj", "attention.dense", "attn.c_proj", "self_attention.dense"]
 
 
 class _SteeringModule(FrozenLMModule):
@@ -259,18 +257,6 @@ class LoReFTModule(_SteeringModule):
         return path
 
 
-def attention_output_modules(model: nn.Module) -> list[str]:
-    """Suffix names of the attention output projection (the LoRA target), by architecture."""
-    names = [name for name, _ in model.named_modules()]
-    for suffix in ATTENTION_OUTPUTS:
-        if any(name.endswith("." + suffix) for name in names):
-            return [suffix]
-    raise ValueError(
-        f"Cannot find an attention output projection in {type(model).__name__}: "
-        f"no module named like {ATTENTION_OUTPUTS}; pass target_modules."
-    )
-
-
 class LoRAModule(_SteeringModule):
     """LoRA on one concept (peft): W₀x + (α/r)·B A x on the attention output projection.
 
@@ -280,7 +266,7 @@ class LoRAModule(_SteeringModule):
         rslora: scale the update by α/√r (rank-stabilised LoRA, peft's `use_rslora`; AxBench's
             sweeps) instead of α/r.
         target_modules: module name suffixes; default the attention output projection
-            (`o_proj`, or the architecture's equivalent, see `ATTENTION_OUTPUTS`).
+            (`o_proj`, or the architecture's equivalent, `core.parts.ATTENTION_OUTPUTS`).
         layers: layer indices that get adapters (default: all).
         concept_id, concept, lr, weight_decay, warmup_ratio, dtype: as `LoReFTModule`.
     """
