@@ -194,6 +194,7 @@ def test_rslora_scales_by_alpha_over_root_rank_and_keeps_it_through_saving(tiny_
     assert loaded.hparams.rslora is True and loaded.scaling == 4.0
     assert abs(_loss(loaded, loader) - _loss(module, loader)) < 1e-5
     assert json.loads((tmp_path / "config.json").read_text())["rslora"] is True
+    assert loaded.peft_adapter()[0].use_rslora is True  # `export --to peft` writes it to adapter_config.json
 
 
 def test_the_axbench_lora_config_trains_rslora_with_dropout_on_its_layers(tiny_lm_dir, tmp_path):

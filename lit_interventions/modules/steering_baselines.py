@@ -8,9 +8,9 @@ stays frozen; only the intervention (LoReFT) or the adapter (LoRA) is trained an
   position** (prompt and response, and every generated token at steering time), so training and
   generation see the same edit.
 - LoRA: peft `LoraConfig(r=rank, lora_alpha=32, target_modules=[attention output projection])`
-  in every layer (or `layers`), scaled α/r (or α/√r, `rslora`). The target is `o_proj` (Llama, Gemma, Qwen, SmolLM...); for
-  architectures without it, the attention output projection found by name: `out_proj`,
-  `attention.dense` (GPT-NeoX), `attn.c_proj` (GPT-2).
+  in every layer (or `layers`), scaled α/r (α/√r with `rslora`). The target is `o_proj` (Llama,
+  Gemma, Qwen, SmolLM...); for architectures without it, the attention output projection found
+  by name: `out_proj`, `attention.dense` (GPT-NeoX), `attn.c_proj` (GPT-2).
 
 After fit, rank 0 writes `intervention.safetensors` + `intervention.json` (card: method, model,
 layer, rank, concept...) and config.json + a README.md model card to the run's log directory.
@@ -258,7 +258,7 @@ class LoReFTModule(_SteeringModule):
 
 
 class LoRAModule(_SteeringModule):
-    """LoRA on one concept (peft): W₀x + (α/r)·B A x on the attention output projection.
+    """LoRA on one concept (peft): W₀x + (α/r)·B A x (α/√r with `rslora`) on the attention output projection.
 
     Args:
         lm: the LM; a private copy gets the adapter (the shared frozen LM is never modified).
