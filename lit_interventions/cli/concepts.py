@@ -13,11 +13,11 @@ cached in the output directory for the next run.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import sys
 from pathlib import Path
 
+from lit_interventions.cli.data import sha256_of
 from lit_interventions.cli.parsing import Parser, fail
 from lit_interventions.core.chat_endpoint import ChatRequestError, check_base_url
 from lit_interventions.core.lm import EMBEDDED
@@ -126,10 +126,6 @@ def _generator(cfg):
         fail(f"--lm={cfg.lm or DEFAULT_GENERATOR}: {err}")
 
 
-def _sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def main(args: list[str] | None = None) -> dict:
     """`lit-interventions concepts ...`; returns the provenance record (generation.json)."""
     cfg = _parser().parse_args(args)
@@ -138,8 +134,10 @@ def main(args: list[str] | None = None) -> dict:
     generator = _generator(cfg)
     settings = Settings(cfg.per_concept, cfg.eval_per_concept, cfg.seed, cfg.batch_size)
     sources = {
-        "concepts": {"path": str(cfg.concepts), "sha256": _sha256(cfg.concepts)},
-        "prompts": "built-in" if cfg.prompts is None else {"path": str(cfg.prompts), "sha256": _sha256(cfg.prompts)},
+        "concepts": {"path": str(cfg.concepts), "sha256": sha256_of(Path(cfg.concepts))},
+        "prompts": "built-in"
+        if cfg.prompts is None
+        else {"path": str(cfg.prompts), "sha256": sha256_of(Path(cfg.prompts))},
     }
     name = generator.identity().get("lm") or f"{cfg.model} at {cfg.base_url}"
     print(f"concepts: {len(concepts)} concepts -> {cfg.out}, written by {name}", file=sys.stderr, flush=True)
