@@ -203,6 +203,7 @@ def _fit(module, loader, tmp_path, steps):
         limit_val_batches=0,
     )
     trainer.fit(module, train_dataloaders=loader)
+    return trainer
 
 
 @torch.no_grad()
@@ -251,6 +252,18 @@ def test_an_old_single_layer_card_loads_as_before(tiny_lm_dir, tmp_path):
     assert loaded.hparams.layer == 1 and loaded.hparams.layers is None and str(loaded.positions) == "all"
     hidden = torch.randn(2, 5, 32)
     torch.testing.assert_close(loaded.intervention(hidden), module.intervention(hidden), rtol=0, atol=1e-6)
+
+
+def test_a_lightning_checkpoint_of_several_layers_loads_by_its_hyper_parameters(tiny_lm_dir, tokenizer, tmp_path):
+    torch.manual_seed(0)
+    module = LoReFTModule(lm=tiny_lm_dir("llama"), layers=[2, 0], positions="l4", lr=1e-1)
+    trainer = _fit(module, _loader(tokenizer), tmp_path, steps=2)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    loaded = load_steering_checkpoint(tmp_path / "run.ckpt")
+    assert list(loaded.by_layer()) == [2, 0] and str(loaded.positions) == "f0+l4"
+    for layer, intervention in module.by_layer().items():
+        for (name, ours), theirs in zip(intervention.export().items(), loaded.by_layer()[layer].export().values()):
+            torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.fixture

@@ -194,7 +194,7 @@ class LoReFTModule(FinetunedSteeringModule):
     def _from_single_site(cls, tensors: dict[str, torch.Tensor], card: dict, lm: str | None) -> LoReFTModule:
         if set(tensors) != {"rotation", "weight", "bias"}:
             raise ValueError(f"LoReFT tensors are rotation, weight and bias; got {sorted(tensors)}")
-        module = cls(**cls._card_args(card, lm, ("layer", "rank")))
+        module = cls(**cls._card_args(card, lm, ("layer", "rank"), positions="all"))
         _check_width(module, tensors["rotation"].shape[1])
         module.intervention = LoReFTIntervention.from_tensors(tensors)
         return module
@@ -217,6 +217,11 @@ class LoReFTModule(FinetunedSteeringModule):
         path = save_intervention(directory, self.intervention, card)
         write_hub_files(directory, intervention_config(self.intervention, card))
         return path
+
+    def to_pyvene_layers(self) -> dict[int, dict]:
+        """{layer: its intervention's `to_pyvene()`} (`lit-interventions export --to pyvene`): one
+        pyvene LoreftIntervention per layer; the positions are pyvene's `unit_locations`."""
+        return {layer: intervention.to_pyvene() for layer, intervention in self.by_layer().items()}
 
     def edits(self, config: dict, request: ApplyRequest, where: str = "the LoReFT module") -> list[Edit]:
         """What `lit_interventions.apply` does with it: Φ after each layer, at the module's
