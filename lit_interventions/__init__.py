@@ -95,7 +95,7 @@ _API = {
     "SAEModule": "lit_interventions.modules.sae",
     "SteeringModule": "lit_interventions.modules.steering",
     "LoRAModule": "lit_interventions.modules.steering_baselines",
-    "LoReFTModule": "lit_interventions.modules.steering_baselines",
+    "LoReFTModule": "lit_interventions.modules.steering_loreft",
     "CauseIsoLoss": "lit_interventions.objectives",
     "CounterfactualLoss": "lit_interventions.objectives",
 }

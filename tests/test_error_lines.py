@@ -332,7 +332,7 @@ def _steering_directory(directory: Path) -> Path:
     config = {
         "library_name": "lit-interventions",
         "kind": "steering",
-        "class_path": "lit_interventions.modules.steering_baselines.LoReFTModule",
+        "class_path": "lit_interventions.modules.steering_loreft.LoReFTModule",
         "weights": "intervention.safetensors",
         "method": "loreft",
         "model": "tiny",

@@ -32,7 +32,7 @@ PLANTED = "planted_steering_module"
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTERED = (
-    "registered: loreft (lit_interventions.modules.steering_baselines.LoReFTModule), "
+    "registered: loreft (lit_interventions.modules.steering_loreft.LoReFTModule), "
     "lora (lit_interventions.modules.steering_baselines.LoRAModule)"
 )
 
@@ -170,7 +170,7 @@ def test_lightning_checkpoints_load_by_recorded_name_or_by_hyper_parameters(tiny
 
 def test_the_registry_refuses_a_name_twice_and_a_bad_path():
     assert registered_steering_modules() == {
-        "loreft": "lit_interventions.modules.steering_baselines.LoReFTModule",
+        "loreft": "lit_interventions.modules.steering_loreft.LoReFTModule",
         "lora": "lit_interventions.modules.steering_baselines.LoRAModule",
     }
     with pytest.raises(ValueError, match="steering module 'lora' is already registered"):

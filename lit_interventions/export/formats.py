@@ -58,6 +58,7 @@ FORMATS: dict[str, Format] = {
     "pyvene": Format(
         (
             ("to_pyvene", f"{HERE}.pyvene_format:write_pyvene_intervention"),
+            ("to_pyvene_layers", f"{HERE}.pyvene_format:write_pyvene_layers"),
             ("steering_vectors", f"{HERE}.pyvene_format:write_pyvene_additions"),
         ),
         layout.pyvene_files,

@@ -10,7 +10,10 @@ What each artifact becomes (its `to_pyvene()`, or its `steering_vectors()`):
   `LowRankRotatedSpaceIntervention` with rotate_layer weight Wᵀ (d, k), the same interchange
   f* = f(b) + Wᵀ(W f(s) − W f(b)) at the one position of the site;
 - LoReFT (`LoReFTIntervention`): `lit_interventions.export.pyvene_interventions.LoreftIntervention`,
-  Φ(h) = h + Rᵀ(W h + b − R h) at the positions it is given;
+  Φ(h) = h + Rᵀ(W h + b − R h) at the positions it is given; LoReFT at several layers
+  (`LoReFTModule.to_pyvene_layers`) is one such intervention per layer in one directory, in the
+  order of its layers. pyvene's config records no positions: pass them as `unit_locations`
+  (for `f5+l5`, the prompt's first 5 and last 5 tokens, the same list for every layer);
 - a concept dictionary (ReFT-r1, SSV, DiffMean, ...): one directory per concept, each pyvene's
   `AdditionIntervention` with the constant source α·w, so Φ(h_i) = h_i + α·w at the positions it is
   given (`steer` adds it at every position: pass them all).
@@ -59,28 +62,45 @@ def write_pyvene_additions(steering, request: ExportRequest) -> list[Path]:
     return written
 
 
+def write_pyvene_layers(steering, request: ExportRequest) -> list[Path]:
+    """`request.out` as one pyvene directory holding `steering.to_pyvene_layers()`: one
+    intervention per layer at block_output, in that order (LoReFT at several layers)."""
+    specs = request.call(steering, "to_pyvene_layers")
+    return save_pyvene_parts(request, request.out, [(spec, layer, BLOCK_OUTPUT) for layer, spec in specs.items()])
+
+
 def save_pyvene(request: ExportRequest, out: Path, spec: dict, layer: int, component: str) -> list[Path]:
     """`out` as `IntervenableModel.save` writes it, for one intervention `spec` (see `to_pyvene`:
     intervention_type, low_rank_dimension, source_representation, weights) at (layer, component)."""
-    tensors = {**spec.get("weights", {}), "source_representation": spec.get("source_representation")}
-    check_finite({k: v for k, v in tensors.items() if v is not None}, request.directory, "export")
-    representation = pyvene.RepresentationConfig(
-        layer=0 if layer == -1 else layer,
-        component="block_input" if layer == -1 else component,
-        unit="pos",
-        low_rank_dimension=spec.get("low_rank_dimension"),
-        intervention_type=intervention_class(spec["intervention_type"]),
-        source_representation=spec.get("source_representation"),
-    )
+    return save_pyvene_parts(request, out, [(spec, layer, component)])
+
+
+def save_pyvene_parts(request: ExportRequest, out: Path, parts: list[tuple[dict, int, str]]) -> list[Path]:
+    """`out` as `IntervenableModel.save` writes it, for the interventions `parts`, each (spec,
+    layer, component), in that order (pyvene's representations and intervention keys)."""
+    representations = []
+    for spec, layer, component in parts:
+        tensors = {**spec.get("weights", {}), "source_representation": spec.get("source_representation")}
+        check_finite({k: v for k, v in tensors.items() if v is not None}, request.directory, "export")
+        representations.append(
+            pyvene.RepresentationConfig(
+                layer=0 if layer == -1 else layer,
+                component="block_input" if layer == -1 else component,
+                unit="pos",
+                low_rank_dimension=spec.get("low_rank_dimension"),
+                intervention_type=intervention_class(spec["intervention_type"]),
+                source_representation=spec.get("source_representation"),
+            )
+        )
     intervenable = pyvene.IntervenableModel(
-        pyvene.IntervenableConfig(representations=[representation]), request.skeleton()
+        pyvene.IntervenableConfig(representations=representations), request.skeleton()
     )
-    (intervention,) = intervenable.interventions.values()
     with torch.no_grad():
-        for name, tensor in spec.get("weights", {}).items():  # orthogonal parametrizations: their right_inverse
-            owner, _, attribute = name.rpartition(".")
-            module = intervention.get_submodule(owner)
-            setattr(module, attribute, _weight(module, attribute, tensor))
+        for (spec, _, _), intervention in zip(parts, intervenable.interventions.values()):
+            for name, tensor in spec.get("weights", {}).items():  # orthogonal parametrizations: their right_inverse
+                owner, _, attribute = name.rpartition(".")
+                module = intervention.get_submodule(owner)
+                setattr(module, attribute, _weight(module, attribute, tensor))
     out.mkdir(parents=True, exist_ok=True)
     written = []
     with (

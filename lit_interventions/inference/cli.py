@@ -55,7 +55,12 @@ def parser() -> Parser:
     add("--source", type=str | None, default=None, help="an interchange's source text")
     add("--concept", type=str | None, default=None, help="a dictionary concept: its name or index")
     add("--factor", type=float, default=1.0, help="the steering factor (a dictionary: x the concept's max activation)")
-    add("--positions", type=str, default="site", help="site | all | prompt | generated | last | indices such as 0,3,-1")
+    add(
+        "--positions",
+        type=str,
+        default="site",
+        help="site | all | prompt | generated | last | fN+lM | indices such as 0,3,-1",
+    )
     add("--span", type=str | None, default=None, help="edit the last token of this piece of the prompt")
     add("--source_positions", type=str, default="last", help="the source token read: last or one index")
     add("--source_span", type=str | None, default=None, help="read the source at the last token of this piece")

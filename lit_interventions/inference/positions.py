@@ -11,6 +11,8 @@ A rule names positions of the prompt and of the tokens generated after it:
     generated   every generated token (the hidden state of each new token as it is fed back)
     last        the prompt's last token
     0,3,-1      these prompt tokens (negative: counted from the prompt's end)
+    f5+l5       the prompt's first 5 and last 5 tokens (AxBench's and pyreft's `fN+lM`, also `fN`,
+                `lM`), each count capped at half the prompt's length (`prompt_ends`)
 
 A text is encoded as the LM reads it (`encode_text`: after a BOS); `span_position(tokenizer,
 text, span)` turns a piece of it into its last token's index, through the tokenizer's character
@@ -25,6 +27,7 @@ left are placed by their attention mask: prompt index i of a row is its first re
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,11 +39,39 @@ from lit_interventions.core.surprisal import bos_prefix
 from lit_interventions.core.tokens import token_covering
 
 RULES = ("site", "all", "prompt", "generated", "last")
+ENDS = "ends"  # the rule of `fN+lM`: indices are (N, M)
+_ENDS = re.compile(r"^(?:f(\d+)(?:\+l(\d+))?|l(\d+))$")
+_HELP = "use one of {}, fN+lM (first N and last M prompt tokens) or token indices such as 0,3,-1".format(
+    ", ".join(RULES)
+)
+
+
+def parse_ends(text: str) -> tuple[int, int] | None:
+    """(N, M) of "fN+lM", "fN" or "lM" (M or N 0); None for any other text."""
+    match = _ENDS.match(text.strip())
+    if match is None:
+        return None
+    first, last, only_last = match.groups()
+    return (int(first), int(last or 0)) if first is not None else (0, int(only_last))
+
+
+def prompt_ends(
+    first: torch.Tensor, end: torch.Tensor, n_first: int, n_last: int, absolute: torch.Tensor
+) -> torch.Tensor:
+    """(batch, width) bool: the `absolute` positions, (batch, width), among the first
+    f = min(n // 2, n_first) and the last l = min(n // 2, n_last) tokens of each row's prompt
+    [first, end), n = end − first, (batch,) each. pyreft's `get_intervention_locations` with
+    `share_weights` (AxBench's LoReFT): positions 0..f−1 and n−l..n−1 of the prompt, disjoint."""
+    half = (end - first) // 2
+    f, ell = half.clamp(max=n_first)[:, None], half.clamp(max=n_last)[:, None]
+    start, stop = first[:, None], end[:, None]
+    return ((absolute >= start) & (absolute < start + f)) | ((absolute >= stop - ell) & (absolute < stop))
 
 
 @dataclass(frozen=True)
 class Positions:
-    """A position rule (`RULES`) or prompt token indices (`rule` "indices")."""
+    """A position rule (`RULES`), prompt token indices (`rule` "indices") or the prompt's ends
+    (`rule` `ENDS`, indices (N, M): "fN+lM")."""
 
     rule: str = "site"
     indices: tuple[int, ...] = ()
@@ -53,29 +84,33 @@ class Positions:
         if isinstance(value, Positions):
             return value
         if isinstance(value, bool):
-            raise ValueError(f"positions={value!r}; use one of {', '.join(RULES)} or token indices such as 0,3,-1")
+            raise ValueError(f"positions={value!r}; {_HELP}")
         if isinstance(value, int):
             return cls("indices", (value,))
         if isinstance(value, str):
             text = value.strip()
             if text in RULES:
                 return cls(text)
+            if (ends := parse_ends(text)) is not None:
+                if not any(ends):
+                    raise ValueError(f"positions={value!r} selects no token; {_HELP}")
+                return cls(ENDS, ends)
             try:
                 indices = tuple(int(part) for part in text.split(","))
             except ValueError:
-                raise ValueError(
-                    f"positions={value!r}; use one of {', '.join(RULES)} or token indices such as 0,3,-1"
-                ) from None
+                raise ValueError(f"positions={value!r}; {_HELP}") from None
             return cls("indices", indices)
         if isinstance(value, Sequence) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             return cls("indices", tuple(value))
-        raise ValueError(f"positions={value!r}; use one of {', '.join(RULES)} or token indices such as 0,3,-1")
+        raise ValueError(f"positions={value!r}; {_HELP}")
 
     def resolved(self, site_rule: str) -> Positions:
         """This rule with "site" replaced by the artifact's own rule `site_rule`."""
-        return Positions(site_rule) if self.rule == "site" else self
+        return Positions.parse(site_rule) if self.rule == "site" else self
 
     def __str__(self) -> str:
+        if self.rule == ENDS:
+            return f"f{self.indices[0]}+l{self.indices[1]}"
         return ",".join(map(str, self.indices)) if self.rule == "indices" else self.rule
 
 
@@ -178,6 +213,8 @@ class PositionTracker:
             chosen = absolute > last
         elif positions.rule == "last":
             chosen = absolute == last
+        elif positions.rule == ENDS:  # prompt tokens only: a generated token is never chosen
+            chosen = prompt_ends(first[:, 0], last[:, 0] + 1, *positions.indices, absolute)
         else:
             chosen = torch.zeros_like(absolute, dtype=torch.bool)
             for index in positions.indices:

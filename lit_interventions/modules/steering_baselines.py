@@ -1,22 +1,15 @@
 """The AxBench steering baselines that finetune per concept: LoReFT and LoRA (AxBench §4, methods).
 
-Both minimise the LM loss −log p(response | instruction) on the positive responses of one
-concept (rows with label 1; rows of other concepts are dropped when `concept_id` is set). The LM
-stays frozen; only the intervention (LoReFT) or the adapter (LoRA) is trained and saved.
-
-- LoReFT: Φ(h) = h + Rᵀ(W h + b − R h) on the residual stream after block `layer`, at **every
-  position** (prompt and response, and every generated token at steering time), so training and
-  generation see the same edit.
+- LoReFT (`steering_loreft.LoReFTModule`, importable from here too): Φ(h) = h + Rᵀ(W h + b − R h)
+  on the residual stream after one or several blocks, at every position or at the prompt's first
+  and last tokens (AxBench's `f5+l5`).
 - LoRA: peft `LoraConfig(r=rank, lora_alpha=32, target_modules=[attention output projection])`
   in every layer (or `layers`), scaled α/r (α/√r with `rslora`). The target is `o_proj` (Llama,
   Gemma, Qwen, SmolLM...); for architectures without it, the attention output projection found
   by name: `out_proj`, `attention.dense` (GPT-NeoX), `attn.c_proj` (GPT-2).
 
-After fit, rank 0 writes `intervention.safetensors` + `intervention.json` (card: method, model,
-layer, rank, concept...) and config.json + a README.md model card to the run's log directory.
-Each class rebuilds itself from that export (`from_export(tensors, card, lm)`);
-`lit_interventions.modules.steering_registry.load_steering_checkpoint` picks the class from the
-registered ones by the name the directory (or a Lightning `.ckpt`) records.
+Both share the loop of `steering_finetuned.FinetunedSteeringModule` (LM loss on one concept's
+positive responses, AdamW, export after fit).
 """
 
 from __future__ import annotations
@@ -24,240 +17,20 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import nn
-from torchmetrics import MeanMetric
 
-from lit_interventions.artifacts.hub import artifact_config, intervention_config, write_hub_files
-from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config, load_lm, num_layers
-from lit_interventions.core.optim import OptimizerArgs
+from lit_interventions.core.lm import DEFAULT_LM, load_config, load_lm, num_layers
 from lit_interventions.core.parts import attention_output_modules
-from lit_interventions.core.sites import residual_hook, site_layer
 from lit_interventions.inference.edits import ApplyRequest, Edit
 from lit_interventions.inference.lora import lora_edits
-from lit_interventions.interventions.base import WEIGHTS, save_intervention, write_tensors
-from lit_interventions.interventions.loreft import LoReFTIntervention
-from lit_interventions.modules.site import FrozenLMModule
+from lit_interventions.modules.steering_finetuned import FinetunedSteeringModule
+from lit_interventions.modules.steering_loreft import LoReFTModule  # noqa: F401  (re-exported: configs name it here)
 from lit_interventions.modules.steering_objective import lm_loss
-from lit_interventions.modules.steering_registry import CHECKPOINT_KEY
 
 
-class _SteeringModule(FrozenLMModule):
-    """Shared loop: filter the batch to one concept, LM loss, AdamW with a linear schedule."""
-
-    method = ""
-
-    def _setup_common(
-        self, lm: str, concept_id: int | None, lr: float, warmup_ratio: float, weight_decay: float, dtype: str
-    ):
-        self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validated before any load
-        check_dtype(dtype)
-        if concept_id is not None and (not isinstance(concept_id, int) or concept_id < 0):
-            raise ValueError(f"concept_id={concept_id!r} must be a non-negative integer or None (all rows)")
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self._frozen: dict[str, nn.Module] = {}  # the LM, kept out of state_dict and DDP
-
-    def _concept_rows(self, batch):
-        if self.hparams.concept_id is None:
-            return batch
-        keep = batch["concept_id"] == self.hparams.concept_id
-        return {k: v[keep] if torch.is_tensor(v) and v.shape[:1] == keep.shape else v for k, v in batch.items()}
-
-    def loss(self, batch) -> torch.Tensor:
-        raise NotImplementedError
-
-    def training_step(self, batch, batch_idx):
-        batch = self._concept_rows(batch)
-        if not (batch["label"] == 1).any():  # nothing of this concept in the batch
-            if self.trainer.world_size == 1:
-                return None  # skip the step
-            # DDP needs every process in every backward: a zero loss adds zero to the mean gradient
-            return sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=int((batch["label"] == 1).sum()))
-        return loss
-
-    def _evaluate(self, batch, metric: MeanMetric):
-        batch = self._concept_rows(batch)
-        if (batch["label"] == 1).any():  # weighted by lm_loss's token count: the token mean over the split
-            tokens = int(batch["response_mask"][batch["label"] == 1][:, 1:].sum())
-            metric.update(self.loss(batch), weight=tokens)
-
-    def validation_step(self, batch, batch_idx):
-        self._evaluate(batch, self.val_loss)
-
-    def test_step(self, batch, batch_idx):
-        self._evaluate(batch, self.test_loss)
-
-    def on_validation_epoch_end(self):
-        self.log("val/loss", self.val_loss.compute(), prog_bar=True)
-        self.val_loss.reset()
-
-    def on_test_epoch_end(self):
-        self.log("test/loss", self.test_loss.compute())
-        self.test_loss.reset()
-
-    def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
-        return self.optimizer_args.lightning(params, self.trainer.estimated_stepping_batches)
-
-    def export(self) -> tuple[dict[str, torch.Tensor], dict]:
-        raise NotImplementedError
-
-    @classmethod
-    def from_export(cls, tensors: dict[str, torch.Tensor], card: dict, lm: str | None = None) -> _SteeringModule:
-        """The module `export()` described, rebuilt from its tensors and card; `lm` overrides the
-        card's model."""
-        raise NotImplementedError
-
-    @classmethod
-    def _card_args(cls, card: dict, lm: str | None, required: tuple[str, ...], **optional) -> dict:
-        """`__init__` arguments from a card: the LM (`lm`, else the card's model), the concept, the
-        `required` keys and the `optional` ones (with these defaults)."""
-        if missing := [key for key in ("model", *required) if key not in card and not (key == "model" and lm)]:
-            raise ValueError(f"a {cls.method} card needs {', '.join(missing)}; it holds {sorted(card)}")
-        return {
-            "lm": lm or card["model"],
-            "concept": card.get("concept"),
-            "concept_id": card.get("concept_id"),
-            **{key: card[key] for key in required},
-            **{key: card.get(key, default) for key, default in optional.items()},
-        }
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """A Lightning checkpoint records the registered name of its class (`steering_registry`)."""
-        checkpoint[CHECKPOINT_KEY] = self.method
-
-    def site_text(self) -> str:
-        """Where the module edits the LM, in words (the model card's site)."""
-        raise NotImplementedError
-
-    def save(self, directory: str | Path) -> Path:
-        """Write intervention.safetensors (trainable weights only) and intervention.json, and the
-        same as config.json (kind "steering") + a README.md model card."""
-        tensors, card = self.export()
-        path = write_tensors(directory, tensors, card)
-        write_hub_files(directory, artifact_config("steering", self, card, WEIGHTS, site=self.site_text()))
-        return path
-
-    def on_fit_end(self):
-        directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP
-        if self.trainer.is_global_zero:
-            self.save(directory)
-
-    def _card(self) -> dict:
-        names = getattr(self.trainer.datamodule, "concepts", None) if self._trainer is not None else None
-        concept = self.hparams.concept
-        if concept is None and names and self.hparams.concept_id is not None:
-            concept = names[self.hparams.concept_id]
-        elif concept is None and names and len(names) == 1:
-            concept = names[0]
-        return {
-            "method": self.method,
-            "model": self.hparams.lm,
-            "concept": concept,
-            "concept_id": self.hparams.concept_id,
-            "metrics": {
-                k: float(v)
-                for k, v in (self.trainer.callback_metrics.items() if self._trainer is not None else [])
-                if torch.as_tensor(v).numel() == 1
-            },
-        }
-
-
-class LoReFTModule(_SteeringModule):
-    """LoReFT on one concept: Φ(h) = h + Rᵀ(W h + b − R h) at every position after block `layer`.
-
-    Args:
-        lm: the frozen LM (embedded name, .gguf, local directory or hub id).
-        layer: residual stream after this block (-1 = embeddings); default the middle layer.
-        rank: r, the rank of R and W.
-        concept_id: train on rows of this concept id only (None: every positive row in the data,
-            for a data module that holds one concept).
-        concept: the concept's name, written to the card (default: from the data module).
-        lr, weight_decay, warmup_ratio: AdamW with linear warmup, then linear decay to 0.
-        dtype: the LM's dtype.
-        device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
-            one larger than a GPU (`lit_interventions.core.sharding`): e.g. device_map "auto" spreads
-            it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
-    """
-
-    method = "loreft"
-
-    def __init__(
-        self,
-        lm: str = DEFAULT_LM,
-        layer: int | None = None,
-        rank: int = 4,
-        concept_id: int | None = None,
-        concept: str | None = None,
-        lr: float = 5e-3,
-        weight_decay: float = 0.0,
-        warmup_ratio: float = 0.0,
-        dtype: str = "float32",
-        device_map: str | int | dict | None = None,
-        quantization: str | None = None,
-        max_memory: dict | None = None,
-        offload_folder: str | None = None,
-    ):
-        super().__init__()
-        self.check_lm_options(device_map, quantization, max_memory, offload_folder)  # before the config is read
-        config = load_config(lm)
-        layer = site_layer(config, layer)
-        self._setup_common(lm, concept_id, lr, warmup_ratio, weight_decay, dtype)
-        self.save_hyperparameters()
-        self.hparams.layer = layer
-        self.intervention = LoReFTIntervention(hidden_size(config), rank)
-
-    @contextmanager
-    def steer(self, model: nn.Module | None = None, factor: float = 1.0):
-        """Inside the block, `model` (default the LM) runs with Φ at every position; yields it.
-        `factor` is accepted for a uniform steering interface and ignored: LoReFT has no strength."""
-        model = model if model is not None else self.lm
-        with residual_hook(model, self.hparams.layer, lambda h: self.intervention(h, None).to(h.dtype), self.device):
-            yield model
-
-    def loss(self, batch) -> torch.Tensor:
-        with self.steer():
-            return lm_loss(self.lm, batch)
-
-    def export(self):
-        card = {
-            **self._card(),
-            "layer": self.hparams.layer,
-            "rank": self.hparams.rank,
-            "positions": "all",
-            "hidden_size": self.intervention.hidden_size,
-        }
-        return self.intervention.export(), card
-
-    @classmethod
-    def from_export(cls, tensors: dict[str, torch.Tensor], card: dict, lm: str | None = None) -> LoReFTModule:
-        """LoReFT at the card's layer and rank, with R, W and b from `tensors` (checked against the LM's width)."""
-        if set(tensors) != {"rotation", "weight", "bias"}:
-            raise ValueError(f"LoReFT tensors are rotation, weight and bias; got {sorted(tensors)}")
-        module = cls(**cls._card_args(card, lm, ("layer", "rank")))
-        trained = tensors["rotation"].shape[1]
-        if module.intervention.hidden_size != trained:
-            raise ValueError(
-                f"the LoReFT weights were trained on hidden size {trained}, but {module.hparams.lm!r} has "
-                f"hidden size {module.intervention.hidden_size}"
-            )
-        module.intervention = LoReFTIntervention.from_tensors(tensors)
-        return module
-
-    def save(self, directory: str | Path) -> Path:
-        """Through the intervention protocol: the card also gets class_path and config; config.json
-        and the model card describe the intervention (it loads with `from_pretrained`)."""
-        _, card = self.export()
-        path = save_intervention(directory, self.intervention, card)
-        write_hub_files(directory, intervention_config(self.intervention, card))
-        return path
-
-
-class LoRAModule(_SteeringModule):
+class LoRAModule(FinetunedSteeringModule):
     """LoRA on one concept (peft): W₀x + (α/r)·B A x (α/√r with `rslora`) on the attention output projection.
 
     Args:

@@ -11,7 +11,7 @@ method trains (`trained_rows`, `intervention`) and takes −log p(response) of t
   the data module's `genre_negatives: true`.
 - SSV: Φ(h_i) = h_i + w_c on a positive; loss −log p(response) (AxBench eqs. 6–7).
 
-The finetuned baselines (LoReFT, LoRA; `steering_baselines`) take −log p(response) of the
+The finetuned baselines (LoReFT, LoRA; `steering_finetuned`) take −log p(response) of the
 positive rows alone (`lm_loss`).
 
 Here: where a trained method intervenes, runs the TopK and sums the L1 term (`intervention_mask`):

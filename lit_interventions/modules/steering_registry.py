@@ -8,8 +8,10 @@ never imported; only the registry's own paths are imported, when a module is reb
 What records the class:
 
     saved as                                   the record                 matched against
-    config.json of kind "steering" (LoRA)      its class_path             the registered class paths
-    config.json of another kind (LoReFT)       its method                 the registered names
+    config.json of kind "steering" (LoRA;      its class_path             the registered class paths
+      LoReFT at several layers or positions)
+    config.json of another kind (LoReFT at     its method                 the registered names
+      one layer, every position)
     intervention.json, without config.json     its method                 the registered names
     a Lightning .ckpt                          its "steering_module"      the registered names
     a .ckpt without that name                  its hyper_parameters       the one registered class
@@ -135,5 +137,5 @@ def _name_taking(hparams: dict, path: Path) -> str:
     return names[0]
 
 
-register_steering_module("loreft", "lit_interventions.modules.steering_baselines.LoReFTModule")
+register_steering_module("loreft", "lit_interventions.modules.steering_loreft.LoReFTModule")
 register_steering_module("lora", "lit_interventions.modules.steering_baselines.LoRAModule")
