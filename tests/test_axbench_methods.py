@@ -117,10 +117,12 @@ def detection_by_hand(module, loader, limit_batches=None):
             if limit_batches is not None and i >= limit_batches:
                 break
             tokens = module.token_scores(module.states(batch), batch["concept_id"]).float()
+            text = batch["output_mask"].bool()  # the response text, without an end-of-turn token
             if module.hparams.detect_on == "content" and "content_mask" in batch:
-                pooled = batch["content_mask"].bool() & batch["attention_mask"].bool()
+                end_of_turn = batch["response_mask"].bool() & ~text
+                pooled = batch["content_mask"].bool() & batch["attention_mask"].bool() & ~end_of_turn
             else:
-                pooled = batch["response_mask"].bool()
+                pooled = text
             for row in range(len(tokens)):
                 scored = tokens[row][pooled[row]]
                 if len(scored):
@@ -598,6 +600,28 @@ def test_detection_pools_over_the_content_by_default(tiny_lm_dir, tokenizer):
         sequence_scores(module._evaluate(batch)["token_scores"], batch["response_mask"]),
         sequence_scores(raw, batch["response_mask"]),
     )
+
+
+def test_detection_never_pools_the_end_of_turn_token(tiny_lm_dir, tokenizer):
+    """AxBench's eval inputs stop at the response text (`[1:-suffix_length]`), so the end-of-turn
+    token the data appends after a response is pooled by neither window: planted as each row's
+    largest latent, it must not be the row's score."""
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="diffmean", concept_names=CONCEPTS)
+    batch = collate(make_rows(tokenizer, train=False)[:2], prefix=2)
+    ends = batch["attention_mask"].sum(1) - 1  # each row's last real token: make it the end-of-turn token
+    batch["output_mask"][torch.arange(2), ends] = 0
+    raw = module.token_scores(module.states(batch), batch["concept_id"])
+    planted = raw.clone()
+    planted[torch.arange(2), ends] = raw.abs().amax() + 100.0
+    module.token_scores = lambda states, concept_id: planted
+    for detect_on, window in (("content", batch["content_mask"]), ("response", batch["response_mask"])):
+        module.hparams.detect_on = detect_on
+        result = module._evaluate(batch)  # what the AUROC callback pools: token_scores over pool_mask
+        pooled = sequence_scores(result["token_scores"], result["pool_mask"])
+        keep = window.bool() & batch["attention_mask"].bool()
+        keep[torch.arange(2), ends] = False
+        torch.testing.assert_close(pooled, raw.masked_fill(~keep, float("-inf")).amax(-1))
+        assert (pooled < 100).all()
 
 
 def test_lat_pairs_are_drawn_from_the_positives_as_axbench():

@@ -25,6 +25,7 @@ the epoch; use `max_epochs: 1`.
 Validation scores every row of the eval set for the concept it is evaluated for: token latents
 Ψ(h_i) (the method's latent: h·w, or ReLU(h·w) for ReFT-r1 and SSV) max-pooled over every token
 after the chat prefix (instruction and response, as AxBench's code; `detect_on: response` pools
+the response text), never the end-of-turn token after the response (AxBench's eval texts end at
 the response), min-max normalised per concept, AUROC per concept (`val/auroc/<concept>`) and their
 mean (`val/auroc`).
 The largest sequence score of each concept becomes its `max_activations` entry (the steering
@@ -99,7 +100,8 @@ class SteeringModule(FrozenLMModule):
         exclude_prefix: a trained method intervenes (and ReFT-r1 runs the TopK and the L1 term) only
             after the chat prefix (`content_mask`; AxBench's `exclude_bos`). False: every token.
         detect_on: the tokens detection max-pools over: "content" (every token after the chat
-            prefix, instruction included: AxBench's code) or "response".
+            prefix, instruction included: AxBench's code) or "response" (the response text);
+            neither includes the end-of-turn token after the response.
         lr, weight_decay: AdamW of a trained method; warmup_ratio: linear warmup share, then linear
             decay to 0.
         dtype: the LM's dtype (float32, bfloat16, float16).
@@ -303,10 +305,14 @@ class SteeringModule(FrozenLMModule):
     # --- validation and test ------------------------------------------------------------------
 
     def detection_mask(self, batch) -> torch.Tensor:
-        """The tokens detection max-pools over, (batch, seq): see `detect_on`."""
+        """The tokens detection max-pools over, (batch, seq): see `detect_on`. The end-of-turn
+        token the data appends after a response (`response_mask` beyond `output_mask`) is left
+        out of both, as AxBench's eval inputs stop at the response text."""
+        text = batch.get("output_mask", batch["response_mask"]).bool()
         if self.hparams.detect_on == "response" or "content_mask" not in batch:
-            return batch["response_mask"].bool()
-        return batch["content_mask"].bool() & batch["attention_mask"].bool()
+            return text
+        end_of_turn = batch["response_mask"].bool() & ~text
+        return batch["content_mask"].bool() & batch["attention_mask"].bool() & ~end_of_turn
 
     def _evaluate(self, batch) -> dict:
         """The standard output the `AUROCCallback` reads: Ψ(h_i) of each row's concept, (batch, seq),
