@@ -6,6 +6,8 @@ import json
 import math
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import train
 from lit_interventions.studies import causalgym_heads as heads
@@ -169,7 +171,8 @@ def test_more_heads_on_rerun_add_their_rows_and_keep_the_others(tiny_lm_dir, tmp
     [
         ({"heads": [1, 4]}, r"heads \[4\] are out of range: this model has 4 attention heads \(0\.\.3, or 'all'\)"),
         ({"heads": [1, 1]}, r"heads \[1, 1\] name a head twice: give each head once"),
-        ({"heads": []}, r"heads \[\] are out of range"),
+        ({"heads": []}, r"heads=\[\] names no head index: this model has 4 attention heads \(0\.\.3, or 'all'\)"),
+        ({"heads": "first"}, r"heads='first' names no head index: this model has 4 attention heads"),
         (
             {"component": "block_output", "heads": [0]},
             r"heads=\[0\] is given with component='block_output', which has no heads: heads is only for component='attention_head'",
@@ -183,6 +186,7 @@ def test_more_heads_on_rerun_add_their_rows_and_keep_the_others(tiny_lm_dir, tmp
 )
 def test_bad_heads_or_component_fail_before_any_model_work(tiny_lm_dir, tmp_path, monkeypatch, kwargs, message):
     monkeypatch.setattr(heads, "load_lm", lambda *a, **k: pytest.fail("the LM loaded"))
+    monkeypatch.setattr(sweep, "load_lm", lambda *a, **k: pytest.fail("the LM loaded"))
     with pytest.raises(ValueError, match=message):
         _sweep(tiny_lm_dir("llama"), tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
@@ -227,3 +231,29 @@ def test_the_control_task_at_heads_gives_control_odds_and_selectivity_per_head(t
     for line in summary:
         mine = [r for r in rows if r["method"] == line["method"] and r["region"] in REGIONS[1:]]
         assert line["selectivity"] == max(float(r["odds"]) - float(r["control_odds"]) for r in mine)
+
+
+def test_das_where_no_train_pair_differs_is_what_train_py_leaves_there(swept, tiny_lm_dir, tmp_path, monkeypatch):
+    """At `The` (before the alternation) base and source states are equal: the sweep skips the
+    epoch, whose gradient is zero, and keeps the initialised subspace, as `train.py fit` ends with."""
+    out, _, _ = swept
+    saved = load_file(out / "das" / "agr_sv_num_pp_1_h2.safetensors")
+    cli = train.main(
+        args=[
+            "fit",
+            "--config",
+            "configs/das.yaml",
+            f"--model.lm={tiny_lm_dir('llama')}",
+            "--model.layer=1",
+            "--model.component=attention_head",
+            "--model.head=2",
+            "--model.region=The",
+            "--data.train_pairs=10",
+            "--data.eval_pairs=4",
+            *ONE_QUIET_EPOCH,
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert cli.trainer.global_step == 5  # train.py took its 5 steps there
+    torch.testing.assert_close(saved["The"], cli.model.intervention.basis.detach(), rtol=0, atol=0)
+    assert not torch.equal(saved["The"], saved["subject"])  # trained elsewhere

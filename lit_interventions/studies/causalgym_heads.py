@@ -86,14 +86,14 @@ def choose_heads(component: str, heads, config, layers: list[int]) -> list[int] 
             )
         return None
     n_heads = head_counts(config)[0]
+    allowed = f"this model has {n_heads} attention heads (0..{n_heads - 1}, or 'all')"
     every = heads is None or heads == "all" or heads == ["all"]
+    if not every and (isinstance(heads, str) or heads == []):
+        raise ValueError(f"heads={heads!r} names no head index: {allowed}")
     found = list(range(n_heads)) if every else [heads] if isinstance(heads, int) else list(heads)
     bad = [h for h in found if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n_heads]
-    if bad or not found:
-        raise ValueError(
-            f"heads {bad or found} are out of range: this model has {n_heads} attention heads "
-            f"(0..{n_heads - 1}, or 'all')"
-        )
+    if bad:
+        raise ValueError(f"heads {bad} are out of range: {allowed}")
     if len(set(found)) != len(found):
         raise ValueError(f"heads {found} name a head twice: give each head once")
     if -1 in layers:
@@ -117,7 +117,8 @@ def train_at_head(method: MethodSpec, lm: str, layer: int, head: int, data, seed
     """A trained method's intervention at head `head` of layer `layer`, at `data`'s region: what
     `train.py fit --model.component attention_head --model.head HEAD` trains there (seeded by
     `seed_everything(seed)`, then the module built, then one epoch over the shuffled train split
-    at the data's batch size), without its validation."""
+    at the data's batch size), without its validation; at a site where no train pair differs
+    (`unchanged_at`), the initialised intervention, which that epoch leaves as it is."""
     L.seed_everything(seed, verbose=False)
     module = InterchangeModule(
         lm=lm,
@@ -131,6 +132,9 @@ def train_at_head(method: MethodSpec, lm: str, layer: int, head: int, data, seed
         component=ATTENTION_HEAD,
         head=head,
     )
+    module.to("cuda" if torch.cuda.is_available() else "cpu")  # where the LM is
+    if unchanged_at(module, data):
+        return module.intervention  # f(b) = f(s) at every train pair: a zero gradient, nothing moves
     trainer = L.Trainer(
         max_epochs=1,
         logger=False,
@@ -144,6 +148,20 @@ def train_at_head(method: MethodSpec, lm: str, layer: int, head: int, data, seed
     )
     trainer.fit(module, datamodule=data)
     return module.intervention
+
+
+@torch.no_grad()
+def unchanged_at(module: InterchangeModule, data, batch_size: int = 64) -> bool:
+    """Whether every train pair's base and source have the same state at `module`'s site, bit
+    for bit (a region before the pairs' first difference, under causal attention). There f* =
+    f(b) + Wᵀ(W f(s) − W f(b)) = f(b) whatever W is: the loss's gradient is exactly zero, so
+    training leaves the intervention as it was initialised."""
+    with torch.random.fork_rng(devices=[]):  # a DataLoader's iterator draws its seed: the loop's order stays
+        for batch in data.loader("train", batch_size):
+            batch = module.transfer_batch_to_device(batch, module.device, 0)
+            if not torch.equal(module.site_representation(batch, "base"), module.site_representation(batch, "source")):
+                return False
+    return True
 
 
 def saved_at_head(path: Path, region: str, method: MethodSpec, train) -> torch.nn.Module:
