@@ -104,10 +104,11 @@ def _grid_size(n_rows: int, n_cols: int, col_labels: list[str]) -> tuple[float, 
     return width, height, cell_w, axes_h / max(n_rows, 1), rotation
 
 
-def heatmap_figure(odds: np.ndarray, layers: list[int], regions: list[str], title: str):
+def heatmap_figure(odds: np.ndarray, layers: list[int], regions: list, title: str, xlabel: str = "region (last token)"):
     """The layer × region figure of `odds_heatmap`: (fig, ax). Cells are sized from the grid, so
     1 layer or 40, 1 region or 12, each cell stays visible and its labels apart; values are
-    written in the cells when they fit; NaN (not run) cells are grey."""
+    written in the cells when they fit; NaN (not run) cells are grey. `xlabel`: what the columns
+    are (the head sweep's: attention heads)."""
     odds = np.asarray(odds, dtype=float).reshape(len(layers), len(regions))
     width, height, cell_w, cell_h, rotation = _grid_size(len(layers), len(regions), regions)
     fig, ax = plt.subplots(figsize=(width, height), dpi=DPI, layout="constrained")
@@ -134,7 +135,7 @@ def heatmap_figure(odds: np.ndarray, layers: list[int], regions: list[str], titl
         fontsize=8,
     )
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=8 if len(layers) <= 24 else 7)
-    ax.set_xlabel("region (last token)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("layer")
     # minor ticks between cells: a thin white grid separates them
     ax.set_xticks(np.arange(-0.5, len(regions), 1), minor=True)

@@ -64,13 +64,14 @@ def fit_method(method: MethodSpec, types: list[str], X: torch.Tensor, seed: int,
         return FixedSubspaceIntervention(torch.zeros(hidden))
 
 
-def fit_site(layer, region, methods, lm, data, cache, seed, dtype="float32", trained=None, batch_size=64):
+def fit_site(layer, region, methods, lm, data, cache, seed, dtype="float32", trained=None, batch_size=64, **site):
     """The site's module (`InterchangeModule` on the shared cache) and each method's intervention,
     {name: f}: `methods` are MethodSpecs; the closed-form ones are fitted on what `train.py`
     fits them on (`fit_states`: the base train states and their types), the trained ones taken
-    from `trained` ({name: this site's trained intervention})."""
+    from `trained` ({name: this site's trained intervention}). `site`: the module's `component`
+    and `head` (default: the block output, read from the cache; a head runs the full forward)."""
     trained = trained or {}
-    module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype).to(cache.model.device)
+    module = InterchangeModule(lm=lm, layer=layer, region=region, dtype=dtype, **site).to(cache.model.device)
     module.share_cache(cache)
     X, types = fit_states(module, data, batch_size)
     return module, {
@@ -104,16 +105,18 @@ def sweep_site(
     trained=None,
     control_trained=None,
     batch_size=64,
+    **site,
 ) -> list[dict]:
     """Every method (MethodSpecs) at one site; one row per method. `data` and `control_data`
     (None: no control) are the region's data modules; `trained` and `control_trained` ({name:
     intervention}) the trained methods' interventions at this site on the task and on the control
     task (`train_das`); `batch_size` the rows of each forward that reads states or scores. (The
     sweep scores a unit's sites together, `score_unit`; this is the one-site path, kept for
-    benchmarks and as its reference.)"""
+    benchmarks and as its reference, and the path of the head sweep: `site` gives the module's
+    `component` and `head`, `causalgym_heads`.)"""
     if data is None:
         return []
-    module, found = fit_site(layer, region, methods, lm, data, cache, seed, dtype, trained, batch_size)
+    module, found = fit_site(layer, region, methods, lm, data, cache, seed, dtype, trained, batch_size, **site)
     scores = module.score(list(data.loader("eval", batch_size)), found)
     control_scores = None
     if control_data is not None:  # the trained methods are retrained on the control labels; the fitted stay

@@ -38,6 +38,10 @@ file renamed over it), the results before the figures: a figure that cannot be w
 `error:` line naming it and exit status 1, the results kept. SIGTERM / SIGINT: exit status 143 / 130, the
 finished units kept (`lit_interventions.core.signals`).
 
+`--component attention_head` sweeps attention heads instead: every method at every layer × head
+× region, site by site, into results.csv with a `head` column (`--heads`: a list; default every
+head; `causalgym_heads`).
+
 The units of work are (task, layers) (`sweep_units`; `--layers_per_unit` splits a task's layers).
 Under torchrun or srun each process, whenever it is free, takes the next unit with work left (the
 ones with most sites first) and writes DIR/ranks/rank-R/; rank 0 merges them into the files
@@ -66,6 +70,7 @@ from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
 from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
 from lit_interventions.studies import distributed
+from lit_interventions.studies.causalgym_heads import check_component, choose_heads, run_heads
 from lit_interventions.studies.causalgym_report import overall, store_rows, store_summary, summarise, write_heatmaps
 from lit_interventions.studies.causalgym_scoring import (
     CONTROL,
@@ -78,6 +83,7 @@ from lit_interventions.studies.causalgym_scoring import (
 )
 from lit_interventions.studies.causalgym_tasks import SweepTask, controlled_tasks, sweep_tasks
 from lit_interventions.studies.causalgym_training import saved_trained, train_das, trained_path, unchanged_sites
+from lit_interventions.studies.causalgym_units import sweep_units, unit_position
 
 METHODS = ["das", "probe", "diffmean", "lda", "pca", "kmeans", "random", "lat", "vanilla"]  # `all`: CausalGym's
 RESULT_COLUMNS = ["task", "method", "layer", "region", "odds", "iia", "control_odds", "control_iia"]
@@ -134,22 +140,6 @@ class Setup:
     dtype: str
     batch_size: int
     stacked_scoring: bool = True
-
-
-def sweep_units(
-    tasks: list[str], layers: list[int], layers_per_unit: int | None = None
-) -> list[tuple[str, tuple[int, ...]]]:
-    """The sweep's units of work, (task, layers): per task, its layers in groups of
-    `layers_per_unit` (None: all of them; one activation cache and one training loop per trained
-    method per unit). Smaller groups spread a few tasks over many ranks."""
-    if layers_per_unit is None:
-        layers_per_unit = max(len(layers), 1)
-    if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
-        raise ValueError(
-            f"layers_per_unit={layers_per_unit!r} must be a positive integer (or None: all layers in one unit)"
-        )
-    groups = [tuple(layers[i : i + layers_per_unit]) for i in range(0, len(layers), layers_per_unit)]
-    return [(task, group) for task in tasks for group in groups]
 
 
 def _train_unit(out: Path, task: str, todo: dict, data_of, cache, setup: Setup, shown: Progress) -> tuple[dict, dict]:
@@ -283,6 +273,8 @@ def run_sweep(
     batch_size: int = 64,
     layers_per_unit: int | None = None,
     stacked_scoring: bool = True,
+    component: str = "block_output",
+    heads: str | int | list[int] | None = None,
 ) -> list[dict]:
     """Run (or resume) the sweep; returns the summary rows.
 
@@ -315,6 +307,9 @@ def run_sweep(
         stacked_scoring: score all sites × methods of a unit together, in stacked forwards of
             `batch_size` rows (`score_unit`); false: site by site (`sweep_site`). Same results
             to float rounding.
+        component: the sites swept: block_output (the residual stream) or attention_head (each
+            head's output before the output projection, site by site: `causalgym_heads`).
+        heads: attention_head's heads, a list (default or 'all': every head of the model).
     """
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
@@ -328,6 +323,8 @@ def run_sweep(
     names = [spec.name for spec in specs]
     config = load_config(lm)
     layers = choose_layers(layers, num_layers(config))
+    heads = choose_heads(component, heads, config, layers)
+    check_component(Path(out), component)
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     units = sweep_units(list(found), layers, layers_per_unit)
@@ -336,6 +333,8 @@ def run_sweep(
         specs, kinds, found, lm, controlled_tasks(control, list(found)), seed, dtype, batch_size, stacked_scoring
     )
     meta = {"lm": lm, "dtype": dtype, **data_meta}  # a data file is known by its sha256, not its path
+    if heads is not None:  # a head sweep's directory holds head sites only
+        return run_heads(ranks, Path(out), meta | {"component": component}, units, layers, heads, setup, ACCURACY)
     return _claimed_run(ranks, Path(out), meta, units, names, layers, setup)
 
 
@@ -349,7 +348,7 @@ def _claimed_run(ranks, out: Path, meta: dict, units, names: list[str], layers: 
         _run_units(run, todo, setup, done, with_control)
         scored = {name: task.scored_regions for name, task in found.items()}
         summary = run.finish(
-            _position(units), partial(store_summary, scored=scored, names=names, layers=layers, out=out)
+            unit_position(units), partial(store_summary, scored=scored, names=names, layers=layers, out=out)
         )
         if ranks.is_main:  # the figures last: one not written leaves the results as they are
             regions = {name: task.regions for name, task in found.items()}
@@ -372,21 +371,6 @@ def _run_units(run, todo, setup: Setup, done: set, with_control: set) -> None:
             if control or (task, layer, m) not in with_control
         ]
         run.store.add({"accuracy": [{"task": task, "accuracy": accuracy[task]}], "finished": finished})
-
-
-def _position(units: list[tuple[str, tuple[int, ...]]]):
-    """A row's unit's place in `units` (-1: none of them), to merge the ranks' rows in that order."""
-    index = {(task, layer): i for i, (task, group) in enumerate(units) for layer in group}
-    first = {}
-    for i, (task, _) in enumerate(units):
-        first.setdefault(task, i)
-
-    def position(table: str, row: dict) -> int:
-        if table == "accuracy":
-            return first.get(row["task"], -1)
-        return index.get((row["task"], int(row["layer"])), -1)
-
-    return position
 
 
 def main(args=None) -> None:

@@ -127,10 +127,13 @@ def progress_path(progress: Path, module: MultiSiteInterchangeModule, method: Me
     return progress.with_name(f"{progress.name}-{hashlib.sha256(repr(setup).encode()).hexdigest()[:12]}.ckpt")
 
 
-def trained_path(out: Path, task: str, layer: int, control: str | None = None, method: str = "das") -> Path:
-    """Where a trained method's interventions at a task's layer are kept:
-    DIR/<method>/TASK_LAYER[_control].safetensors."""
-    return out / method / f"{task}_{layer}{'' if control is None else '_' + control}.safetensors"
+def trained_path(
+    out: Path, task: str, layer: int, control: str | None = None, method: str = "das", head: int | None = None
+) -> Path:
+    """Where a trained method's interventions at a task's layer (and head, in the head sweep) are
+    kept: DIR/<method>/TASK_LAYER[_hHEAD][_control].safetensors."""
+    at = f"{layer}" if head is None else f"{layer}_h{head}"
+    return out / method / f"{task}_{at}{'' if control is None else '_' + control}.safetensors"
 
 
 def _read(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
