@@ -50,7 +50,7 @@ from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.studies import distributed
 from lit_interventions.studies.causalgym_report import SUMMARY_COLUMNS, summary_rows
 from lit_interventions.studies.causalgym_scoring import CONTROL, sweep_site, task_accuracy
-from lit_interventions.studies.causalgym_training import _frozen, _read, _write, trained_path
+from lit_interventions.studies.causalgym_training import frozen_intervention, read_trained, trained_path, write_trained
 from lit_interventions.studies.causalgym_units import unit_position
 
 COMPONENTS = (BLOCK_OUTPUT, ATTENTION_HEAD)  # what the sweep sweeps
@@ -168,12 +168,12 @@ def saved_at_head(path: Path, region: str, method: MethodSpec, train) -> torch.n
     """`method`'s trained intervention at `region` kept in `path` ({region: its exported
     tensors}, `trained_path`), trained by `train()` and added to the file (written whole) where
     it lacks it; returned as the fixed intervention it acts as."""
-    regions, config = _read(path)
+    regions, config = read_trained(path)
     if region not in regions:
         trained = train()
         regions[region], config = trained.export(), trained.config()
-        _write(path, regions, config)
-    return _frozen(method, regions[region], config)
+        write_trained(path, regions, config)
+    return frozen_intervention(method, regions[region], config)
 
 
 def _trained(out: Path, task: str, layer: int, head: int, region: str, data_of, setup, control: bool):

@@ -136,7 +136,7 @@ def trained_path(
     return out / method / f"{task}_{at}{'' if control is None else '_' + control}.safetensors"
 
 
-def _read(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+def read_trained(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     """{region: {tensor name: tensor}} and the config a layer's file holds (key "region" is the
     region's `basis`, "region/name" its tensor `name`)."""
     if not path.is_file():
@@ -150,7 +150,7 @@ def _read(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     return found, config
 
 
-def _write(path: Path, regions: dict[str, dict[str, torch.Tensor]], config: dict) -> None:
+def write_trained(path: Path, regions: dict[str, dict[str, torch.Tensor]], config: dict) -> None:
     tensors = {
         region if name == BASIS else f"{region}/{name}": tensor.detach().float().cpu().contiguous()
         for region, named in regions.items()
@@ -161,7 +161,7 @@ def _write(path: Path, regions: dict[str, dict[str, torch.Tensor]], config: dict
     write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))  # never a half-written file
 
 
-def _frozen(method: MethodSpec, tensors: dict[str, torch.Tensor], config: dict):
+def frozen_intervention(method: MethodSpec, tensors: dict[str, torch.Tensor], config: dict):
     """The fixed intervention a trained one acts as, rebuilt from its exported tensors: by its
     class's `frozen_class` (DAS: `FixedSubspaceIntervention(W)`) or its own `from_tensors`."""
     cls = import_class(method.class_path)
@@ -186,7 +186,7 @@ def saved_trained(
     `progress` (`train_das`), at most its last few minutes. {(layer, region): the fixed
     intervention each trained one acts as}."""
     method = method_spec("das") if method is None else method
-    saved = {layer: _read(paths(layer)) for layer in {layer for layer, _ in datas}}
+    saved = {layer: read_trained(paths(layer)) for layer in {layer for layer, _ in datas}}
     missing = {(layer, region): data for (layer, region), data in datas.items() if region not in saved[layer][0]}
     if missing:
         trained = train_das(missing, lm, cache, seed, dtype, progress=progress, batch_size=batch_size, method=method)
@@ -196,10 +196,10 @@ def saved_trained(
                 if at == layer:
                     regions[region] = intervention.export()
                     config = intervention.config()
-            _write(paths(layer), regions, config)
+            write_trained(paths(layer), regions, config)
             saved[layer] = regions, config
     return {
-        (layer, region): _frozen(method, saved[layer][0][region], saved[layer][1])
+        (layer, region): frozen_intervention(method, saved[layer][0][region], saved[layer][1])
         for layer, region in datas
         if region in saved[layer][0]
     }
