@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from lit_interventions.studies import causalgym_heads as heads
+from lit_interventions.studies import causalgym_components as heads
 from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import ONE_QUIET_EPOCH, csv_rows, run_command
 
@@ -138,7 +138,7 @@ def test_an_interrupted_head_sweep_resumes_to_the_same_rows_and_reuses_trained_d
     assert len(first) == 3 * 2  # three sites, each whole (both methods)
     monkeypatch.setattr(heads, "sweep_site", real)
     trained = []
-    monkeypatch.setattr(heads, "train_at_head", lambda *a: trained.append((*a[2:4], a[4].region)) or pytest.fail())
+    monkeypatch.setattr(heads, "train_at_site", lambda *a: trained.append((a[2], a[4], a[5].region)) or pytest.fail())
     with pytest.raises(pytest.fail.Exception):
         _sweep(lm, tmp_path / "out")
     # the fourth site's DAS was saved before the interruption: the first training is the fifth site's
@@ -149,7 +149,7 @@ def test_an_interrupted_head_sweep_resumes_to_the_same_rows_and_reuses_trained_d
     assert resumed[:6] == first
     assert _by_site(resumed) == _by_site(expected)
     # a rerun finds every site done: nothing is trained or scored again
-    monkeypatch.setattr(heads, "train_at_head", lambda *a: pytest.fail("retrained"))
+    monkeypatch.setattr(heads, "train_at_site", lambda *a: pytest.fail("retrained"))
     monkeypatch.setattr(heads, "sweep_site", lambda *a, **k: pytest.fail("rescored"))
     _sweep(lm, tmp_path / "out")
     assert csv_rows(tmp_path / "out" / "results.csv") == resumed
@@ -169,19 +169,25 @@ def test_more_heads_on_rerun_add_their_rows_and_keep_the_others(tiny_lm_dir, tmp
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"heads": [1, 4]}, r"heads \[4\] are out of range: this model has 4 attention heads \(0\.\.3, or 'all'\)"),
+        (
+            {"heads": [1, 4]},
+            r"heads \[4\] are out of range for component='attention_head': this model has 4 attention heads \(0\.\.3, or 'all'\)",
+        ),
         ({"heads": [1, 1]}, r"heads \[1, 1\] name a head twice: give each head once"),
         ({"heads": []}, r"heads=\[\] names no head index: this model has 4 attention heads \(0\.\.3, or 'all'\)"),
         ({"heads": "first"}, r"heads='first' names no head index: this model has 4 attention heads"),
         (
             {"component": "block_output", "heads": [0]},
-            r"heads=\[0\] is given with component='block_output', which has no heads: heads is only for component='attention_head'",
+            r"heads=\[0\] is given with component='block_output', which has no heads: heads is only for attention_head, query, key, value$",
         ),
         (
-            {"component": "mlp_output", "heads": None},
-            r"component='mlp_output' is not swept; choose one of: block_output, attention_head",
+            {"component": "heads", "heads": None},
+            r"component='heads' is not swept; choose one of: block_output, attention_output, mlp_output, block_input, attention_head, query, key, value, mlp_neuron$",
         ),
-        ({"layers": [-1, 1]}, r"layer -1 \(the embeddings\) has no attention heads"),
+        (
+            {"layers": [-1, 1]},
+            r"layer -1 \(the embeddings\) has no attention_head: choose layers 0\.\. with component='attention_head'$",
+        ),
     ],
 )
 def test_bad_heads_or_component_fail_before_any_model_work(tiny_lm_dir, tmp_path, monkeypatch, kwargs, message):
@@ -215,7 +221,7 @@ def test_the_command_line_sweeps_heads(tiny_lm_dir, tmp_path):
     bad = run_command(*common, "--component=attention_head", "--heads=[7]", f"--out={tmp_path / 'bad'}")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == (
-        "error: heads [7] are out of range: this model has 4 attention heads (0..3, or 'all')"
+        "error: heads [7] are out of range for component='attention_head': this model has 4 attention heads (0..3, or 'all')"
     )
     assert not (tmp_path / "bad").exists()
 

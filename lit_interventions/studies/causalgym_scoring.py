@@ -113,7 +113,7 @@ def sweep_site(
     task (`train_das`); `batch_size` the rows of each forward that reads states or scores. (The
     sweep scores a unit's sites together, `score_unit`; this is the one-site path, kept for
     benchmarks and as its reference, and the path of the head sweep: `site` gives the module's
-    `component` and `head`, `causalgym_heads`.)"""
+    `component` and `head`, `causalgym_components`.)"""
     if data is None:
         return []
     module, found = fit_site(layer, region, methods, lm, data, cache, seed, dtype, trained, batch_size, **site)

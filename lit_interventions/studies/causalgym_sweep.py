@@ -38,9 +38,11 @@ file renamed over it), the results before the figures: a figure that cannot be w
 `error:` line naming it and exit status 1, the results kept. SIGTERM / SIGINT: exit status 143 / 130, the
 finished units kept (`lit_interventions.core.signals`).
 
-`--component attention_head` sweeps attention heads instead: every method at every layer × head
-× region, site by site, into results.csv with a `head` column (`--heads`: a list; default every
-head; `causalgym_heads`).
+`--component C` sweeps another component of `core.blocks.COMPONENTS` instead, site by site
+(`causalgym_components`): a head component (attention_head, query, key, value) at every layer ×
+head × region (`--heads`: a list; default every head), any other (block_input,
+attention_output, mlp_output, mlp_neuron) at every layer × region; results.csv has a `head`
+column, empty without heads.
 
 The units of work are (task, layers) (`sweep_units`; `--layers_per_unit` splits a task's layers).
 Under torchrun or srun each process, whenever it is free, takes the next unit with work left (the
@@ -70,7 +72,7 @@ from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
 from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
 from lit_interventions.studies import distributed
-from lit_interventions.studies.causalgym_heads import check_component, choose_heads, run_heads
+from lit_interventions.studies.causalgym_components import check_component, choose_heads, run_components
 from lit_interventions.studies.causalgym_report import overall, store_rows, store_summary, summarise, write_heatmaps
 from lit_interventions.studies.causalgym_scoring import (
     CONTROL,
@@ -307,10 +309,10 @@ def run_sweep(
         stacked_scoring: score all sites × methods of a unit together, in stacked forwards of
             `batch_size` rows (`score_unit`); false: site by site (`sweep_site`). Same results
             to float rounding.
-        component: the sites swept: block_output (the residual stream) or attention_head (each
-            head's output before the output projection, site by site: `causalgym_heads`).
-        heads: attention_head's heads, a list (default or 'all': every head of the model).
-    """
+        component: the sites swept (`core.blocks.COMPONENTS`): block_output (the residual stream)
+            or, site by site (`causalgym_components`), any other: attention_head, query, key and
+            value per head.
+        heads: a head component's heads, a list (default or 'all': every one it has)."""
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
@@ -333,8 +335,8 @@ def run_sweep(
         specs, kinds, found, lm, controlled_tasks(control, list(found)), seed, dtype, batch_size, stacked_scoring
     )
     meta = {"lm": lm, "dtype": dtype, **data_meta}  # a data file is known by its sha256, not its path
-    if heads is not None:  # a head sweep's directory holds head sites only
-        return run_heads(ranks, Path(out), meta | {"component": component}, units, layers, heads, setup, ACCURACY)
+    if heads is not None:  # a component sweep's directory holds that component's sites only
+        return run_components(ranks, Path(out), meta | {"component": component}, units, layers, heads, setup, ACCURACY)
     return _claimed_run(ranks, Path(out), meta, units, names, layers, setup)
 
 
