@@ -169,9 +169,14 @@ def test_the_head_count_depends_on_the_component(tiny_lm_dir):
 def test_a_component_the_architecture_lacks_is_one_line_before_any_sweep_work(tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(parts, "DOWN_PROJECTION", ("no_such_projection",))  # an MLP whose down projection is unknown
     monkeypatch.setattr(components, "sweep_site", lambda *a, **k: pytest.fail("swept"))
-    with pytest.raises(ValueError, match=r"^Cannot find the down projection module of LlamaMLP: .*exactly one must\.$"):
+    with pytest.raises(
+        ValueError, match=r"^Cannot find the down projection module of LlamaMLP: .*exactly one must\.$"
+    ) as swept:
         _sweep(tiny_lm_dir("llama"), tmp_path / "out", "mlp_neuron", methods=["diffmean"])
     assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError) as fitted:  # the line `train.py fit` stops with there
+        _fit(tiny_lm_dir("llama"), tmp_path / "fit", "mlp_neuron", None, "diffmean")
+    assert str(swept.value) == str(fitted.value)
 
 
 def test_a_directory_of_another_component_is_refused(swept, tiny_lm_dir):
@@ -205,3 +210,13 @@ def test_the_command_line_sweeps_mlp_neurons(tiny_lm_dir, tmp_path):
     assert {(r["layer"], r["head"]) for r in rows} == {("0", ""), ("1", "")}
     assert len(rows) == 2 * len(REGIONS)
     assert (out / "heatmaps" / "agr_sv_num_pp_diffmean.png").is_file()
+
+
+def test_the_control_task_without_heads_gives_control_odds_and_selectivity(tiny_lm_dir, tmp_path):
+    summary = _sweep(tiny_lm_dir("gpt_neox"), tmp_path / "out", "attention_output", methods=["diffmean"], control=True)
+    rows = csv_rows(tmp_path / "out" / "results.csv")
+    assert len(rows) == len(REGIONS) and all(r["control_odds"] != "" and r["head"] == "" for r in rows)
+    assert [line["method"] for line in summary] == ["diffmean"]
+    scored = [r for r in rows if r["region"] in REGIONS[1:]]
+    assert summary[0]["selectivity"] == max(float(r["odds"]) - float(r["control_odds"]) for r in scored)
+    assert summary[0]["selectivity"] != 0.0
