@@ -30,10 +30,8 @@ trained interventions):
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
-import io
 import json
 import math
 from collections import defaultdict
@@ -47,7 +45,6 @@ import torch
 from lit_interventions.artifacts.plots import DPI, heatmap_figure, save_figures
 from lit_interventions.artifacts.results import Table
 from lit_interventions.core.cache import ActivationCache
-from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.parts import site_tap
 from lit_interventions.core.progress import Progress
@@ -56,9 +53,15 @@ from lit_interventions.core.sites import BLOCK_OUTPUT, COMPONENTS, HEAD_COMPONEN
 from lit_interventions.interventions.registry import TRAINED, MethodSpec
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.studies import distributed
-from lit_interventions.studies.causalgym_report import SUMMARY_COLUMNS, summary_rows, write_heatmaps
+from lit_interventions.studies.causalgym_report import SUMMARY_COLUMNS, summary_rows, write_heatmaps, write_summary_csv
 from lit_interventions.studies.causalgym_scoring import CONTROL, sweep_site, task_accuracy
-from lit_interventions.studies.causalgym_training import frozen_intervention, read_trained, trained_path, write_trained
+from lit_interventions.studies.causalgym_training import (
+    frozen_intervention,
+    one_epoch_trainer,
+    read_trained,
+    trained_path,
+    write_trained,
+)
 from lit_interventions.studies.causalgym_units import unit_position
 
 SITE_RESULTS = Table(
@@ -159,17 +162,7 @@ def train_at_site(method: MethodSpec, lm: str, layer: int, component: str, head,
     module.to("cuda" if torch.cuda.is_available() else "cpu")  # where the LM is
     if unchanged_at(module, data):
         return module.intervention  # f(b) = f(s) at every train pair: a zero gradient, nothing moves
-    trainer = L.Trainer(
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        accelerator="cpu" if not torch.cuda.is_available() else "auto",
-        devices=1,
-    )
+    trainer = one_epoch_trainer()
     trainer.fit(module, datamodule=data)
     return module.intervention
 
@@ -340,13 +333,7 @@ def _summary(store, scored, names, layers, heads, out: Path) -> list[dict]:
     accuracy = {r["task"]: float(r["accuracy"]) for r in store.rows("accuracy")}
     summary = head_summary(_rows(store, list(scored), names, layers, heads), accuracy, scored)
     columns = SUMMARY_COLUMNS if heads == [None] else HEAD_SUMMARY_COLUMNS
-    summary = [{c: row[c] for c in columns if c in row} for row in summary]
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(summary)
-    write_atomically(Path(out) / "summary.csv", text.getvalue())
-    return summary
+    return write_summary_csv([{c: row[c] for c in columns if c in row} for row in summary], out, columns)
 
 
 def best_region_grid(results: list[dict], regions: list[str]) -> tuple[np.ndarray, list[int], list[int]]:

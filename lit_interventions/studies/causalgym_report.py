@@ -92,9 +92,13 @@ def write_summary(
     results: list[dict], accuracy: dict[str, float], out: Path, scored: dict[str, list[str]] | None = None
 ) -> list[dict]:
     """DIR/summary.csv (`summary_rows`), written whole; its rows."""
-    summary = summary_rows(results, accuracy, scored)
+    return write_summary_csv(summary_rows(results, accuracy, scored), out)
+
+
+def write_summary_csv(summary: list[dict], out: Path, columns: list[str] = SUMMARY_COLUMNS) -> list[dict]:
+    """DIR/summary.csv of `summary` with `columns`, written whole; `summary`."""
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=SUMMARY_COLUMNS)
+    writer = csv.DictWriter(text, fieldnames=columns)
     writer.writeheader()
     writer.writerows(summary)
     write_atomically(Path(out) / "summary.csv", text.getvalue())

@@ -46,6 +46,22 @@ def _module(method: MethodSpec, lm, sites, dtype, seed) -> MultiSiteInterchangeM
     )
 
 
+def one_epoch_trainer(callbacks: list | None = None) -> L.Trainer:
+    """The sweep's training loop: one epoch on one device, no validation, logger or checkpoint."""
+    return L.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks or [],
+        accelerator="cpu" if not torch.cuda.is_available() else "auto",
+        devices=1,
+    )
+
+
 def train_das(
     datas: dict,
     lm,
@@ -81,18 +97,7 @@ def train_das(
         module = _module(method, lm, list(group), dtype, seed)
         module.attach(group).share_cache(cache)
         saved = None if progress is None else progress_path(progress, module, method)
-        trainer = L.Trainer(
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            callbacks=[LoopProgress(), *([] if saved is None else [SaveProgress(saved, every)])],
-            accelerator="cpu" if not torch.cuda.is_available() else "auto",
-            devices=1,
-        )
+        trainer = one_epoch_trainer([LoopProgress(), *([] if saved is None else [SaveProgress(saved, every)])])
         trainer.fit(module, ckpt_path=saved if saved is not None and saved.is_file() else None, weights_only=True)
         trained |= module.trained()
         if saved is not None:
