@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 
-import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +22,7 @@ from lit_interventions.modules.steering_loreft import instruction_ends
 from lit_interventions.modules.steering_objective import lm_loss
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 from tests.helpers import ONE_QUIET_EPOCH, run_command
+from tests.test_loreft import _fit
 
 PROMPTS, RESPONSES = [12, 7, 3, 9], [4, 6, 3, 2]  # row 3 is a negative (label 0)
 LABELS = [1, 1, 1, 0]
@@ -187,23 +187,6 @@ def _loader(tokenizer, padding="right"):
 def _loss(module, loader):
     module.eval()
     return float(sum(module.loss(b) for b in loader) / len(loader))
-
-
-def _fit(module, loader, tmp_path, steps):
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, train_dataloaders=loader)
-    return trainer
 
 
 @torch.no_grad()
