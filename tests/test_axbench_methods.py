@@ -22,7 +22,7 @@ from lit_interventions.interventions.additive import (
     reft_r1_intervention,
     topk_mean,
 )
-from lit_interventions.interventions.concept_methods import ReFTR1Method
+from lit_interventions.interventions.concept_methods import ReFTR1Method, SSVMethod
 from lit_interventions.metrics.detection import ConceptAUROC, min_max_normalise, sequence_scores
 from lit_interventions.modules.steering import SteeringModule, fit_concept_direction
 
@@ -367,7 +367,7 @@ def test_reft_r1_step_updates_only_the_concepts_in_the_batch(tiny_lm_dir, tokeni
 
 def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
     module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="ssv", concept_names=CONCEPTS)
-    assert module.dictionary.weight.abs().sum() == 0  # SSV starts at zero, free norm
+    assert (module.dictionary.weight == 0.01).all()  # SSV starts every coordinate at 0.01, as AxBench
     module.dictionary.weight.data[0] = 5.0
     rows = make_rows(tokenizer)
     batch = collate([rows[0], rows[-1]])  # a positive of concept 0, a pool negative
@@ -385,6 +385,19 @@ def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
     torch.testing.assert_close(seen["h"], clean)
     assert not torch.allclose(seen["after"][0], plain["after"][0])  # the positive is steered
     torch.testing.assert_close(seen["after"][1], plain["after"][1])  # the negative is not
+
+
+def test_ssv_init_sets_every_starting_coordinate(tiny_lm_dir, tokenizer):
+    # init 0.0 starts at zero (Φ the identity); the default, AxBench's 0.01, starts elsewhere.
+    zero = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=SSVMethod(init=0.0), concept_names=CONCEPTS)
+    assert zero.dictionary.weight.abs().sum() == 0 and zero.method.config() == {"init": 0.0}
+    start = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=SSVMethod(init=-0.5), concept_names=CONCEPTS)
+    assert (start.dictionary.weight == -0.5).all()
+    batch = collate([r for r in make_rows(tokenizer) if r["label"] == 1][:2])
+    assert zero._steered_loss(batch)[0] != start._steered_loss(batch)[0]
+    for bad in (float("nan"), float("inf"), "0.01", True):
+        with pytest.raises(ValueError, match=r"init=.* must be a finite number"):
+            SSVMethod(init=bad)
 
 
 @pytest.mark.parametrize("method", ["reft_r1", "ssv"])

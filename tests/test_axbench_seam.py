@@ -58,6 +58,7 @@ class PlantedSSV(TrainedConceptMethod):
 
     name = "planted_ssv"
     unit_norm = False
+    init = 0.01  # every coordinate's start, as the built-in SSV's default
 
     def steer(self, hidden, w, where, seen):
         return hidden + w.to(hidden.dtype)[:, None, :]

@@ -39,16 +39,16 @@ class ConceptDictionary(Intervention):
     """A (concepts × d) matrix of concept directions, `weight[c]` = w_c.
 
     unit_norm: initialise the rows on the unit sphere (Gaussian directions from `seed`) and keep
-    them there with `remove_parallel_grad` + `renormalise`; False (SSV) starts from zeros and
-    leaves the norm free. As an intervention it steers: forward(base, *, concept_id, factor)
-    = base + α·w_c at every token.
+    them there with `remove_parallel_grad` + `renormalise`; False (SSV) starts every coordinate
+    at `fill` and leaves the norm free. As an intervention it steers: forward(base, *,
+    concept_id, factor) = base + α·w_c at every token.
     """
 
     edits_base_alone = True  # f* = forward(f(b)): a source state is refused
 
     trains = True
 
-    def __init__(self, num_concepts: int, hidden_size: int, unit_norm: bool = True, seed: int = 0):
+    def __init__(self, num_concepts: int, hidden_size: int, unit_norm: bool = True, seed: int = 0, fill: float = 0.0):
         super().__init__()
         if num_concepts < 1 or hidden_size < 1:
             raise ValueError(f"num_concepts and hidden_size must be >= 1; got {num_concepts}, {hidden_size}")
@@ -57,7 +57,7 @@ class ConceptDictionary(Intervention):
             weight = torch.randn(num_concepts, hidden_size, generator=torch.Generator().manual_seed(seed))
             weight = weight / weight.norm(dim=-1, keepdim=True)
         else:
-            weight = torch.zeros(num_concepts, hidden_size)
+            weight = torch.full((num_concepts, hidden_size), float(fill))
         self.weight = nn.Parameter(weight)  # (C, d)
 
     @property

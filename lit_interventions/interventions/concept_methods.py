@@ -47,10 +47,12 @@ LAT_PAIRS = ("positives", "all")
 
 class ConceptMethod:
     """What every concept method declares: `name` (the card's method; the class name unless set),
-    `latent` ("linear" h·w or "relu" ReLU(h·w)), `unit_norm`, `trains`, `card()`, `check_data`."""
+    `latent` ("linear" h·w or "relu" ReLU(h·w)), `unit_norm`, `init` (the starting value of every
+    coordinate of a trained row that is not unit norm), `trains`, `card()`, `check_data`."""
 
     latent: str = "linear"
     unit_norm: bool = True
+    init: float = 0.0
     trains: bool = False
 
     @property
@@ -189,10 +191,20 @@ class ReFTR1Method(TrainedConceptMethod):
 
 class SSVMethod(TrainedConceptMethod):
     """SSV, a supervised steering vector (AxBench eqs. 6–7): Φ(h_i) = h_i + w_c at every intervened
-    token of a positive; loss −log p(response); latent ReLU(h·w_c); w_c free norm, from zero."""
+    token of a positive; loss −log p(response); latent ReLU(h·w_c); w_c free norm.
+
+    Args:
+        init: every coordinate of w_c starts at this value (AxBench's `SteeringVectorIntervention`
+            fills its weight with 0.01); 0.0 starts at zero, where Φ is the identity.
+    """
 
     name = "ssv"
     unit_norm = False
+
+    def __init__(self, init: float = 0.01):
+        if isinstance(init, bool) or not isinstance(init, (int, float)) or not abs(init) < float("inf"):
+            raise ValueError(f"init={init!r} must be a finite number")
+        self.init = float(init)
 
     def steer(self, hidden, w, where, seen):
         return hidden + w.to(hidden.dtype)[:, None, :]

@@ -167,7 +167,11 @@ class SteeringModule(FrozenLMModule):
         self.hparams.concept_names = [str(c) for c in concepts]
         n = len(concepts)
         self.dictionary = ConceptDictionary(
-            n, self._hidden_size, unit_norm=self.method.unit_norm, seed=self.hparams.direction_seed
+            n,
+            self._hidden_size,
+            unit_norm=self.method.unit_norm,
+            seed=self.hparams.direction_seed,
+            fill=self.method.init,
         )
         self.register_buffer("max_activations", torch.full((n,), float("nan")))
 
