@@ -71,7 +71,7 @@ _API = {
     "PCAMethod": "lit_interventions.interventions.concept_methods",
     "LATMethod": "lit_interventions.interventions.concept_methods",
     "ProbeMethod": "lit_interventions.interventions.concept_methods",
-    "register_concept_method": "lit_interventions.interventions.concept_methods",
+    "register_concept_method": "lit_interventions.interventions.concept_registry",
     "DiffMeanDirection": "lit_interventions.interventions.directions",
     "KMeansDirection": "lit_interventions.interventions.directions",
     "LATDirection": "lit_interventions.interventions.directions",

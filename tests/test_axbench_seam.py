@@ -33,9 +33,8 @@ from lit_interventions.interventions.concept_methods import (
     ReFTR1Method,
     SSVMethod,
     TrainedConceptMethod,
-    concept_method,
-    registered_concept_methods,
 )
+from lit_interventions.interventions.concept_registry import concept_method, registered_concept_methods
 from lit_interventions.interventions.registry import FITTED, TRAINED, kind
 from lit_interventions.modules.steering import SteeringModule
 

@@ -2,8 +2,8 @@
 
 Every concept of the dataset is a row of one `ConceptDictionary` (concepts × d), trained in one
 run; an example only updates the row of its own concept. The method is an object
-(`lit_interventions.interventions.concept_methods`: a short name, a {class_path, init_args}
-config or an instance) that holds its own options and formulas; the module asks it by capability.
+(`lit_interventions.interventions.concept_methods`; built by `concept_registry` from a short name,
+a {class_path, init_args} config or an instance) that holds its own options and formulas; the module asks it by capability.
 
 Trained by gradient (`trains`: automatic optimization, AdamW + linear schedule; `reft_r1`,
 `ssv`): the method gives the rows that train, Φ written at the layer and, if `L1Penalised`, the
@@ -46,7 +46,8 @@ from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, read_layers, residual_hook, run_body, site_layer
 from lit_interventions.interventions.additive import DEAD_MAX_ACTIVATION, ConceptDictionary, steering_units  # noqa: F401
 from lit_interventions.interventions.capabilities import is_trained
-from lit_interventions.interventions.concept_methods import ConceptMethod, L1Penalised, concept_method, method_config
+from lit_interventions.interventions.concept_methods import ConceptMethod, L1Penalised
+from lit_interventions.interventions.concept_registry import concept_method, method_config
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_closed_form import (  # noqa: F401  (re-exported: the closed-form fit)
     fit_concept_direction,

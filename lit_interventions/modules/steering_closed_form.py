@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from lit_interventions.interventions.concept_methods import (
-    ClosedFormConceptMethod,
-    closed_form_methods,
-    concept_method,
-)
+from lit_interventions.interventions.concept_methods import ClosedFormConceptMethod
+from lit_interventions.interventions.concept_registry import closed_form_methods, concept_method
 
 
 def _gather(tensor: torch.Tensor) -> torch.Tensor:
