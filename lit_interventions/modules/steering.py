@@ -3,7 +3,8 @@
 Every concept of the dataset is a row of one `ConceptDictionary` (concepts × d), trained in one
 run; an example only updates the row of its own concept. The method is an object
 (`lit_interventions.interventions.concept_methods`; built by `concept_registry` from a short name,
-a {class_path, init_args} config or an instance) that holds its own options and formulas; the module asks it by capability.
+a {class_path, init_args} config or an instance) that holds its own options and formulas; the
+module asks it by capability.
 
 Trained by gradient (`trains`: automatic optimization, AdamW + linear schedule; `reft_r1`,
 `ssv`): the method gives the rows that train, Φ written at the layer and, if `L1Penalised`, the
