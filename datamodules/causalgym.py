@@ -114,6 +114,35 @@ def tokenize_pairs(
     return examples
 
 
+def split_pairs(
+    template: TaskTemplate, train_pairs: int, eval_pairs: int, seed: int, dev_seed: int = 1, multitask: bool = False
+) -> dict[str, list[Pair]]:
+    """A task's pairs, each split swap-doubled (`sample_pairs`): train (`seed`), eval (`seed`,
+    after train) and dev (`dev_seed`), no sentence of train in eval or dev; with `multitask`, also
+    train_iso (Iso pairs, no sentence of eval or dev in them). Cheap: a sweep builds every task's
+    splits before any work, so a task that cannot give them is refused then (one `ValueError`
+    naming the task, the split and the sizes)."""
+
+    def draw(split: str, n: int, seed: int, exclude=frozenset(), same_type=False) -> list[Pair]:
+        try:
+            return sample_pairs(template, n, seed, exclude=exclude, same_type=same_type)
+        except ValueError as error:
+            sizes = f"train_pairs={train_pairs}, eval_pairs={eval_pairs}"
+            raise ValueError(f"{split} split of task {template.name!r} ({sizes}): {error}") from None
+
+    train = draw("train", train_pairs, seed)
+    seen = {p.base.text for p in train}
+    splits = {
+        "train": train,
+        "eval": draw("eval", eval_pairs, seed + 7919, exclude=seen),
+        "dev": draw("dev", eval_pairs, dev_seed + 7919, exclude=seen),
+    }
+    if multitask:  # Iso pairs from sentences of the dev and eval sets' complement, like train's
+        held_out = {p.base.text for p in splits["eval"] + splits["dev"]}
+        splits["train_iso"] = draw("train_iso", train_pairs, seed + 104729, exclude=held_out, same_type=True)
+    return splits
+
+
 class CausalGymDataModule(BenchmarkDataModule):
     """Minimal pairs for one CausalGym task at one region.
 
@@ -180,19 +209,9 @@ class CausalGymDataModule(BenchmarkDataModule):
         self.splits: dict[str, list[Example]] = {}
 
     def build_splits(self) -> dict[str, list[Pair]]:
-        """train (seed), eval (seed, after train) and dev (dev_seed): no sentence of train in the others."""
+        """The task's splits by its sizes and seeds (`split_pairs`)."""
         hp = self.hparams
-        train = sample_pairs(self.template, hp.train_pairs, hp.seed)
-        seen = {p.base.text for p in train}
-        evaluation = sample_pairs(self.template, hp.eval_pairs, hp.seed + 7919, exclude=seen)
-        dev = sample_pairs(self.template, hp.eval_pairs, hp.dev_seed + 7919, exclude=seen)
-        splits = {"train": train, "eval": evaluation, "dev": dev}
-        if hp.multitask:  # Iso pairs from sentences of the dev and eval sets' complement, like train's
-            held_out = {p.base.text for p in evaluation + dev}
-            splits["train_iso"] = sample_pairs(
-                self.template, hp.train_pairs, hp.seed + 104729, exclude=held_out, same_type=True
-            )
-        return splits
+        return split_pairs(self.template, hp.train_pairs, hp.eval_pairs, hp.seed, hp.dev_seed, hp.multitask)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:

@@ -378,8 +378,9 @@ def sample_pairs(
         tries += 1
         if tries > n * max_tries_per_pair:
             raise ValueError(
-                f"Task {task.name!r} yields only {len(pairs)} distinct pairs of the {n} asked for; "
-                "add options to its variables or ask for fewer pairs."
+                f"Task {task.name!r} yields only {len(pairs)} distinct pairs of the {n} asked for"
+                + (f" with no sentence among the other splits' {len(exclude)}" if exclude else "")
+                + "; add options to its variables or ask for fewer pairs."
             )
         pair = task.sample_pair(rng, same_type)
         key = (pair.base.text, pair.source.text)

@@ -1,6 +1,7 @@
 """Nothing lost, nothing silent: damaged results files, two runs on one --out, rejected runs, too
 many pairs asked for, and a crash in the middle of writing a unit."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from lit_interventions.artifacts.results import OutDirBusy, OutDirLock, ResultsS
 from lit_interventions.studies import causalgym_scoring as scoring
 from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import csv_rows as _rows
+from tests.helpers import run_command
 
 
 def _run(out, lm_dir, **kwargs):
@@ -189,6 +191,54 @@ def test_too_many_pairs_are_refused_at_once(tmp_path, tiny_lm_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"1000000 pairs asked for, but task 'agr_sv_num_pp' has only 66560 distinct"):
         sample_pairs(load_task("agr_sv_num_pp"), 1_000_000, seed=0)
     assert time.perf_counter() - start < 5 and not (tmp_path / "out" / "meta.json").exists()
+
+
+NARROW = {  # 4 sentences, so 4 distinct pairs: 4 training pairs use every sentence, none is left for eval
+    "templates": ["{subj} ran and"],
+    "label": "subj",
+    "labels": {"sg": ["is"], "pl": ["are"]},
+    "variables": {"subj": {"sg": ["The dog", "A cat"], "pl": ["The dogs", "Two cats"]}},
+}
+ROOMY = {
+    "templates": ["{subj} {verb} and"],
+    "label": "subj",
+    "labels": {"sg": ["is"], "pl": ["are"]},
+    "variables": {
+        "subj": {"sg": ["The dog", "A cat", "The bird"], "pl": ["The dogs", "Two cats", "The birds"]},
+        "verb": ["ran", "sat", "slept", "ate", "sang"],
+    },
+}
+
+
+def test_a_task_whose_splits_cannot_be_drawn_is_refused_before_any_work(tmp_path, tiny_lm_dir):
+    # `narrow` passes the distinct-pairs check (4 train, 2 eval of 4) but its eval split cannot
+    # avoid the training sentences. It comes after `roomy`, so a sweep that drew a task's pairs
+    # only on reaching it would train and score `roomy` first.
+    templates = tmp_path / "templates.json"
+    templates.write_text(json.dumps({"roomy": ROOMY, "narrow": NARROW}))
+    out = tmp_path / "out"
+    args = ["--templates", str(templates), "--tasks", "all", "--methods", "[das,probe]", "--layers", "[0]"]
+    done = run_command(
+        "sweep",
+        "causalgym",
+        *args,
+        "--lm",
+        str(tiny_lm_dir("llama")),
+        "--out",
+        str(out),
+        "--train_pairs",
+        "4",
+        "--eval_pairs",
+        "2",
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line == (
+        "error: eval split of task 'narrow' (train_pairs=4, eval_pairs=2): Task 'narrow' yields only 0 distinct "
+        "pairs of the 2 asked for with no sentence among the other splits' 4; add options to its variables or "
+        "ask for fewer pairs."
+    )
+    assert not out.exists()
 
 
 def test_distinct_pairs_is_the_number_sampling_can_reach():

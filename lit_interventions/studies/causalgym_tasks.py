@@ -25,6 +25,7 @@ from pathlib import Path
 
 from lit_interventions.cli.studies import choose_names
 from lit_interventions.datamodules.base import BenchmarkDataModule
+from lit_interventions.datamodules.causalgym import split_pairs
 from lit_interventions.datamodules.pairs import REGIONS as PAIRS_REGIONS
 from lit_interventions.datamodules.pairs import PairsDataModule
 from lit_interventions.datamodules.pairs_files import read_pairs
@@ -47,18 +48,22 @@ class SweepTask:
 
 
 def check_sizes(tasks: list[str], templates: str | None, sizes: dict) -> None:
-    """`train_pairs` / `eval_pairs` positive and no more than each task's distinct pairs."""
+    """`train_pairs` / `eval_pairs` positive and no more than each task's distinct pairs, and each
+    task's splits drawn (`split_pairs`: eval and dev share no sentence with train), so a task that
+    cannot give them is refused before any work, not when the sweep reaches it."""
     for name in ("train_pairs", "eval_pairs"):
         if not isinstance(sizes[name], int) or sizes[name] < 1:
             raise ValueError(f"{name}={sizes[name]!r} must be a positive integer")
     for task in tasks:
-        available = load_task(task, templates).distinct_pairs()
+        template = load_task(task, templates)
+        available = template.distinct_pairs()
         for name in ("train_pairs", "eval_pairs"):
             if sizes[name] > available:
                 raise ValueError(
                     f"{name}={sizes[name]} but task {task!r} has only {available} distinct pairs; "
                     f"ask for at most {available}"
                 )
+        split_pairs(template, sizes["train_pairs"], sizes["eval_pairs"], sizes["seed"])
 
 
 def template_tasks(tasks: str | list[str], templates: str | None, lm: str, sizes: dict) -> dict[str, SweepTask]:
