@@ -176,6 +176,30 @@ def test_greedy_answers_equal_a_token_by_token_generation(tiny_lm_dir, tokenizer
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("filled", ["no", "prefix", "below"])
+def test_answers_with_kept_keys_equal_a_token_by_token_generation(tiny_lm_dir, tokenizer, arch, padding_side, filled):
+    """`intervened_answers` on the activation cache (the later tokens one column each, the
+    prompt's keys and values kept; `filled`: the bases' columns before the site read from the
+    cache, and with "below" their keys and values up to the layer too) against full forwards of
+    each row alone, and its first logits against `intervened_logits`."""
+    torch.manual_seed(0)
+    module = InterchangeModule(
+        lm=tiny_lm_dir(arch), layer=1, intervention=lambda d: RotatedSpaceIntervention(d, k=4), cache=True
+    )
+    batch, ids = _pair_batch(tokenizer, padding_side)
+    if filled != "no":
+        module.activations.fill([batch], below=filled == "below")
+        assert module._prefix(batch) is not None
+    kept = module.activations.keys_values_below(1, batch.base)
+    assert (kept is not None) == (filled == "below")
+    first, got = module.intervened_answers(batch)
+    assert got.tolist() == _by_hand(module, ids, layer=1)
+    torch.testing.assert_close(first, module.intervened_logits(batch), rtol=1e-5, atol=1e-5)
+    assert got.tolist() == greedy_answers(module, batch).tolist()  # the prompt extended a token at a time
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
 def test_greedy_tokens_with_kept_keys_equal_full_forwards(tiny_lm_dir, tokenizer, arch):
     """The data's n-token answers (left padding, keys and values kept) against each prompt alone,
     unpadded, one full forward per token."""

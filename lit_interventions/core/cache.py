@@ -35,6 +35,9 @@ class ActivationCache:
         self._states: dict[Key, torch.Tensor] = {}
         # first tokens' keys and values in the blocks above the lowest layer, (n_above, 2, heads, n, head_dim)
         self._prefix: dict[Key, torch.Tensor] = {}
+        # every token's keys and values in blocks 0..lowest, kept for the bases of a `fill(below=True)`:
+        # an answer generated after an intervened prompt reads them (`sites.greedy_at`), (lowest + 1, 2, heads, seq, head_dim)
+        self._below: dict[Key, torch.Tensor] = {}
         self._n_blocks = num_layers(model.config)
 
     def __len__(self) -> int:
@@ -87,6 +90,19 @@ class ActivationCache:
                 out[:, :, i, :, start:c] = self._prefix[key][skip:, :, :, : c - start]
         return c, out
 
+    def keys_values_below(self, layer: int, side: Side) -> torch.Tensor | None:
+        """Every token's keys and values in blocks 0..`layer` for the side's rows, (layer + 1, 2,
+        batch, heads, seq, head_dim), padding as zeros, for `sites.greedy_at`. None: `layer` is not
+        the lowest cached layer, or a row's are not kept (`fill(below=True)` keeps the bases')."""
+        keys, starts = side.keys
+        if layer != self.layers[0] or layer < 0 or any(key not in self._below for key in keys):
+            return None
+        first = self._below[keys[0]]
+        out = first.new_zeros((first.shape[0], 2, len(keys), first.shape[2], side.input_ids.shape[1], first.shape[-1]))
+        for i, (key, start) in enumerate(zip(keys, starts)):
+            out[:, :, i, :, start : start + len(key)] = self._below[key]
+        return out
+
     def longest_prefix(self) -> int:
         """The most first tokens whose keys and values are cached for any input."""
         return max((stored.shape[-2] for stored in self._prefix.values()), default=0)
@@ -129,16 +145,26 @@ class ActivationCache:
         cached = [self._prefix[key].shape[-2] if key in self._prefix else 0 for key in keys]
         return [max(0, min(n, site - start)) for n, site, start in zip(cached, sites, starts)]
 
-    def _compute(self, input_ids, attention_mask, keys: list[Key], starts: list[int], firsts: list[int]) -> None:
+    def _compute(
+        self, input_ids, attention_mask, keys: list[Key], starts: list[int], firsts: list[int], bottom=frozenset()
+    ) -> None:
         """States at the layers for every row, and keys and values above the lowest layer for
         each row's `firsts` first tokens: the blocks up to the highest layer record them in the same
-        forward; the blocks above it run on the first tokens only."""
+        forward; the blocks above it run on the first tokens only. The rows of the keys in
+        `bottom` also keep every token's keys and values in blocks 0..lowest."""
         lowest, highest = self.layers[0], self.layers[-1]
         wanted = max(firsts) > 0  # `fill` asks for none when no block is above the lowest layer
-        below = DynamicCache() if wanted else None
+        bottom = [j for j, key in enumerate(keys) if key in bottom] if lowest >= 0 else []
+        below = DynamicCache() if wanted or bottom else None
         found = read_layers(self.model, self.layers, input_ids, attention_mask, keys_values=below)
         for j, (key, start) in enumerate(zip(keys, starts)):
             self._states[key] = torch.stack([found[layer][j, start : start + len(key)] for layer in self.layers])
+        home = input_ids.device  # a dispatched model keeps each block's keys and values on its device
+        if bottom:
+            blocks = [below.layers[b] for b in range(lowest + 1)]
+            kept = torch.stack([torch.stack([b.keys.to(home), b.values.to(home)]) for b in blocks])
+            for j in bottom:
+                self._below[keys[j]] = kept[:, :, j, :, starts[j] : starts[j] + len(keys[j])].clone()
         if not wanted:
             return
         width = max(start + n for start, n in zip(starts, firsts))
@@ -148,7 +174,6 @@ class ActivationCache:
                 self.model, highest, input_ids[:, :width], attention_mask[:, :width], found[highest][:, :width]
             )
             blocks += [above.layers[b] for b in range(highest + 1, self._n_blocks)]
-        home = input_ids.device  # a dispatched model keeps each block's keys and values on its device
         stacked = torch.stack(
             [torch.stack([b.keys[..., :width, :].to(home), b.values[..., :width, :].to(home)]) for b in blocks]
         )
@@ -168,6 +193,7 @@ class ActivationCache:
         sides: tuple[str, ...] = ("base", "source"),
         batch_size: int = 64,
         prefix: str = "site",
+        below: bool = False,
     ) -> int:
         """Compute every input of `batches` not cached yet, before they are needed: deduplicated,
         sorted by length and run `batch_size` at a time, so the frozen forwards are few and full
@@ -175,12 +201,15 @@ class ActivationCache:
 
         `prefix`: which tokens' keys and values above the lowest layer to keep as well. "site": a
         base's tokens before its site, what a training step at that site reads;
-        "all": every token of every input (a sweep: its regions put the site anywhere); "none"."""
+        "all": every token of every input (a sweep: its regions put the site anywhere); "none".
+        `below`: also keep every base token's keys and values in blocks 0..lowest, what an answer
+        generated after the intervened prompt reads (`keys_values_below`)."""
         if prefix not in PREFIXES:
             raise ValueError(f"prefix={prefix!r}: choose one of {PREFIXES}")
         if self.layers[0] == self._n_blocks - 1:
             prefix = "none"  # no block above the last one
         todo: dict[Key, int] = {}  # input -> how many first tokens need keys and values
+        bottom: set[Key] = set()  # inputs whose keys and values below are kept
         for batch in batches:
             for name in sides:
                 side = batch.side(name)
@@ -189,9 +218,11 @@ class ActivationCache:
                     firsts = [site - start for site, start in zip(side.sites, starts)]
                 else:
                     firsts = [len(key) if prefix == "all" else 0 for key in keys]
+                if below and name == "base":
+                    bottom.update(key for key in keys if key not in self._below)
                 for key, first in zip(keys, firsts):
                     first = max(todo.get(key, 0), first)
-                    if self._missing(key, first):
+                    if self._missing(key, first) or key in bottom:
                         todo[key] = first
         ordered = sorted(todo, key=len)
         device = input_device(self.model)
@@ -205,6 +236,6 @@ class ActivationCache:
                     input_ids[row, : len(key)] = torch.tensor(key)
                     attention_mask[row, : len(key)] = 1
                 firsts = [todo[key] for key in chunk]
-                self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), firsts)
+                self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), firsts, bottom)
                 shown.update()
         return len(ordered)

@@ -139,10 +139,17 @@ def prefix_cache(model: nn.Module, layer: int, above: torch.Tensor) -> DynamicCa
     0..layer get placeholders of the same length (never read), so the model counts c columns
     already seen."""
     placeholder = (above[0, 0], above[0, 1])
-    if is_dispatched(model):  # a block appends its new columns to its cached ones: on its device
-        blocks = decoder_layers(model)[layer + 1 :]
-        above = [kv.to(execution_device(block) or kv.device) for kv, block in zip(above, blocks)]
+    above = _on_block_devices(model, layer + 1, above)
     return DynamicCache([placeholder] * (layer + 1) + [(kv[0], kv[1]) for kv in above])
+
+
+def _on_block_devices(model: nn.Module, first: int, stacked: torch.Tensor) -> list[torch.Tensor]:
+    """Blocks first.. keys and values, (n, 2, ...), each on its block's device: a block appends
+    its new columns to its cached ones."""
+    if not is_dispatched(model):
+        return list(stacked)
+    blocks = decoder_layers(model)[first:]
+    return [kv.to(execution_device(block) or kv.device) for kv, block in zip(stacked, blocks)]
 
 
 @torch.no_grad()
@@ -267,12 +274,27 @@ def logits_at(
     component='block_output' only.
     """
     _block_output_only(component, start_states=start_states, prefix=prefix)
-    past = None
+    past, c = None, 0
     if prefix is not None:
         if start_states is None:
             raise ValueError("a prefix of keys and values needs start_states: the blocks below the layer are skipped")
         c, above = prefix
         past = prefix_cache(model, layer, above)
+    hidden = _hidden_at(
+        model, input_ids, attention_mask, logit_positions, layer, site_positions, intervention, start_states, past, c,
+        component, head,
+    )  # fmt: skip
+    return final_logits(model, hidden, vocab)
+
+
+def _hidden_at(
+    model, input_ids, attention_mask, logit_positions, layer, site_positions, intervention, start_states, past, c,
+    component=BLOCK_OUTPUT, head=None,
+) -> torch.Tensor:  # fmt: skip
+    """`logits_at`'s forward: the final hidden states at `logit_positions`, (batch, d). With
+    `past` (`prefix_cache` of the first `c` columns) only columns c.. run, and the blocks above
+    `layer` append their keys and values to it."""
+    if past is not None:
         positions = position_ids(attention_mask)[:, c:]
         input_ids, start_states, logit_positions = input_ids[:, c:], start_states[:, c:], logit_positions - c
         site_positions = None if site_positions is None else site_positions - c
@@ -290,4 +312,54 @@ def logits_at(
         if intervention is not None or start_states is not None:
             stack.enter_context(site_hook(model, layer, component, write, input_ids.device, head))
         hidden = run_body(model, input_ids, attention_mask, past, None if past is None else positions).last_hidden_state
-    return final_logits(model, hidden[row_index(hidden), logit_positions], vocab)
+    return hidden[row_index(hidden), logit_positions]
+
+
+@torch.no_grad()
+def greedy_at(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    last: torch.Tensor,
+    n: int,
+    layer: int,
+    site_positions: torch.Tensor,
+    intervention: Callable[[torch.Tensor], torch.Tensor],
+    start_states: torch.Tensor,
+    prefix: tuple[int, torch.Tensor] | None = None,
+    below: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logits at `last`, (batch, vocab); the n greedy tokens after it, (batch, n)) of the
+    model with `intervention` written at (layer, site_positions) of the prompt: the first by
+    `logits_at`'s cached path (`start_states`, `prefix`; a block-output site above the
+    embeddings), the others one column a step with every block's keys and values kept, as a
+    generation that keeps an intervened prompt's keys and values (pyvene's `generate` with
+    `intervene_on_prompt=True`). The blocks up to `layer` keep the prompt's clean keys and values
+    (an edit of the layer's output changes nothing below it): `below`, (layer + 1, 2, batch,
+    heads, seq, head_dim) (`ActivationCache.keys_values_below`), or one forward that stops at the
+    layer. The blocks above keep the intervened forward's. Under causal attention this equals
+    running the prompt extended by the tokens so far with the same edit at the same place."""
+    if below is None:  # blocks 0..layer: the prompt's keys and values, unintervened
+        computed = DynamicCache()
+        read_layers(model, [layer], input_ids, attention_mask, keys_values=computed)
+        below = [(computed.layers[b].keys, computed.layers[b].values) for b in range(layer + 1)]
+    else:
+        below = [(kv[0], kv[1]) for kv in _on_block_devices(model, 0, below)]
+    if prefix is None:  # no cached columns: every block above starts empty
+        empty = below[0][0][..., :0, :]
+        prefix = (0, empty.new_zeros((len(decoder_layers(model)) - layer - 1, 2, *empty.shape)))
+    c, above = prefix
+    past = prefix_cache(model, layer, above)
+    hidden = _hidden_at(
+        model, input_ids, attention_mask, last, layer, site_positions, intervention, start_states, past, c
+    )  # fmt: skip
+    first = final_logits(model, hidden)
+    blocks = len(decoder_layers(model))
+    kept = DynamicCache(below + [(past.layers[b].keys, past.layers[b].values) for b in range(layer + 1, blocks)])
+    tokens, mask = [first.argmax(-1)], attention_mask
+    positions = position_ids(attention_mask)[row_index(attention_mask), last]  # each row's last token
+    for step in range(1, n):  # the prompt's sites are behind: no edit in the new column
+        mask = torch.nn.functional.pad(mask, (0, 1), value=1)
+        out = run_body(model, tokens[-1][:, None], mask, kept, (positions + step)[:, None])
+        tokens.append(final_logits(model, out.last_hidden_state[:, -1]).argmax(-1))
+    return first, torch.stack(tokens, 1)

@@ -58,6 +58,7 @@ from lit_interventions.core.blocks import (  # noqa: F401  (re-exported: the mod
 )
 from lit_interventions.core.forward import (  # noqa: F401  (re-exported: running the LM at a site)
     final_logits,
+    greedy_at,
     keys_values_above,
     logits_at,
     position_ids,

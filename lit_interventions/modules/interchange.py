@@ -174,6 +174,16 @@ class InterchangeModule(SiteModule):
             )
         return regions[site.region]
 
+    @property
+    def generates(self) -> bool:
+        return "generated" in self.eval_outputs
+
+    def intervened_answers(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sites is None:
+            return super().intervened_answers(batch)
+        first = self.intervened_logits(batch)  # composed sites: the prompt extended a token at a time
+        return first, greedy_answers(self, batch, first)
+
     def intervened_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
         if self.sites is None:
             return super().intervened_logits(batch, vocab)
@@ -250,7 +260,7 @@ class InterchangeModule(SiteModule):
                 batch = self.transfer_batch_to_device(batch, self.device, 0)
                 for name, candidate in candidates.items():
                     self.intervention = candidate.to(self.device)
-                    metrics[name].update(greedy_answers(self, batch).cpu(), batch)
+                    metrics[name].update(self.intervened_answers(batch)[1].cpu(), batch)
         finally:
             self.intervention = own
         return {name: metric.compute() for name, metric in metrics.items()}
@@ -282,16 +292,18 @@ class InterchangeModule(SiteModule):
     def _evaluate(self, batch, stage: str) -> dict:
         """The standard output the metric callbacks read (`callbacks/metrics.py`): intervened
         logits, and where a callback needs them, clean logits, the two labels' logits and the
-        greedy answer (`generation.greedy_answers`)."""
+        greedy answer (`intervened_answers`)."""
         if isinstance(self.intervention, NeedsFit) and self.intervention.needs_fit:
             raise ValueError(
                 f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
                 "`validate` or `test` alone"
             )
-        intervened = self.intervened_logits(batch)
+        if "generated" in self.eval_outputs:
+            intervened, generated = self.intervened_answers(batch)
+        else:
+            intervened, generated = self.intervened_logits(batch), None
         clean = self.clean_logits(batch) if "clean" in self.eval_outputs else None
         labels = self.label_logits(batch) if "label_logits" in self.eval_outputs else None
-        generated = greedy_answers(self, batch, intervened) if "generated" in self.eval_outputs else None
         loss = self.objective.task_loss(intervened, batch)
         self.log(f"{stage}/loss", loss, batch_size=len(batch), sync_dist=True)
         return {"intervened": intervened, "clean": clean, "label_logits": labels, "generated": generated}

@@ -14,7 +14,8 @@ from lit_interventions.core.batch import PairBatch
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import check_dtype, load_config, load_lm
 from lit_interventions.core.sharding import LoadOptions, is_dispatched
-from lit_interventions.core.sites import BLOCK_OUTPUT, logits_at, read_site, site_layer
+from lit_interventions.core.sites import BLOCK_OUTPUT, EMBEDDINGS, greedy_at, logits_at, read_site, site_layer
+from lit_interventions.modules.generation import answer_length, greedy_answers
 
 LM_OPTIONS = ("device_map", "quantization", "max_memory", "offload_folder")  # hparams: `sharding.LoadOptions`
 
@@ -71,11 +72,14 @@ class SiteModule(FrozenLMModule):
             self._frozen["cache"] = ActivationCache(self.lm, [self.hparams.layer])
         return self._frozen["cache"]
 
-    def prefill(self, loaders, chunk: int = 64) -> None:
+    generates = False  # whether evaluation generates answers after the intervened prompt
+
+    def prefill(self, loaders, chunk: int = 64, below: bool = False) -> None:
         """Fill the cache with every sentence of `loaders` (a loader, or a list or dict of them)
         in a few full batches before the loop starts. It reads each loader's dataset in order
         through its collate function, never its sampler, so the order the loop then draws (and
-        every random generator) is the same as without a cache."""
+        every random generator) is the same as without a cache. `below`: also keep the bases'
+        keys and values up to the layer, which generated answers read (`intervened_answers`)."""
         cache = self.activations
         if cache is None or loaders is None:
             return
@@ -83,18 +87,21 @@ class SiteModule(FrozenLMModule):
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
             data = loader.dataset
             cache.fill(
-                loader.collate_fn([data[i] for i in range(start, min(start + chunk, len(data)))])
-                for start in range(0, len(data), chunk)
+                (
+                    loader.collate_fn([data[i] for i in range(start, min(start + chunk, len(data)))])
+                    for start in range(0, len(data), chunk)
+                ),
+                below=below,
             )
 
     def on_train_start(self) -> None:
         self.prefill(self.trainer.train_dataloader)
 
     def on_validation_start(self) -> None:
-        self.prefill(self.trainer.val_dataloaders)
+        self.prefill(self.trainer.val_dataloaders, below=self.generates)
 
     def on_test_start(self) -> None:
-        self.prefill(self.trainer.test_dataloaders)
+        self.prefill(self.trainer.test_dataloaders, below=self.generates)
 
     def share_cache(self, cache: ActivationCache) -> None:
         """Use activations already computed (a sweep computes every layer once per dataset)."""
@@ -155,6 +162,29 @@ class SiteModule(FrozenLMModule):
             prefix=self._prefix(batch),
             component=self.component,
             head=self.head,
+        )
+
+    def intervened_answers(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`intervened_logits`, the greedy answer after it, (batch, n): `generation.greedy_answers`).
+        With the activation cache at a block-output site above the embeddings, the answer's later
+        tokens run one column each, the prompt's keys and values kept (`greedy_at`)."""
+        n, cache = answer_length(batch), self.activations
+        if n == 1 or cache is None or self.component != BLOCK_OUTPUT or self.hparams.layer == EMBEDDINGS:
+            first = self.intervened_logits(batch)
+            return first, greedy_answers(self, batch, first, n)
+        source, base = self.site_representation(batch, "source"), batch.base
+        return greedy_at(
+            self.lm,
+            base.input_ids,
+            base.attention_mask,
+            base.last,
+            n,
+            self.hparams.layer,
+            base.pos,
+            lambda states: self.intervention(states, source),
+            self._states(batch),
+            self._prefix(batch),
+            cache.keys_values_below(self.hparams.layer, base),
         )
 
     def clean_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
