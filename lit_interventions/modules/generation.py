@@ -1,11 +1,14 @@
 """Greedy answers of an intervened model: RAVEL's accuracy reads n generated tokens (n = 3, the
 official `eval_with_interventions`, pyvene's `generate` with `intervene_on_prompt=True`).
 
-The site is in the prompt, so every step runs the base extended by the tokens generated so far,
-with the same intervention at the same site: under causal attention the intervened state at the
-site is the one the first step wrote, and every later token reads it, as a generation that keeps
-the intervened prompt's keys and values does. Each step is one batched forward
-(`intervened_logits`, the module's own path: cache, composed sites), logits at the last token only.
+The site is in the prompt, so `greedy_answers` runs, every step, the base extended by the tokens
+generated so far, with the same intervention at the same site: under causal attention the
+intervened state at the site is the one the first step wrote, and every later token reads it, as
+a generation that keeps the intervened prompt's keys and values does. Each step is one batched
+forward (`intervened_logits`, the module's own path: cache, composed sites), logits at the last
+token only. A module with the activation cache at one block-output site keeps those keys and
+values instead and runs each later token as one column (`SiteModule.intervened_answers`,
+`core.forward.greedy_at`): the same tokens, tested against this loop.
 """
 
 from __future__ import annotations
