@@ -298,7 +298,7 @@ class InterchangeModule(SiteModule):
                 f"{type(self.intervention).__name__} is fitted from the training data: run `fit`, not "
                 "`validate` or `test` alone"
             )
-        if "generated" in self.eval_outputs:
+        if self.generates:
             intervened, generated = self.intervened_answers(batch)
         else:
             intervened, generated = self.intervened_logits(batch), None
