@@ -537,6 +537,7 @@ def _planted_module(intervention):
     """The interchange module's fitting and dev choice, over planted states and the planted "LM"."""
     import lightning as L
 
+    from lit_interventions.modules.generation import greedy_answers
     from lit_interventions.modules.interchange import InterchangeModule
 
     class Planted(L.LightningModule):
@@ -558,6 +559,10 @@ def _planted_module(intervention):
             answer_b = 2 + (x[:, 1] - 0.6 * torch.sign(x[:, 0]) > 0).long()
             answer = torch.where(batch.attribute == 0, answer_a, answer_b)
             return torch.nn.functional.one_hot(answer, 4).float()
+
+        def intervened_answers(self, batch):
+            first = self.intervened_logits(batch)
+            return first, greedy_answers(self, batch, first)
 
     return Planted()
 
