@@ -262,3 +262,27 @@ def test_a_cached_training_step_reads_nothing_back_from_the_device(tiny_lm_dir, 
     assert reads == []
     assert module._prefix(batch) is not None  # the step took the fastest path (cached states and prefix)
     assert module.intervention.rotate.parametrizations.weight.original.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_keys_values_below_asked_after_the_states_run_the_blocks_below_only(tiny_lm, arch, monkeypatch):
+    """A refill that asks for the bases' keys and values in blocks 0..lowest, their states cached
+    already, runs a forward that stops at the lowest layer and keeps the states and prefix it has;
+    what it stores equals a first fill that asked for them."""
+    model = tiny_lm(arch)
+    ids, mask, _ = _batch(model.config.vocab_size, lengths=(6, 3, 5), padding_side="left")
+    starts = (mask.shape[1] - mask.sum(1)).tolist()
+    batches = [_pair(Side.of(ids, mask, torch.tensor(starts) + torch.tensor([4, 2, 3])))]
+    later, at_once = ActivationCache(model, [1, 2]), ActivationCache(model, [1, 2])
+    assert later.fill(batches, sides=("base",)) == 3 and later.keys_values_below(1, batches[0].base) is None
+    states, prefixes = dict(later._states), dict(later._prefix)
+    calls = []
+    monkeypatch.setattr(later, "_compute", lambda *args, **kwargs: calls.append(args))
+    assert later.fill(batches, sides=("base",), below=True) == 3 and calls == []  # no full forward
+    assert later.fill(batches, sides=("base",), below=True) == 0  # kept: nothing to run
+    assert all(later._states[key] is states[key] and later._prefix[key] is prefixes[key] for key in states)
+    assert at_once.fill(batches, sides=("base",), below=True) == 3
+    kept = later.keys_values_below(1, batches[0].base)
+    assert kept.shape[:3] == (2, 2, 3)  # blocks 0 and 1, keys and values, 3 rows
+    torch.testing.assert_close(kept, at_once.keys_values_below(1, batches[0].base), rtol=1e-5, atol=1e-6)
+    assert kept.abs().sum() > 0 and later.keys_values_below(2, batches[0].base) is None  # only the lowest layer's

@@ -161,10 +161,7 @@ class ActivationCache:
             self._states[key] = torch.stack([found[layer][j, start : start + len(key)] for layer in self.layers])
         home = input_ids.device  # a dispatched model keeps each block's keys and values on its device
         if bottom:
-            blocks = [below.layers[b] for b in range(lowest + 1)]
-            kept = torch.stack([torch.stack([b.keys.to(home), b.values.to(home)]) for b in blocks])
-            for j in bottom:
-                self._below[keys[j]] = kept[:, :, j, :, starts[j] : starts[j] + len(keys[j])].clone()
+            self._keep_below(below, [keys[j] for j in bottom], [starts[j] for j in bottom], bottom, home)
         if not wanted:
             return
         width = max(start + n for start, n in zip(starts, firsts))
@@ -180,6 +177,21 @@ class ActivationCache:
         for j, (key, start, n) in enumerate(zip(keys, starts, firsts)):
             if n > 0:  # (n_above, 2, heads, n, head_dim)
                 self._prefix[key] = stacked[:, :, j, :, start : start + n].clone()
+
+    def _keep_below(self, below: DynamicCache, keys: list[Key], starts: list[int], rows: list[int], home) -> None:
+        """Store, for each of `keys` (row `rows[j]` of the forward that filled `below`), every token's
+        keys and values in blocks 0..lowest."""
+        blocks = [below.layers[b] for b in range(self.layers[0] + 1)]
+        kept = torch.stack([torch.stack([b.keys.to(home), b.values.to(home)]) for b in blocks])
+        for key, start, row in zip(keys, starts, rows):
+            self._below[key] = kept[:, :, row, :, start : start + len(key)].clone()
+
+    def _compute_below(self, input_ids, attention_mask, keys: list[Key]) -> None:
+        """Only the keys and values in blocks 0..lowest of rows whose states are cached already:
+        a forward that stops at the lowest layer."""
+        below = DynamicCache()
+        read_layers(self.model, [self.layers[0]], input_ids, attention_mask, keys_values=below)
+        self._keep_below(below, keys, [0] * len(keys), list(range(len(keys))), input_ids.device)
 
     def _missing(self, key: Key, first: int) -> bool:
         """Whether `key` lacks its states, or keys and values for its `first` first tokens."""
@@ -197,7 +209,9 @@ class ActivationCache:
     ) -> int:
         """Compute every input of `batches` not cached yet, before they are needed: deduplicated,
         sorted by length and run `batch_size` at a time, so the frozen forwards are few and full
-        instead of one small one per training step. Returns how many inputs were computed.
+        instead of one small one per training step. Returns how many inputs were computed (an input
+        whose states are cached and whose keys and values below are asked for runs blocks 0..lowest
+        only).
 
         `prefix`: which tokens' keys and values above the lowest layer to keep as well. "site": a
         base's tokens before its site, what a training step at that site reads;
@@ -218,24 +232,31 @@ class ActivationCache:
                     firsts = [site - start for site, start in zip(side.sites, starts)]
                 else:
                     firsts = [len(key) if prefix == "all" else 0 for key in keys]
-                if below and name == "base":
+                if below and name == "base" and self.layers[0] >= 0:
                     bottom.update(key for key in keys if key not in self._below)
                 for key, first in zip(keys, firsts):
                     first = max(todo.get(key, 0), first)
-                    if self._missing(key, first) or key in bottom:
+                    if self._missing(key, first):
                         todo[key] = first
         ordered = sorted(todo, key=len)
+        only_below = sorted(bottom.difference(todo), key=len)  # their states are cached: blocks 0..lowest only
         device = input_device(self.model)
-        with stage(-(-len(ordered) // batch_size), "cached forwards", "forward") as shown:  # a study's progress
-            for i in range(0, len(ordered), batch_size):
-                chunk = ordered[i : i + batch_size]
+        chunks = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+        whole = len(chunks)  # the chunks after these need blocks 0..lowest only
+        chunks += [only_below[i : i + batch_size] for i in range(0, len(only_below), batch_size)]
+        with stage(len(chunks), "cached forwards", "forward") as shown:  # a study's progress
+            for i, chunk in enumerate(chunks):
                 width = len(chunk[-1])
                 input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
                 attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
                 for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
                     input_ids[row, : len(key)] = torch.tensor(key)
                     attention_mask[row, : len(key)] = 1
-                firsts = [todo[key] for key in chunk]
-                self._compute(input_ids.to(device), attention_mask.to(device), chunk, [0] * len(chunk), firsts, bottom)
+                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+                if i < whole:
+                    firsts = [todo[key] for key in chunk]
+                    self._compute(input_ids, attention_mask, chunk, [0] * len(chunk), firsts, bottom)
+                else:
+                    self._compute_below(input_ids, attention_mask, chunk)
                 shown.update()
-        return len(ordered)
+        return len(ordered) + len(only_below)
