@@ -339,6 +339,7 @@ def greedy_at(
     heads, seq, head_dim) (`ActivationCache.keys_values_below`), or one forward that stops at the
     layer. The blocks above keep the intervened forward's. Under causal attention this equals
     running the prompt extended by the tokens so far with the same edit at the same place."""
+    blocks = len(decoder_layers(model))
     if below is None:  # blocks 0..layer: the prompt's keys and values, unintervened
         computed = DynamicCache()
         read_layers(model, [layer], input_ids, attention_mask, keys_values=computed)
@@ -347,14 +348,13 @@ def greedy_at(
         below = [(kv[0], kv[1]) for kv in _on_block_devices(model, 0, below)]
     if prefix is None:  # no cached columns: every block above starts empty
         empty = below[0][0][..., :0, :]
-        prefix = (0, empty.new_zeros((len(decoder_layers(model)) - layer - 1, 2, *empty.shape)))
+        prefix = (0, empty.new_zeros((blocks - layer - 1, 2, *empty.shape)))
     c, above = prefix
     past = prefix_cache(model, layer, above)
     hidden = _hidden_at(
         model, input_ids, attention_mask, last, layer, site_positions, intervention, start_states, past, c
     )  # fmt: skip
     first = final_logits(model, hidden)
-    blocks = len(decoder_layers(model))
     kept = DynamicCache(below + [(past.layers[b].keys, past.layers[b].values) for b in range(layer + 1, blocks)])
     tokens, mask = [first.argmax(-1)], attention_mask
     positions = position_ids(attention_mask)[row_index(attention_mask), last]  # each row's last token

@@ -49,7 +49,6 @@ from lit_interventions.interventions.capabilities import (
 )
 from lit_interventions.interventions.compose import Composition
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
-from lit_interventions.modules.generation import greedy_answers
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective
 
@@ -177,12 +176,6 @@ class InterchangeModule(SiteModule):
     @property
     def generates(self) -> bool:
         return "generated" in self.eval_outputs
-
-    def intervened_answers(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sites is None:
-            return super().intervened_answers(batch)
-        first = self.intervened_logits(batch)  # composed sites: the prompt extended a token at a time
-        return first, greedy_answers(self, batch, first)
 
     def intervened_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
         if self.sites is None:

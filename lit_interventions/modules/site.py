@@ -164,12 +164,17 @@ class SiteModule(FrozenLMModule):
             head=self.head,
         )
 
+    def _answers_from_cache(self) -> bool:
+        """Whether `intervened_answers` runs from the activation cache: one block-output site above
+        the embeddings, the cache on."""
+        return self.activations is not None and self.component == BLOCK_OUTPUT and self.hparams.layer != EMBEDDINGS
+
     def intervened_answers(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(`intervened_logits`, the greedy answer after it, (batch, n): `generation.greedy_answers`).
         With the activation cache at a block-output site above the embeddings, the answer's later
         tokens run one column each, the prompt's keys and values kept (`greedy_at`)."""
         n, cache = answer_length(batch), self.activations
-        if n == 1 or cache is None or self.component != BLOCK_OUTPUT or self.hparams.layer == EMBEDDINGS:
+        if n == 1 or not self._answers_from_cache():
             first = self.intervened_logits(batch)
             return first, greedy_answers(self, batch, first, n)
         source, base = self.site_representation(batch, "source"), batch.base
