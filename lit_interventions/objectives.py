@@ -21,27 +21,43 @@ ROWS_AT_ONCE = 4  # rows of each float32 chunk: 1 and 4 rows measured alike on 2
 
 
 class _RowCrossEntropy(torch.autograd.Function):
-    """−log softmax(z)_y per row, in float32, a few rows at a time (see `cross_entropy_rows`)."""
+    """−log softmax(z)_y per row, in float32, a few rows at a time (see `cross_entropy_rows`).
+
+    Each chunk is converted into one float32 buffer and (log-)softmaxed into another, both reused
+    for every chunk: the same kernels as `torch.log_softmax(chunk, dtype=torch.float32)` (so the
+    same bits), without allocating two fresh 4 MB tensors per chunk, which on a CPU costs a page
+    fault per 4 KiB page each time."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(logits, labels)
-        return torch.cat(
-            [
-                -torch.log_softmax(chunk, -1, dtype=torch.float32).gather(1, y[:, None])[:, 0]
-                for chunk, y in zip(logits.split(ROWS_AT_ONCE), labels.split(ROWS_AT_ONCE))
-            ]
-        )
+        losses = []
+        for y, z, found in _in_float32(logits, labels):
+            torch.ops.aten._log_softmax.out(z, -1, False, out=found)
+            losses.append(-found.gather(1, y[:, None])[:, 0])
+        return torch.cat(losses)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, labels = ctx.saved_tensors
         out = torch.empty_like(logits)
-        for z, y, g, o in zip(*(t.split(ROWS_AT_ONCE) for t in (logits, labels, grad, out))):
-            p = torch.softmax(z, -1, dtype=torch.float32)  # ∂/∂z = (softmax(z) − onehot(y)) · grad, per row
+        for (y, z, p), g, o in zip(_in_float32(logits, labels), grad.split(ROWS_AT_ONCE), out.split(ROWS_AT_ONCE)):
+            torch.ops.aten._softmax.out(z, -1, False, out=p)  # ∂/∂z = (softmax(z) − onehot(y)) · grad, per row
             p[torch.arange(len(p)), y] -= 1
             o.copy_(p.mul_(g[:, None]))
         return out, None
+
+
+def _in_float32(logits: torch.Tensor, labels: torch.Tensor):
+    """(its labels, the chunk in float32, a float32 buffer of its shape) for each chunk of
+    `ROWS_AT_ONCE` rows of `logits`; the two buffers are the same for every chunk."""
+    shape = (min(ROWS_AT_ONCE, len(logits)), logits.shape[1])
+    converted = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    spare = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    for chunk, y in zip(logits.split(ROWS_AT_ONCE), labels.split(ROWS_AT_ONCE)):
+        z = converted[: len(chunk)]
+        z.copy_(chunk)
+        yield y, z, spare[: len(chunk)]
 
 
 def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

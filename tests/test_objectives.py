@@ -34,6 +34,26 @@ def test_equals_the_float_cross_entropy_and_its_gradient(dtype, rows):
     torch.testing.assert_close(ours.double(), exact, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_chunk_gets_the_bits_of_its_own_rows_float32_softmax(dtype):
+    # the chunks share two float32 buffers: each row's loss and gradient must still be exactly
+    # those of its own float32 (log-)softmax, whatever chunk came before it (the last one shorter)
+    torch.manual_seed(1)
+    rows = 2 * ROWS_AT_ONCE + 3
+    logits = (torch.randn(rows, 5000) * 4).to(dtype)
+    logits[ROWS_AT_ONCE] += 50.0  # a chunk whose values differ wildly from the one before
+    labels = torch.randint(0, 5000, (rows,))
+    weights = torch.rand(rows)
+    ours_in = logits.clone().requires_grad_()
+    ours = cross_entropy_rows(ours_in, labels)
+    (ours * weights).sum().backward()
+    as_float, index = logits.float(), torch.arange(rows)
+    assert torch.equal(ours, -torch.log_softmax(as_float, -1)[index, labels])
+    expected = torch.softmax(as_float, -1)
+    expected[index, labels] -= 1
+    assert torch.equal(ours_in.grad, (expected * weights[:, None]).to(dtype))
+
+
 def test_counterfactual_loss_is_the_mean_over_rows():
     logits, labels = torch.tensor([[0.0, 0.0], [2.0, 0.0]]), torch.tensor([0, 1])
     # rows: log 2; log(1 + e²) − 0
