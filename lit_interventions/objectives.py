@@ -77,8 +77,13 @@ def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 class Objective:
-    """A loss on the intervened logits (batch, vocab) of a batch. `uses_iso` says whether the
-    objective needs Iso examples in the training batches (the data module is asked for them)."""
+    """A loss on the intervened logits (batch, vocab) of a batch, in two steps: `row_losses`, one
+    loss per row, (batch,) float32, and `reduce`, those rows to the batch's loss (the mean by
+    default). `task_loss` is the two in turn. The one-site module calls `task_loss`; the grid
+    module (`MultiSiteInterchangeModule`) calls `row_losses` once on every site's rows stacked,
+    then `reduce` on each site's own rows, so each site's loss is the one it would get alone.
+    `uses_iso` says whether the objective needs Iso examples in the training batches (the data
+    module is asked for them)."""
 
     uses_iso = False
 
@@ -87,8 +92,16 @@ class Objective:
             raise ValueError(f"sparsity={sparsity!r} must be a finite number >= 0")
         self.sparsity = sparsity
 
+    def row_losses(self, logits: torch.Tensor, batch: PairBatch) -> torch.Tensor:
+        """One loss per row of `batch`, (batch,)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no row_losses(logits, batch)")
+
+    def reduce(self, losses: torch.Tensor, batch: PairBatch) -> torch.Tensor:
+        """The batch's loss from its rows' `losses`: their mean."""
+        return losses.mean()
+
     def task_loss(self, logits: torch.Tensor, batch: PairBatch) -> torch.Tensor:
-        raise NotImplementedError
+        return self.reduce(self.row_losses(logits, batch), batch)
 
     def __call__(self, logits: torch.Tensor, batch: PairBatch, intervention: nn.Module | None = None) -> torch.Tensor:
         loss = self.task_loss(logits, batch)  # in float32 (`cross_entropy_rows`)
@@ -115,8 +128,8 @@ class CounterfactualLoss(Objective):
             raise ValueError(f"label_key={label_key!r}; choose one of {LABEL_KEYS}")
         self.label_key = label_key
 
-    def task_loss(self, logits, batch):
-        return cross_entropy_rows(logits, batch.labels(self.label_key)).mean()
+    def row_losses(self, logits, batch):
+        return cross_entropy_rows(logits, batch.labels(self.label_key))
 
 
 class CauseIsoLoss(Objective):
@@ -128,15 +141,26 @@ class CauseIsoLoss(Objective):
         self.multitask = multitask
         self.uses_iso = multitask
 
-    def task_loss(self, logits, batch):
-        return multitask_loss(logits, batch.target, batch.attribute, batch.kind, self.multitask)
+    def row_losses(self, logits, batch):
+        return cross_entropy_rows(logits, batch.target)
+
+    def reduce(self, losses, batch):
+        return multitask_reduce(losses, batch.attribute, batch.kind, self.multitask)
 
 
 def multitask_loss(
     logits: torch.Tensor, label: torch.Tensor, attribute: torch.Tensor, kind: torch.Tensor, multitask: bool
 ) -> torch.Tensor:
     """L_Cause (+ with `multitask`, the mean over the attributes present of each one's L_Iso)."""
-    losses = cross_entropy_rows(logits, label)  # (batch,), float32
+    return multitask_reduce(cross_entropy_rows(logits, label), attribute, kind, multitask)
+
+
+def multitask_reduce(
+    losses: torch.Tensor, attribute: torch.Tensor, kind: torch.Tensor, multitask: bool
+) -> torch.Tensor:
+    """L_Cause = the mean of the Cause rows' `losses` (−log p*(target), (batch,) float32); with
+    `multitask`, + the mean over the attributes present of each one's L_Iso (the mean of its Iso
+    rows' losses)."""
     parts = []
     cause = kind == CAUSE
     if cause.any():

@@ -17,7 +17,7 @@ import yaml
 from safetensors import safe_open
 from torch import nn
 
-from lit_interventions.interventions import FixedSubspaceIntervention, Intervention, RotatedSpaceIntervention
+from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.interventions.capabilities import (
     Annealed,
     DirectionEstimator,
@@ -43,6 +43,7 @@ from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.objectives import CounterfactualLoss
 from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies import ravel_sweep
+from tests.user_methods import Line
 
 TASK, SIZES = "agr_sv_num_pp", {"train_pairs": 10, "eval_pairs": 4, "seed": 0}
 
@@ -62,30 +63,6 @@ class PlantedDiffMean:
 
     def to_intervention(self) -> nn.Module:
         return FixedSubspaceIntervention(self.direction_)
-
-
-class LearnedLine(Intervention):
-    """A trained 1-D interchange on u = v/‖v‖: f* = f(b) + (u·f(s) − u·f(b)) u."""
-
-    trains = True
-
-    def __init__(self, hidden_size: int, scale: float = 1.0):
-        super().__init__()
-        self.v = nn.Parameter(scale * torch.randn(hidden_size))
-
-    def forward(self, base, source=None):
-        u = (self.v / self.v.norm()).to(base.dtype)
-        return base + ((self._require_source(source) - base) @ u)[:, None] * u
-
-    def export(self):
-        return {"v": self.v.detach()}
-
-    @classmethod
-    def from_tensors(cls, tensors):
-        line = cls(tensors["v"].shape[0])
-        with torch.no_grad():
-            line.v.copy_(tensors["v"])
-        return line
 
 
 def _rows(path):
@@ -118,7 +95,7 @@ def test_capabilities_are_declared_types():
     assert isinstance(DiffMeanDirection(), DirectionEstimator) and isinstance(PlantedDiffMean(), Fitted)
     assert isinstance(DirectionInterchange(8), Fitted) and not isinstance(DirectionInterchange(8), DirectionEstimator)
     assert not is_source_free(das)
-    assert [kind(PlantedDiffMean()), kind(LearnedLine(8)), kind(FixedSubspaceIntervention(torch.eye(8)))] == [
+    assert [kind(PlantedDiffMean()), kind(Line(8)), kind(FixedSubspaceIntervention(torch.eye(8)))] == [
         FITTED,
         TRAINED,
         FIXED,
@@ -150,7 +127,7 @@ def test_methods_of_the_test_module_run_in_the_sweep_from_a_yaml_alone(tmp_path,
     methods = [
         {"name": "diffmean", "class_path": "lit_interventions.interventions.directions.DiffMeanDirection"},
         {"name": "planted", "class_path": "tests.test_method_seam.PlantedDiffMean"},
-        {"name": "line", "class_path": "tests.test_method_seam.LearnedLine", "init_args": {"scale": 0.5}, "lr": 0.02},
+        {"name": "line", "class_path": "tests.user_methods.Line", "init_args": {"scale": 0.5}, "lr": 0.02},
         "vanilla",
     ]
     rows = _sweep_from_yaml(tmp_path, tiny_lm_dir("llama"), methods, stacked_scoring=False)

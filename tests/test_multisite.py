@@ -46,7 +46,7 @@ def _train_together(lm_dir, regions, datas, layer=1):
 
 def _train_sites(lm_dir, sites, datas, cache=True):
     module = MultiSiteInterchangeModule(
-        lm=lm_dir, sites=sites, lr=0.05, seed=3, cache=cache, padding_side=datas[sites[0][1]].hparams.padding_side
+        lm=lm_dir, grid=sites, lr=0.05, seed=3, cache=cache, padding_side=datas[sites[0][1]].hparams.padding_side
     )
     _trainer().fit(module.attach(datas))
     return {site: intervention.basis.detach().clone() for site, intervention in module.trained().items()}, module
@@ -175,11 +175,11 @@ def test_per_layer_fallback_gives_the_same_subspaces(tiny_lm_dir, monkeypatch):
 def test_sites_are_checked_before_any_work(tiny_lm_dir):
     lm_dir = tiny_lm_dir("llama")
     with pytest.raises(ValueError, match=r"layer=3 is out of range: this model has 3 layers"):
-        MultiSiteInterchangeModule(lm=lm_dir, sites=[(0, "subject"), (3, "subject")])
-    with pytest.raises(ValueError, match=r"name a site twice"):
-        MultiSiteInterchangeModule(lm=lm_dir, sites=[(0, "subject"), (0, "subject")])
+        MultiSiteInterchangeModule(lm=lm_dir, grid=[(0, "subject"), (3, "subject")])
+    with pytest.raises(ValueError, match=r"names a site twice"):
+        MultiSiteInterchangeModule(lm=lm_dir, grid=[(0, "subject"), (0, "subject")])
     with pytest.raises(ValueError, match=r"or layer= and regions=, not both"):
-        MultiSiteInterchangeModule(lm=lm_dir, sites=[(0, "subject")], regions=["object"])
+        MultiSiteInterchangeModule(lm=lm_dir, grid=[(0, "subject")], regions=["object"])
 
 
 def test_a_region_named_by_a_dotted_template_variable_trains_as_any_other(tiny_lm_dir):

@@ -516,7 +516,7 @@ def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir
     assert set(resumed) == set(datas)
     for site in datas:
         torch.testing.assert_close(resumed[site].basis, whole[site].basis, rtol=0, atol=1e-6)
-    fresh = MultiSiteInterchangeModule(lm=lm_dir, sites=list(datas), seed=1).trained()
+    fresh = MultiSiteInterchangeModule(lm=lm_dir, grid=list(datas), seed=1).trained()
     assert not torch.allclose(fresh[(0, "prep")].basis, whole[(0, "prep")].basis, atol=1e-3)  # training moved it
 
 
@@ -546,7 +546,7 @@ def test_das_does_not_train_sites_no_pair_differs_at(tiny_lm_dir, monkeypatch):
     )
     trained = sweep.train_das(datas, lm_dir, cache, seed=1)
     assert looped == [[(0, "subject"), (2, "subject")]] and set(trained) == set(datas)
-    fresh = MultiSiteInterchangeModule(lm=lm_dir, sites=list(datas), seed=1).trained()
+    fresh = MultiSiteInterchangeModule(lm=lm_dir, grid=list(datas), seed=1).trained()
     for site in ((0, "The"), (2, "The")):
         assert torch.equal(trained[site].basis, fresh[site].basis)
     assert not torch.allclose(trained[(0, "subject")].basis, fresh[(0, "subject")].basis, atol=1e-3)

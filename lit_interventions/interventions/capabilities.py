@@ -14,6 +14,11 @@ offers it, and the modules and studies dispatch on these types.
 - `SourceFree`: `edits_base_alone` (True: f* = forward(f(b)), no source; steering, LoReFT,
   attacks).
 - `Summarised`: `summary()`, one line on what a fit found.
+
+`intervene` is the one call site of every intervention at a site, dispatched on `SourceFree` as
+pyvene's `do_intervention` dispatches on its intervention types: f* = forward(f(b), **context)
+for a source-free one, f* = forward(f(b), f(s), **context) for an interchange. `needs_source`
+says, before any LM loads, whether a module must read f(s) for it.
 """
 
 from __future__ import annotations
@@ -106,3 +111,27 @@ def is_trained(intervention: object) -> bool:
 def is_source_free(intervention: object) -> bool:
     """Whether `intervention` declares that it edits the base alone."""
     return isinstance(intervention, SourceFree) and bool(intervention.edits_base_alone)
+
+
+def needs_source(intervention: object) -> bool:
+    """Whether f* reads the source state f(s): False for a source-free intervention (`SourceFree`),
+    so a module that runs it reads no source forward."""
+    return not is_source_free(intervention)
+
+
+def intervene(intervention: Any, base: torch.Tensor, source: torch.Tensor | None = None, **context: Any):
+    """f* at a site, the one call every module and study makes (pyvene's `do_intervention`):
+
+        f* = intervention(f(b), **context)          source-free (`edits_base_alone`): no source given
+        f* = intervention(f(b), f(s), **context)    an interchange: f(s) is required
+
+    `context`: the per-batch keywords its forward takes (`concept_id`, `factor`, `target`). An
+    interchange given no source is one ValueError naming it."""
+    if is_source_free(intervention):
+        return intervention(base, None, **context)
+    if source is None:
+        raise ValueError(
+            f"{type(intervention).__name__} is an interchange intervention: f* = forward(f(b), f(s)) needs the "
+            "source state, and none was read"
+        )
+    return intervention(base, source, **context)

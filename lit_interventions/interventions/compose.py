@@ -9,7 +9,7 @@ from torch import nn
 
 from lit_interventions.inference.edits import ApplyRequest, Edit, intervention_edits
 from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
-from lit_interventions.interventions.capabilities import Annealed, Penalised
+from lit_interventions.interventions.capabilities import Annealed, Penalised, intervene, is_source_free
 
 
 @register_intervention
@@ -27,6 +27,11 @@ class Composition(Intervention):
     def trains(self) -> bool:
         return any(getattr(part, "trains", False) for part in self.parts)
 
+    @property
+    def edits_base_alone(self) -> bool:
+        """Source-free when every part is: then no source state is read for it."""
+        return all(is_source_free(part) for part in self.parts)
+
     def forward(self, base: list[torch.Tensor], source: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         if source is None:
             source = [None] * len(self.parts)
@@ -35,7 +40,7 @@ class Composition(Intervention):
                 f"a composition of {len(self.parts)} parts needs that many base and source states; "
                 f"got {len(base)} and {len(source)}"
             )
-        return [part(b, s) for part, b, s in zip(self.parts, base, source)]
+        return [intervene(part, b, s) for part, b, s in zip(self.parts, base, source)]
 
     def penalty(self) -> torch.Tensor:
         """The sum of the parts' penalties (a mask's ‖σ(m/T)‖₁); parts without one add nothing."""

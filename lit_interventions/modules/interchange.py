@@ -46,6 +46,8 @@ from lit_interventions.interventions.capabilities import (
     Penalised,
     Summarised,
     Tempered,
+    intervene,
+    needs_source,
 )
 from lit_interventions.interventions.compose import Composition
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
@@ -191,7 +193,9 @@ class InterchangeModule(SiteModule):
                 component=site.component,
                 head=site.head,
             )
-            for site in sites
+            if needs_source(part)
+            else None
+            for site, part in zip(sites, self.intervention.parts)
         ]
         with ExitStack() as stack:
             for site, part, source in zip(sites, self.intervention.parts, sources):
@@ -366,13 +370,14 @@ def fit_closed_form(method: Any, states: torch.Tensor, labels: list) -> nn.Modul
     return method.to_intervention() if isinstance(method, DirectionEstimator) else method
 
 
-def _writer(intervention: nn.Module, source: torch.Tensor, positions: torch.Tensor):
-    """A hook that replaces the states at `positions` (one per row) by intervention(f(b), f(s))."""
+def _writer(intervention: nn.Module, source: torch.Tensor | None, positions: torch.Tensor):
+    """A hook that replaces the states at `positions` (one per row) by f* (`intervene`: of f(b)
+    and f(s), or of f(b) alone for a source-free intervention)."""
 
     def write(hidden):  # (batch, seq, d)
         hidden = hidden.clone()
         rows = torch.arange(len(hidden), device=hidden.device)
-        hidden[rows, positions] = intervention(hidden[rows, positions], source).to(hidden.dtype)
+        hidden[rows, positions] = intervene(intervention, hidden[rows, positions], source).to(hidden.dtype)
         return hidden
 
     return write

@@ -33,9 +33,9 @@ from lit_interventions.core.loaders import ResumableLoader
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.core.sites import final_logits, logits_at, read_layers, site_layer, stacked_hidden
 from lit_interventions.interventions import RotatedSpaceIntervention
-from lit_interventions.interventions.capabilities import Annealed, Penalised, is_trained
+from lit_interventions.interventions.capabilities import Annealed, Penalised, intervene, is_trained, needs_source
 from lit_interventions.modules.site import SiteModule
-from lit_interventions.objectives import CounterfactualLoss, Objective, cross_entropy_rows
+from lit_interventions.objectives import CounterfactualLoss, Objective
 
 SiteKey = tuple[int, str]  # (layer, region)
 
@@ -51,19 +51,21 @@ class MultiSiteInterchangeModule(SiteModule):
     """An intervention at each site (layer, region), each trained as if alone, in one loop (see
     the module doc): the sweep's grid. `InterchangeModule` is the one-site case.
 
-    Sites: `sites=[(layer, region), ...]`, or the regions of one layer, `layer=` and `regions=`.
+    Its sites, each trained as if alone (not composed, as `InterchangeModule`'s `sites` are): the
+    grid `grid=[(layer, region), ...]`, or the regions of one layer, `layer=` and `regions=`.
     Give it the regions' data with `attach(datas)`, then `Trainer.fit(module)`. `trained()`
     returns the interventions, {(layer, region): intervention}: `intervention(d)` (default: DAS
     of rank `k`), each initialised from `seed`, as `InterchangeModule` is after
-    `seed_everything(seed)`; `objective` (a `CounterfactualLoss`; its sparsity λ adds λ·penalty()
-    of each site's intervention). With `cache=False` (or a model whose blocks cannot run on a subset
+    `seed_everything(seed)`; `objective` (default `CounterfactualLoss()`; any `Objective` with a
+    `row_losses`: the loss of each site is `reduce` of its own rows, plus λ·penalty() of its
+    intervention for a sparsity λ). With `cache=False` (or a model whose blocks cannot run on a subset
     of rows, with a warning), each layer's sites run in their own forward instead: same results.
     """
 
     def __init__(
         self,
         lm: str = DEFAULT_LM,
-        sites: list[SiteKey] = (),
+        grid: list[SiteKey] = (),
         layer: int | None = None,
         regions: list[str] = (),
         k: int = 1,
@@ -78,29 +80,29 @@ class MultiSiteInterchangeModule(SiteModule):
     ):
         super().__init__()
         check_dtype(dtype)
-        if sites and (regions or layer is not None):
-            raise ValueError(f"give sites={list(sites)!r} or layer= and regions=, not both")
+        if grid and (regions or layer is not None):
+            raise ValueError(f"give grid={list(grid)!r} or layer= and regions=, not both")
         config = load_config(lm)
-        if not sites:
+        if not grid:
             if not regions:
                 raise ValueError("regions is empty: name at least one region to train")
             layer = site_layer(config, layer)
-            sites = [(layer, region) for region in regions]
-        sites = [(site_layer(config, layer), region) for layer, region in sites]
-        if len(set(sites)) != len(sites):
-            raise ValueError(f"sites {sites} name a site twice: each (layer, region) once")
+            grid = [(layer, region) for region in regions]
+        grid = [(site_layer(config, layer), region) for layer, region in grid]
+        if len(set(grid)) != len(grid):
+            raise ValueError(f"grid {grid} names a site twice: each (layer, region) once")
         self.optimizer_args = OptimizerArgs(lr=lr, warmup_ratio=warmup_ratio)  # validated before any load
-        self.objective = _check_objective(objective)
+        self.objective = grid_objective(objective)
         self.save_hyperparameters(ignore=["layer", "regions", "intervention", "objective"])  # plain values only
-        self.hparams.sites = self.sites = sorted(sites, key=lambda site: site[0])  # stacked by layer
-        self.hparams.layer = min(layer for layer, _ in self.sites)
+        self.hparams.grid = self.grid = sorted(grid, key=lambda site: site[0])  # stacked by layer
+        self.hparams.layer = min(layer for layer, _ in self.grid)
         self.automatic_optimization = False  # one optimiser and schedule per site
         self._stacked = None  # whether the stacked forward works for this model (None: not tried yet)
         self._steps = 0  # training steps taken: the batches each site's loader has given (resumable)
         d = hidden_size(config)
         build = partial(RotatedSpaceIntervention, k=k) if intervention is None else intervention
         self.interventions = nn.ModuleDict()
-        for layer, region in self.sites:
+        for layer, region in self.grid:
             torch.manual_seed(seed)
             self.interventions[site_name(layer, region)] = built = build(d)
             if not is_trained(built):
@@ -113,11 +115,11 @@ class MultiSiteInterchangeModule(SiteModule):
 
     def trained(self) -> dict[SiteKey, nn.Module]:
         """{(layer, region): intervention}."""
-        return {(layer, region): self.interventions[site_name(layer, region)] for layer, region in self.sites}
+        return {(layer, region): self.interventions[site_name(layer, region)] for layer, region in self.grid}
 
     @property
     def layers(self) -> list[int]:
-        return sorted({layer for layer, _ in self.sites})
+        return sorted({layer for layer, _ in self.grid})
 
     @property
     def activations(self):
@@ -138,7 +140,7 @@ class MultiSiteInterchangeModule(SiteModule):
         """The sites' data: {region: CausalGymDataModule} (shared by the region's sites at every
         layer) or {(layer, region): ...}, set up. Training draws each site's batches shuffled in
         the order `seed` gives it."""
-        found = {site: datas.get(site, datas.get(site[1])) for site in self.sites}
+        found = {site: datas.get(site, datas.get(site[1])) for site in self.grid}
         missing = sorted({region for (_, region), data in found.items() if data is None})
         if missing:
             raise ValueError(f"no data for regions {missing}; given: {sorted(map(str, datas))}")
@@ -251,22 +253,26 @@ class MultiSiteInterchangeModule(SiteModule):
 
     def training_step(self, batch: dict, batch_idx):
         """`batch` is {site name: its `PairBatch`, or None once that site's loader is exhausted}."""
-        present = [site for site in self.sites if batch.get(site_name(*site)) is not None]
+        present = [site for site in self.grid if batch.get(site_name(*site)) is not None]
         parts = [batch[site_name(*site)] for site in present]
         stacked = PairBatch.cat(parts, self.hparams.padding_side)
         stacked = self.transfer_batch_to_device(stacked, self.device, 0)
         sizes = [len(part) for part in parts]
         bounds = [0, *accumulate(sizes)]  # site i: rows bounds[i]:bounds[i+1]
         layers = [layer for (layer, _), size in zip(present, sizes) for _ in range(size)]
-        source = self._site_states(stacked, layers, "source")
         interventions = [self.interventions[site_name(*site)] for site in present]
+        reads = any(needs_source(intervention) for intervention in interventions)
+        source = self._site_states(stacked, layers, "source") if reads else None
         for site, intervention in zip(present, interventions):
             if isinstance(intervention, Annealed):  # at its own step of its own loader's batches
                 intervention.anneal(self._steps, max(1, len(self._frozen["loaders"][site_name(*site)])))
 
         def edit(base):  # each site's rows through its own subspace
             return torch.cat(
-                [intervention(base[a:b], source[a:b]) for intervention, a, b in zip(interventions, bounds, bounds[1:])]
+                [
+                    intervene(intervention, base[a:b], None if source is None else source[a:b])
+                    for intervention, a, b in zip(interventions, bounds, bounds[1:])
+                ]
             )
 
         regions = defaultdict(list)  # the rows of each region: one forward each
@@ -275,14 +281,14 @@ class MultiSiteInterchangeModule(SiteModule):
         logits = self._logits(stacked, layers, edit, list(regions.values()))
         # per row, then each site's mean: slicing the (rows, vocab) logits per site would cost a
         # vocabulary-wide zero-filled gradient per site in the backward (sites² × rows × vocab)
-        per_row = cross_entropy_rows(logits, stacked.source.label)
-        losses = [per_row[a:b].mean() for a, b in zip(bounds, bounds[1:])]
+        per_row = self.objective.row_losses(logits, stacked)
+        losses = [self.objective.reduce(per_row[a:b], stacked.rows(range(a, b))) for a, b in zip(bounds, bounds[1:])]
         if self.objective.sparsity:  # + λ·penalty() of each site's own intervention
             losses = [loss + self.objective.sparsity * f.penalty() for loss, f in zip(losses, interventions)]
         optimizers, schedules = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedules = schedules if isinstance(schedules, list) else [schedules]
-        index = {site: i for i, site in enumerate(self.sites)}
+        index = {site: i for i, site in enumerate(self.grid)}
         self.manual_backward(torch.stack(losses).sum())
         for site in present:
             optimizers[index[site]].step()
@@ -296,19 +302,19 @@ class MultiSiteInterchangeModule(SiteModule):
         loaders = self._frozen["loaders"]
         built = [
             self.optimizer_args.build(self.interventions[site_name(*site)].parameters(), len(loaders[site_name(*site)]))
-            for site in self.sites
+            for site in self.grid
         ]
         return [optimizer for optimizer, _ in built], [schedule for _, schedule in built]
 
 
-def _check_objective(objective: Objective | None) -> CounterfactualLoss:
-    """The loop's objective: −log p*(y_s) per site (`CounterfactualLoss` on the source label),
-    with its sparsity λ; None is λ = 0."""
+def grid_objective(objective: Objective | None) -> Objective:
+    """The loop's objective (None: −log p*(y_s), `CounterfactualLoss()`): one that gives a loss per
+    row (`Objective.row_losses`), which the loop computes once on every site's rows stacked."""
     if objective is None:
         return CounterfactualLoss()
-    if not isinstance(objective, CounterfactualLoss) or objective.label_key != "source_label":
+    if not isinstance(objective, Objective) or type(objective).row_losses is Objective.row_losses:
         raise ValueError(
-            f"objective={objective!r}: the multi-site loop trains on −log p*(y_s), "
-            "CounterfactualLoss(label_key='source_label', sparsity=λ)"
+            f"objective={objective!r}: the multi-site loop takes an Objective that defines row_losses(logits, "
+            "batch), a loss per row (CounterfactualLoss, CauseIsoLoss, or your own)"
         )
     return objective

@@ -1,5 +1,6 @@
 """What every interchange objective shares: a frozen LM, one site (layer, token position per
-example) and an intervention module mapping (f(b), f(s)) to f*.
+example) and an intervention module mapping (f(b), f(s)) to f*, or f(b) alone to f* for a
+source-free one (`capabilities.intervene`: no source forward runs for it).
 
 A batch is a `PairBatch` (`core.batch`): a base and a source side, each with its token ids,
 attention mask, site positions (`pos`) and last positions (`last`).
@@ -15,6 +16,7 @@ from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.lm import check_dtype, load_config, load_lm
 from lit_interventions.core.sharding import LoadOptions, is_dispatched
 from lit_interventions.core.sites import BLOCK_OUTPUT, EMBEDDINGS, greedy_at, logits_at, read_site, site_layer
+from lit_interventions.interventions.capabilities import intervene, needs_source
 from lit_interventions.modules.generation import answer_length, greedy_answers
 
 LM_OPTIONS = ("device_map", "quantization", "max_memory", "offload_folder")  # hparams: `sharding.LoadOptions`
@@ -144,10 +146,15 @@ class SiteModule(FrozenLMModule):
             )
         return cache.at_site(self.hparams.layer, states)
 
+    def source_at_site(self, batch: PairBatch) -> torch.Tensor | None:
+        """f(s) at the site, (batch, d), where the intervention reads it; None for a source-free
+        one (`needs_source`), which runs no source forward."""
+        return self.site_representation(batch, "source") if needs_source(self.intervention) else None
+
     def intervened_logits(self, batch: PairBatch, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of p_{f←f*}(· | b, s) at the base's last token, (batch, vocab); only of the
         token ids `vocab` (batch, n) if given."""
-        source = self.site_representation(batch, "source")
+        source = self.source_at_site(batch)
         base = batch.base
         return logits_at(
             self.lm,
@@ -156,7 +163,7 @@ class SiteModule(FrozenLMModule):
             base.last,
             layer=self.hparams.layer,
             site_positions=base.pos,
-            intervention=lambda states: self.intervention(states, source),
+            intervention=lambda states: intervene(self.intervention, states, source),
             start_states=self._states(batch),
             vocab=vocab,
             prefix=self._prefix(batch),
@@ -177,7 +184,7 @@ class SiteModule(FrozenLMModule):
         if n == 1 or not self._answers_from_cache():
             first = self.intervened_logits(batch)
             return first, greedy_answers(self, batch, first, n)
-        source, base = self.site_representation(batch, "source"), batch.base
+        source, base = self.source_at_site(batch), batch.base
         return greedy_at(
             self.lm,
             base.input_ids,
@@ -186,7 +193,7 @@ class SiteModule(FrozenLMModule):
             n,
             self.hparams.layer,
             base.pos,
-            lambda states: self.intervention(states, source),
+            lambda states: intervene(self.intervention, states, source),
             self._states(batch),
             self._prefix(batch),
             cache.keys_values_below(self.hparams.layer, base),

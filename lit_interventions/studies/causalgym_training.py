@@ -36,7 +36,7 @@ BASIS = "basis"  # the tensor kept under the region's name alone (DAS: {region: 
 def _module(method: MethodSpec, lm, sites, dtype, seed) -> MultiSiteInterchangeModule:
     return MultiSiteInterchangeModule(
         lm=lm,
-        sites=sites,
+        grid=sites,
         dtype=dtype,
         seed=seed,
         lr=method.lr,
@@ -126,7 +126,7 @@ def progress_path(progress: Path, module: MultiSiteInterchangeModule, method: Me
     the method's spec where it is not the registered DAS), so a changed setup never resumes
     another's loop."""
     batches = [len(loader) for loader in module._frozen["loaders"].values()]
-    setup = (module.sites, module.hparams.lm, module.hparams.dtype, module.hparams.seed, batches)
+    setup = (module.grid, module.hparams.lm, module.hparams.dtype, module.hparams.seed, batches)
     if method is not None and method.loop_options() != method_spec("das").loop_options():
         setup += (method.loop_options(),)
     return progress.with_name(f"{progress.name}-{hashlib.sha256(repr(setup).encode()).hexdigest()[:12]}.ckpt")

@@ -25,6 +25,7 @@ from lit_interventions.core.batch import PairBatch, Side
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.progress import stage
 from lit_interventions.core.sites import final_logits, stacked_hidden
+from lit_interventions.interventions.capabilities import intervene
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 
 CLEAN = None  # the job of a site's unintervened rows, p(· | b)
@@ -169,7 +170,7 @@ def _edits(cache: ActivationCache, jobs: dict) -> tuple[dict, dict]:
         if (layer, id(batch)) not in states:  # f(b), f(s) at the site, shared by the site's methods
             states[(layer, id(batch))] = [cache.at_site(layer, side) for side in (batch.base, batch.source)]
         base, source = states[(layer, id(batch))]
-        edited[key] = f(base, source).to(base.dtype)
+        edited[key] = intervene(f, base, source).to(base.dtype)
         unchanged[key] = (edited[key] == base).all(dim=-1)
     return edited, unchanged
 
