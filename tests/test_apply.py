@@ -16,6 +16,7 @@ from lit_interventions.inference.positions import Positions, encode_text, span_p
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.interventions.attacks import GradientAttack
+from lit_interventions.interventions.base import Intervention, register_intervention
 from lit_interventions.interventions.compose import Composition
 from lit_interventions.interventions.directions import DiffMeanDirection
 from lit_interventions.interventions.featurizers import FeatureInterchange, FullVectorSwap, PCAFeaturizer, SAEFeaturizer
@@ -158,8 +159,9 @@ def test_saved_artifacts_compose_and_load_from_directories(tmp_path, tiny_lm_dir
     options = dict(tokenizer=tokenizer, source="The keys", concept="second", factor=2.0)
     with apply(model, [str(tmp_path / "das"), str(tmp_path / "dict")], **options):
         together = model(**enc).logits
-    # the DAS outside: its source is read before any edit is placed, as in the list
-    with apply(model, str(tmp_path / "das"), tokenizer=tokenizer, source="The keys"):
+    # the DAS outside (the list's factor scales its edit too): its source is read before any edit
+    # is placed, as in the list
+    with apply(model, str(tmp_path / "das"), tokenizer=tokenizer, source="The keys", factor=2.0):
         with apply(model, str(tmp_path / "dict"), concept="second", factor=2.0):
             nested = model(**enc).logits
     torch.testing.assert_close(together, nested, rtol=0, atol=0)
@@ -352,3 +354,113 @@ def test_an_attack_needing_targets_is_refused_with_one_line(tiny_lm):
     with pytest.raises(ValueError, match="a GradientAttack needs target for every row, which apply does not give"):
         with apply(tiny_lm("llama"), attack, site={"layer": 1}):
             pass
+
+
+@register_intervention
+class Squash(Intervention):
+    """A planted source-free edit whose forward takes no factor: f*(h) = tanh(h) + b."""
+
+    edits_base_alone = True
+
+    def __init__(self, bias: torch.Tensor):
+        super().__init__()
+        self.bias = torch.nn.Parameter(bias)
+
+    def forward(self, base, source=None):
+        return torch.tanh(base) + self.bias
+
+    def export(self):
+        return {"bias": self.bias.detach()}
+
+
+def _edited_states(model, enc, artifact, **options):
+    """(the block's own output h, the edited output, the logits) of one forward under `apply`."""
+    deltas = Deltas(model)
+    before = deltas.hook(deltas.before)
+    try:
+        with apply(model, artifact, site={"layer": LAYER}, **options):
+            after = deltas.hook(deltas.after)
+            try:
+                logits = model(**enc).logits
+            finally:
+                after.remove()
+    finally:
+        before.remove()
+    return deltas.before[0], deltas.after[0], logits
+
+
+@pytest.mark.parametrize("name", ["planted", "loreft"])
+def test_the_factor_scales_an_edit_without_a_factor_of_its_own(tiny_lm, tokenizer, name):
+    """h + factor·(f*(h) − h): factor 0 leaves the LM's output as it is, factor 1 is f* bit for
+    bit (the logits of a hook that puts f*(h) in place), factor 2 is h + 2(f* − h) on the states."""
+    model, enc = tiny_lm("llama"), encode_text(tokenizer, "The dog is here")
+    torch.manual_seed(3)
+    edit = Squash(torch.randn(HIDDEN)) if name == "planted" else LoReFTIntervention(HIDDEN, rank=2)
+    plain = model(**enc).logits
+    h, zero, logits = _edited_states(model, enc, edit, factor=0.0)
+    assert torch.equal(zero, h) and torch.equal(logits, plain)
+    with torch.no_grad():
+        star = edit(h, None)
+    _, one, logits = _edited_states(model, enc, edit, factor=1.0)
+    assert torch.equal(one, star)
+    handle = decoder_layers(model)[LAYER].register_forward_hook(
+        lambda m, a, out: (edit(out[0], None), *out[1:]) if isinstance(out, tuple) else edit(out, None)
+    )
+    try:
+        by_hand = model(**enc).logits
+    finally:
+        handle.remove()
+    assert torch.equal(logits, by_hand) and not torch.equal(logits, plain)
+    _, two, _ = _edited_states(model, enc, edit, factor=2.0)
+    assert torch.equal(two, h + 2.0 * (star - h))
+    assert (two - star).abs().max() > 1e-3  # not f* again
+
+
+def test_per_row_factors_scale_each_row_and_a_lora_at_factor_0_is_the_plain_lm(tiny_lm_dir, tiny_lm, tokenizer):
+    """Rows with factors [0, 1]: the first row's output is the plain LM's, the second the edit's;
+    a LoRA adapter at factor 0 leaves the logits as they are, and at factor 2 moves them."""
+    model = tiny_lm("llama")
+    edit = Squash(torch.randn(HIDDEN, generator=torch.Generator().manual_seed(5)))
+    enc = {k: v.repeat(2, 1) for k, v in encode_text(tokenizer, "The dog is here").items()}
+    plain = model(**enc).logits
+    with apply(model, edit, site={"layer": LAYER}):
+        full = model(**enc).logits
+    with apply(model, edit, site={"layer": LAYER}, factor=[0.0, 1.0]):
+        mixed = model(**enc).logits
+    assert torch.equal(mixed[0], plain[0]) and torch.equal(mixed[1], full[1])
+    module = LoRAModule(lm=tiny_lm_dir("llama"), rank=4, alpha=8)
+    with torch.no_grad():
+        for i, p in enumerate(module.adapter.values()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.1)
+    with apply(model, module, factor=0.0):
+        assert torch.equal(model(**enc).logits, plain)
+    with apply(model, module):
+        one = model(**enc).logits
+    with apply(model, module, factor=2.0):
+        two = model(**enc).logits
+    assert (one - plain).abs().max() > 1e-3 and (two - one).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("factor", [0.2, 0.6, 1.0, 1.4, 2.5, 3.0])
+def test_a_dictionary_steers_through_apply_as_through_its_own_steer(tiny_lm_dir, tiny_lm, tokenizer, factor):
+    """`apply` (what `steer` and `generate` use) and `Dictionary.steer`: the same greedy token ids,
+    at max activations whose α = factor × m_c rounds differently in float32 and in float64."""
+    lm_dir, model = tiny_lm_dir("llama"), tiny_lm("llama")
+    torch.manual_seed(0)
+    dictionary = Dictionary(
+        vectors=torch.nn.functional.normalize(torch.randn(2, HIDDEN), dim=-1),
+        max_activations=torch.tensor([3.7, 13.3]),
+        concepts=["first", "second"],
+        model=lm_dir,
+        layer=LAYER,
+        method="diffmean",
+    )
+    enc = tokenizer(["The dog is here", "A river"], return_tensors="pt", padding=True, padding_side="left")
+    with dictionary.steer(model, "second", factor):
+        old = _generate(model, enc, 8)
+        old_logits = model(**enc).logits
+    with apply(model, dictionary, concept="second", factor=factor):
+        new = _generate(model, enc, 8)
+        new_logits = model(**enc).logits
+    assert torch.equal(new, old) and torch.equal(new_logits, old_logits)
+    assert not torch.equal(new_logits, model(**enc).logits)  # it steered

@@ -35,7 +35,7 @@ HELP = {  # subcommand line -> options its help must name
     ("sweep", "causalgym"): ["--tasks", "--methods", "--layers", "--out", "--batch_size"],
     ("sweep", "ravel", "--config", "sweep_ravel.yaml"): ["--attributes", "--methods", "--out"],
     ("calm",): ["--properties", "--layer", "--probe", "--epsilon"],
-    ("steer",): ["--dictionary", "--checkpoint", "--factors", "--judge"],
+    ("steer",): ["--artifact", "--dictionary", "--checkpoint", "--factors", "--judge"],
     ("syntaxgym",): ["--suites", "--lm", "--out", "--batch_size", "--threads"],
     ("serve-judge",): ["--lm", "--host", "--port", "--max_new_tokens", "--max_body_bytes", "--timeout"],
     ("data",): ["name", "--out", "--base_url", "axbench-concept10"],

@@ -10,9 +10,13 @@ import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.core.lm import load_lm, load_tokenizer
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.metrics.judge import Judge, JudgeScore, harmonic_mean
+from lit_interventions.modules.steering_baselines import LoReFTModule
+from lit_interventions.modules.steering_registry import load_steering_checkpoint
 from lit_interventions.studies.steer_eval import choose_and_report, generate, main, run_steer_eval
 from tests.helpers import free_port as _free_port
+from tests.helpers import run_command
 
 INSTRUCTIONS = ["The dog is here.", "The dog is not here.", "Is the dog here?", "The dog was here."]
 
@@ -153,12 +157,13 @@ def test_factor_chosen_on_select_half_and_reported_on_the_other(setup, tmp_path,
     scores = {(0, 0.5): (1, 1, 1), (0, 2.0): (2, 2, 2), (1, 0.5): (2, 2, 2), (1, 2.0): (1, 2, 2)}
     judge = ScriptedJudge(lambda concept, instruction, factor: scores[(order[concept].index(instruction), factor)])
 
-    class Spy(steer_eval.DictionarySteerer):  # tells the judge which factor it is scoring
-        def steer(self, lm, concept, factor):
-            judge.factor = factor
-            return super().steer(lm, concept, factor)
+    real_apply = steer_eval.apply
 
-    monkeypatch.setattr(steer_eval, "DictionarySteerer", Spy)
+    def spy(model, artifact, **options):  # tells the judge which factor it is scoring
+        judge.factor = options["factor"]
+        return real_apply(model, artifact, **options)
+
+    monkeypatch.setattr(steer_eval, "apply", spy)
     summary = _run(setup, tmp_path / "sel", judge)
     assert [(r["concept"], r["factor"]) for r in summary] == [("dogs", 2.0), ("rivers", 2.0)]
     for row in summary:
@@ -244,8 +249,6 @@ def test_cli_reports_bad_input_in_one_line(setup, tmp_path, capsys):
 
 
 def test_checkpoint_steering_end_to_end(tiny_lm_dir, tmp_path, setup):
-    from lit_interventions.modules.steering_baselines import LoReFTModule
-
     lm = tiny_lm_dir("llama")
     module = LoReFTModule(lm=lm, layer=1, rank=2, concept="dogs")
     module.save(tmp_path / "loreft")
@@ -253,6 +256,7 @@ def test_checkpoint_steering_end_to_end(tiny_lm_dir, tmp_path, setup):
     judge.factor = None
     summary = run_steer_eval(
         checkpoint=str(tmp_path / "loreft"),
+        factors=[1.0],
         instructions=2,
         instruction_file=setup[2],
         max_new_tokens=3,
@@ -261,3 +265,85 @@ def test_checkpoint_steering_end_to_end(tiny_lm_dir, tmp_path, setup):
     )
     assert [(r["method"], r["concept"], r["factor"]) for r in summary] == [("loreft", "dogs", 1.0)]
     assert summary[0]["overall"] == pytest.approx(1.5) and judge.calls == 2
+
+
+def _loreft(lm: str, directory) -> str:
+    torch.manual_seed(0)
+    LoReFTModule(lm=lm, layer=1, rank=2, concept="dogs").save(directory)
+    return str(directory)
+
+
+def test_steer_artifact_from_the_command_line_runs_every_factor(tiny_lm_dir, tmp_path, setup):
+    """`lit-interventions steer --artifact DIR` (a LoReFT run) as a user runs it: exit 0, every
+    factor generated and judged; greedy at factor 0 the LM's own replies, at factor 1 LoReFT's."""
+    lm, _, instructions = setup
+    artifact = _loreft(lm, tmp_path / "loreft")
+    out = tmp_path / "out"
+    options = dict(factors=[0.0, 1.0, 2.0], instructions=2, max_new_tokens=4, batch_size=2, temperature=0.0)
+    done = run_command(
+        *("steer", "--artifact", artifact, "--instruction_file", instructions, "--out", str(out)),
+        *(f"--{k}={json.dumps(v)}" for k, v in options.items()),
+        *("--judge", json.dumps({"backend": "local", "lm": lm, "max_new_tokens": 3})),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "mean overall over 1 concepts: " in done.stdout
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert sorted({(r["method"], r["concept"], r["factor"]) for r in rows}) == [
+        ("loreft", "dogs", f) for f in (0.0, 1.0, 2.0)
+    ]
+    assert json.loads((out / "meta.json").read_text())["artifact"] == [artifact]
+    model, tokenizer = load_lm(lm), load_tokenizer(lm)
+    by_factor = {f: [r for r in rows if r["factor"] == f] for f in (0.0, 1.0)}
+    texts = [r["instruction"] for r in by_factor[0.0]]
+    assert [r["response"] for r in by_factor[0.0]] == generate(model, tokenizer, texts, 4, 0.0, 2, seed=0)
+    with load_steering_checkpoint(artifact).steer(model) as steered:  # the run's own steering
+        own = generate(steered, tokenizer, [r["instruction"] for r in by_factor[1.0]], 4, 0.0, 2, seed=0)
+    assert [r["response"] for r in by_factor[1.0]] == own
+    assert own != [r["response"] for r in by_factor[0.0]]  # LoReFT changes what is generated
+    with (out / "summary.csv").open() as f:
+        summary = list(csv.DictReader(f))
+    assert [(r["method"], r["concept"]) for r in summary] == [("loreft", "dogs")]
+    assert float(summary[0]["factor"]) in (0.0, 1.0, 2.0)
+
+
+def test_an_interchange_artifact_is_refused_in_one_line_before_the_lm_loads(tmp_path, setup):
+    """A DAS needs a source text: `steer --artifact DIR` exits 2 with one line naming it. Its
+    config names an LM that does not exist (and so does the judge's): reading that LM's config,
+    loading it, or building the judge would end in another error."""
+    missing = str(tmp_path / "no-such-lm")
+    das = RotatedSpaceIntervention(32, 1).save_pretrained(tmp_path / "das", {"model": missing, "layer": 1})
+    out = tmp_path / "out"
+    done = run_command(
+        *("steer", "--artifact", str(das), "--instruction_file", setup[2], "--out", str(out)),
+        *("--judge", json.dumps({"backend": "local", "lm": missing})),
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: {das} holds a RotatedSpaceIntervention, an interchange intervention: it needs a source text, "
+        "and the steering evaluation has none; steer takes artifacts that edit the LM alone (a concept "
+        "dictionary, LoReFT, LoRA, a steering intervention)"
+    ]
+    assert not out.exists()  # refused before the output directory is claimed
+
+
+def test_dictionary_and_checkpoint_are_spellings_of_artifact(setup, tmp_path, monkeypatch):
+    """--dictionary and --checkpoint take the path --artifact takes, on the same path: the same
+    rows; a LoReFT run is judged at every factor."""
+    lm, path, instructions = setup
+    judge = ScriptedJudge(lambda *a: (1, 2, 2))
+    judge.factor = None
+    options = dict(factors=[0.5, 2.0], instructions=2, instruction_file=instructions, max_new_tokens=3, judge=judge)
+    by_name = {
+        name: run_steer_eval(**{name: path}, out=str(tmp_path / name), **options) for name in ("artifact", "dictionary")
+    }
+    assert by_name["artifact"] == by_name["dictionary"]
+    texts = {
+        name: (tmp_path / name / "generations.jsonl").read_text().replace(name, "")
+        for name in ("artifact", "dictionary")
+    }
+    assert texts["artifact"] == texts["dictionary"]
+    loreft = _loreft(lm, tmp_path / "loreft")
+    summary = run_steer_eval(checkpoint=[loreft], out=str(tmp_path / "ck"), **options)
+    assert [(r["method"], r["concept"]) for r in summary] == [("loreft", "dogs")]
+    rows = [json.loads(x) for x in (tmp_path / "ck" / "generations.jsonl").read_text().splitlines()]
+    assert sorted({r["factor"] for r in rows}) == [0.5, 2.0] and judge.calls == 2 * 2 + 2 * 2 * 2 * 2

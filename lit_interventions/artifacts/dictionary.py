@@ -74,6 +74,8 @@ class Dictionary:
     card: dict = field(default_factory=dict)  # any further card fields (kept on save/load)
     latent: str | None = None
 
+    edits_base_alone = True  # steering, h + α·w: no source state (`capabilities.SourceFree`)
+
     def __post_init__(self):
         if self.latent is None:
             self.latent = "relu" if self.method in _RELU_BY_NAME else "linear"
@@ -280,7 +282,8 @@ class Dictionary:
     def edits(self, config: dict, request: ApplyRequest, where: str = "the dictionary") -> list[Edit]:
         """What `lit_interventions.apply` does with it: Φ(h_i) = h_i + α·w_c after block `layer`,
         α = factor × the concept's max activation (`steering_alpha`), at every position unless
-        the request names others; the concept and factor may differ per batch row."""
+        the request names others; the concept and factor may differ per batch row. The same bits
+        as `steer` (AxBench steering, h + α·w)."""
         card = {**config, "model": self.model}
         check_width(self.hidden_size, request.lm, card, where)
         check_site(self.layer, BLOCK_OUTPUT, request.lm, card, where)
@@ -288,12 +291,14 @@ class Dictionary:
         for row in chosen if isinstance(chosen, list) else [chosen]:
             self.steering_alpha(row, 1.0)  # refuses a concept never validated (no max activation)
 
-        units = steering_units(self.max_activations)  # once, not at every forward
+        units = steering_units(self.max_activations).double()  # once, not at every forward
 
         def steer(states: torch.Tensor, rows: torch.Tensor, inputs=None) -> torch.Tensor:
-            concept = request.per_row(chosen, rows, torch.long)
-            alpha = request.per_row(request.factor, rows) * units.to(rows.device)[concept]
-            return states + (alpha[:, None] * self.vectors.to(states.device)[concept]).to(states.dtype)
+            # α = factor × m_c in float64, then float32: `steer`'s α (a Python float), bit for bit
+            concept = request.per_row(chosen, rows.cpu(), torch.long)
+            alpha = (request.per_row(request.factor, rows.cpu(), torch.float64) * units[concept]).float()
+            vectors = self.vectors.to(states.device)[concept.to(states.device)].float()
+            return states + (alpha.to(states.device)[:, None] * vectors).to(states.dtype)
 
         return [Edit(steer, request.positions.resolved(STEERING_RULE), self.layer)]
 

@@ -9,17 +9,20 @@
     with apply(lm, "checkpoints/axbench/builtin-diffmean", concept=0, factor=2.0):
         out = lm.generate(ids, max_new_tokens=8)          # a dictionary concept, steering
 
-An artifact is a run directory, a `save_pretrained` directory, a hub id or an object already
-loaded (`from_pretrained`). What it edits is its own `edits(config, request, where)`
-(`lit_interventions.inference.edits`): nothing here depends on its kind. Several artifacts given
-as a list edit the LM together, with the same options; nested `apply` blocks compose too.
+An artifact is a run directory, a `save_pretrained` directory, a hub id (`from_pretrained`), a
+steering module's Lightning `.ckpt`, a concept dictionary's file, or an object already loaded.
+What it edits is its own `edits(config, request, where)` (`lit_interventions.inference.edits`):
+nothing here depends on its kind. Several artifacts given as a list edit the LM together, with
+the same options; nested `apply` blocks compose too.
 
 Positions (`positions`): the artifact's own rule by default ("site": every position for
 steering, the prompt's last token for an interchange); or "all", "prompt", "generated", "last",
 or prompt token indices. `span_position` finds a piece of text's last token. An interchange takes
 `source` (a text, read at `source_positions`, by default its last token; or a state tensor).
 Steering takes `concept` (a name or index) and `factor`; each may be one value or one per batch
-row, and `enabled` switches rows off.
+row, and `enabled` switches rows off. The factor is a concept dictionary's own (h + factor·m_c·w_c)
+and scales any other edit f*: h + factor·(f*(h) − h), f* itself at factor 1
+(`lit_interventions.inference.edits`).
 
 An artifact is checked against the LM before any hook is placed: another hidden size, or a site
 layer the LM does not have, is one ValueError naming both.
@@ -36,12 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
 from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.core.sites import Site
 from lit_interventions.inference.edits import ApplyRequest, Edit, install
 from lit_interventions.inference.positions import Positions
-from lit_interventions.interventions.base import CARD
+from lit_interventions.interventions.base import CARD, trusting_remote_code
+from lit_interventions.modules.steering_registry import load_steering_checkpoint
 
 
 class LoadedArtifact:
@@ -84,6 +89,21 @@ def artifact_config(directory: Path) -> dict:
     return {}
 
 
+def _load_path(artifact: str | Path, trust_remote_code: bool, download: dict) -> tuple[Any, dict]:
+    """(the object, its config) of a path: a steering module's Lightning `.ckpt`
+    (`load_steering_checkpoint`; its config is the card it exports), a concept dictionary's
+    NAME.safetensors / NAME.json or their stem (`Dictionary.load`), else a directory or hub id
+    (`from_pretrained`)."""
+    path = Path(artifact).expanduser()
+    if path.suffix == ".ckpt":
+        module = load_steering_checkpoint(path)
+        return module, module.export()[1]
+    if path.is_file() or path.with_name(path.name + ".safetensors").is_file():
+        return Dictionary.load(path), {}
+    directory = local_directory(artifact, **download)
+    return from_pretrained(directory, trust_remote_code=trust_remote_code), artifact_config(directory)
+
+
 def load_artifact(
     artifact: str | Path | LoadedArtifact | Any,
     *,
@@ -92,14 +112,15 @@ def load_artifact(
     **download: Any,
 ) -> LoadedArtifact:
     """A directory or hub id, loaded with `from_pretrained` (class paths registered, or
-    `trust_remote_code`), with its config; an object already loaded, with `site` (a `Site` or
+    `trust_remote_code`), with its config; a steering module's Lightning `.ckpt` or a concept
+    dictionary's file (`_load_path`); an object already loaded, with `site` (a `Site` or
     {"layer": ..., "component": ...}) when it does not carry its own."""
     if isinstance(artifact, LoadedArtifact):
         return artifact
     if isinstance(artifact, (str, Path)):
-        directory = local_directory(artifact, **download)
-        obj = from_pretrained(directory, trust_remote_code=trust_remote_code)
-        return LoadedArtifact(obj, artifact_config(directory), str(artifact))
+        with trusting_remote_code(trust_remote_code):
+            obj, config = _load_path(artifact, trust_remote_code, download)
+        return LoadedArtifact(obj, config, str(artifact))
     if isinstance(site, Site):
         site = {"layer": site.layer, "component": site.component}
     config = {"site": dict(site)} if site else {}

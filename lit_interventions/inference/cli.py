@@ -54,7 +54,12 @@ def parser() -> Parser:
     add("--prompt", type=str, required=True, help="the text to continue (a chat model's user turn)")
     add("--source", type=str | None, default=None, help="an interchange's source text")
     add("--concept", type=str | None, default=None, help="a dictionary concept: its name or index")
-    add("--factor", type=float, default=1.0, help="the steering factor (a dictionary: x the concept's max activation)")
+    add(
+        "--factor",
+        type=float,
+        default=1.0,
+        help="the steering factor (a dictionary: x the concept's max activation; any other edit f*: h + factor*(f*(h) - h))",
+    )
     add(
         "--positions",
         type=str,

@@ -15,6 +15,16 @@ Interchange interventions read their source state here (`source_states`): the so
 through the LM once, before any hook of this request is on it, and the state at the site is read
 at the source position (by default the source's last token). One source state replaces, through
 the intervention, every chosen position of the base.
+
+The steering factor. An artifact whose edit takes a `factor` of its own keeps its meaning (a
+concept dictionary: h + factor·m_c·w_c, m_c the concept's max activation; an intervention whose
+forward takes `factor`). Any other artifact's edit f*(h) (LoReFT, an interchange such as DAS, a
+LoRA adapter) is scaled by it (`scaled`):
+
+    f(h) = h + factor·(f*(h) − h)
+
+so factor 0 leaves h as it is, factor 1 is f*(h) itself (taken as it is, bit for bit, not
+recomputed), and factor 2 moves twice as far from h.
 """
 
 from __future__ import annotations
@@ -76,6 +86,16 @@ class ApplyRequest:
         if isinstance(values, (list, tuple)):
             return torch.as_tensor(values, dtype=dtype, device=rows.device)[rows]
         return torch.full(rows.shape, values, dtype=dtype, device=rows.device)
+
+
+def scaled(states: torch.Tensor, edited: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """h + factor·(f*(h) − h) per row, with f*(h) = `edited` itself where the factor is 1.
+    states, edited (n, d); factor (n,)."""
+    if bool((factor == 1).all()):
+        return edited
+    dtype = torch.promote_types(torch.promote_types(states.dtype, edited.dtype), torch.float32)
+    factor, h = factor.to(states.device, dtype)[:, None], states.to(dtype)
+    return torch.where(factor == 1, edited.to(dtype), h + factor * (edited.to(dtype) - h))
 
 
 def site_of(config: dict, where: str) -> tuple[int, str, int | tuple[int, ...] | None]:
@@ -193,7 +213,8 @@ def source_states(request: ApplyRequest, layer: int, component: str, where: str,
 def intervention_edits(intervention: nn.Module, config: dict, request: ApplyRequest, where: str) -> list[Edit]:
     """The edit of an intervention of the protocol at the site `config` records: f* =
     intervention(f(b), f(s)) for an interchange, intervention(f(b), concept_id, factor) for one
-    that edits base alone (steering: every position by default)."""
+    that edits base alone (steering: every position by default). One whose forward takes no
+    `factor` is scaled by the request's: f(b) + factor·(f* − f(b)) (`scaled`)."""
     layer, component, head = site_of(config, where)
     check_site(layer, component, request.lm, config, where, head)
     tensors = intervention.export()
@@ -212,13 +233,15 @@ def intervention_edits(intervention: nn.Module, config: dict, request: ApplyRequ
                 keywords["concept_id"] = request.per_row(concepts, rows, torch.long)
             if "factor" in context:
                 keywords["factor"] = request.per_row(request.factor, rows)
-            return intervention(states, None, **keywords)
+                return intervention(states, None, **keywords)
+            return scaled(states, intervention(states, None, **keywords), request.per_row(request.factor, rows))
 
         return [Edit(steer, positions, layer, component, head=head)]
     source = source_states(request, layer, component, where, head)
 
     def interchange(states, rows, inputs=None):
-        return intervention(states, source.to(states.device, states.dtype).expand_as(states))
+        edited = intervention(states, source.to(states.device, states.dtype).expand_as(states))
+        return scaled(states, edited, request.per_row(request.factor, rows))
 
     return [Edit(interchange, positions, layer, component, head=head)]
 

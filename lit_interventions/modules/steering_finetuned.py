@@ -32,6 +32,7 @@ class FinetunedSteeringModule(FrozenLMModule):
     """Shared loop: filter the batch to one concept, LM loss, AdamW with a linear schedule."""
 
     method = ""
+    edits_base_alone = True  # steering: the LM edited alone, no source state (`capabilities.SourceFree`)
 
     def _setup_common(
         self, lm: str, concept_id: int | None, lr: float, warmup_ratio: float, weight_decay: float, dtype: str

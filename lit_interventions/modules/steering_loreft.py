@@ -32,7 +32,7 @@ from torch import nn
 from lit_interventions.artifacts.hub import intervention_config, write_hub_files
 from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.core.sites import residual_hook, site_layer
-from lit_interventions.inference.edits import ApplyRequest, Edit, check_site, check_width
+from lit_interventions.inference.edits import ApplyRequest, Edit, check_site, check_width, scaled
 from lit_interventions.inference.positions import PositionTracker, prompt_ends
 from lit_interventions.interventions.base import save_intervention
 from lit_interventions.interventions.loreft import LoReFTIntervention
@@ -225,7 +225,8 @@ class LoReFTModule(FinetunedSteeringModule):
 
     def edits(self, config: dict, request: ApplyRequest, where: str = "the LoReFT module") -> list[Edit]:
         """What `lit_interventions.apply` does with it: Φ after each layer, at the module's
-        positions unless the request names others."""
+        positions unless the request names others, scaled by the request's factor: h +
+        factor·(Φ(h) − h) (`scaled`; Φ itself at factor 1)."""
         positions = request.positions.resolved(str(self.positions))
         config = {**config, "model": self.hparams.lm}
         edits = []
@@ -234,7 +235,7 @@ class LoReFTModule(FinetunedSteeringModule):
             check_width(intervention.hidden_size, request.lm, config, where)
 
             def fn(states, rows, inputs=None, intervention=intervention):
-                return intervention(states, None)
+                return scaled(states, intervention(states, None), request.per_row(request.factor, rows))
 
             edits.append(Edit(fn, positions, layer))
         return edits

@@ -1,14 +1,22 @@
 """AxBench steering evaluation: steer, generate, judge, choose the factor on one half, report on the other.
 
-    lit-interventions steer --config configs/steer_eval.yaml --dictionary PATH [--out DIR]
-    lit-interventions steer --config configs/steer_eval.yaml --checkpoint RUN_DIR
+    lit-interventions steer --config configs/steer_eval.yaml --artifact DIR_OR_HUB_ID [--out DIR]
+    lit-interventions steer --config configs/steer_eval.yaml --artifact [RUN_DIR_A, RUN_DIR_B]
 
-A dictionary steers Φ(h) = h + α·w at every position of its layer, α = factor × (the concept's
-max activation) (`Dictionary.steer`). A LoReFT / LoRA checkpoint has no strength: it is run once
-(factor 1.0) on its own concept. Per concept, N instructions are drawn (seeded); every
-(factor, instruction) is generated (left padding, the LM's chat template) and judged (concept,
-instruction relevance, fluency, overall = their harmonic mean). The factor with the best mean
-overall on the first half of the instructions is chosen; its scores on the other half are reported.
+An artifact is anything `lit-interventions generate` applies (a concept dictionary, an
+intervention, a LoReFT / LoRA steering module, a run directory, a hub id; `--dictionary` and
+`--checkpoint` are other spellings of `--artifact`), applied with `inference.apply.apply` at every
+factor. A concept dictionary steers Φ(h) = h + α·w at every position of its layer, α = factor ×
+(the concept's max activation) (AxBench §3.3, `Dictionary.edits`); any other artifact's edit f*
+(LoReFT, LoRA, a steering intervention) is scaled, Φ(h) = h + factor·(f*(h) − h), f* itself at
+factor 1 (`inference.edits.scaled`). An interchange intervention (DAS) needs a source text and is
+refused before the LM loads. A dictionary is evaluated on its chosen concepts, any other artifact
+on the one concept its config names.
+
+Per concept, N instructions are drawn (seeded); every (factor, instruction) is generated (left
+padding, the LM's chat template) and judged (concept, instruction relevance, fluency, overall =
+their harmonic mean). The factor with the best mean overall on the first half of the instructions
+is chosen; its scores on the other half are reported.
 
 Writes DIR/generations.jsonl (one line per generation, with the judge's replies), DIR/factors.csv
 (every factor × half), DIR/summary.csv (the reported scores per concept) and DIR/steering.png.
@@ -33,10 +41,16 @@ from lit_interventions.cli.studies import claim_out_dir, run_cli
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
 from lit_interventions.core.sharding import LoadOptions
-from lit_interventions.interventions.base import trusting_remote_code
+from lit_interventions.inference.apply import LoadedArtifact, apply
 from lit_interventions.metrics.judge import ASPECTS, Judge, chat_prompt, generate_replies
-from lit_interventions.modules.steering_registry import load_steering_checkpoint
-from lit_interventions.studies.steer_checks import FACTORS, check_settings, concept_cells, ready_judge, steered_lm
+from lit_interventions.studies.steer_checks import (
+    FACTORS,
+    artifact_paths,
+    check_settings,
+    concept_cells,
+    ready_judge,
+    steered_lm,
+)
 from lit_interventions.studies.steer_report import (
     FACTOR_COLUMNS,
     SCORES,
@@ -48,9 +62,9 @@ from lit_interventions.studies.steer_report import (
     write_report,
 )
 from lit_interventions.studies.steer_sources import (
-    CheckpointSteerer,
-    DictionarySteerer,
-    load_dictionary,
+    artifact_concepts,
+    artifact_method,
+    load_artifacts,
     load_instructions,
 )
 
@@ -59,20 +73,16 @@ __all__ = [
     "FACTOR_COLUMNS",
     "SCORES",
     "SUMMARY_COLUMNS",
-    "CheckpointSteerer",
-    "DictionarySteerer",
     "SteerPlan",
     "choose_and_report",
     "generate",
-    "load_dictionary",
+    "load_artifacts",
     "load_instructions",
     "main",
     "plan_steer_eval",
     "plot_factors",
     "run_steer_eval",
 ]
-
-_read_generations = read_generations  # its name before the split (tests import it from here)
 
 
 def generate(
@@ -112,12 +122,12 @@ def generate(
 
 @dataclass
 class SteerPlan:
-    """A checked steering evaluation: which steerer runs which concepts at which factors, on which
+    """A checked steering evaluation: which artifact runs which concepts at which factors, on which
     LM, with which instructions and generation settings, judged by whom, written where."""
 
     lm: str
     placement: LoadOptions
-    cells_of: dict  # steerer -> the concepts of it to evaluate
+    cells_of: dict  # LoadedArtifact -> the concepts of it to evaluate
     factors: list[float]
     pool: list[str]  # the instructions to draw from
     judge: Judge
@@ -130,19 +140,15 @@ class SteerPlan:
     top_k: int = 50
 
 
+_read_generations = read_generations  # its name before the split (tests import it from here)
+
+
 # --- plan: validate everything before generating ------------------------------------------------
-def _load_steerers(dictionary: str | None, checkpoint: str | list[str] | None, lm: str | None) -> list:
-    """One DictionarySteerer, or a CheckpointSteerer per checkpoint path."""
-    if dictionary is not None:
-        return [DictionarySteerer(load_dictionary(dictionary))]
-    paths = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
-    return [CheckpointSteerer(load_steering_checkpoint(p, lm)) for p in paths]
-
-
 def plan_steer_eval(
     *,
-    dictionary,
-    checkpoint,
+    artifact=None,
+    dictionary=None,
+    checkpoint=None,
     lm,
     concepts,
     factors,
@@ -159,30 +165,25 @@ def plan_steer_eval(
     trust_remote_code=False,
     top_k=50,
 ) -> SteerPlan:
-    """Check every argument, load the steerers, draw up the cells and claim the output directory
+    """Check every argument, read the artifacts (their tensors: an interchange intervention is
+    refused here, before the LM loads), draw up the cells and claim the output directory
     (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
     placement = LoadOptions(device_map, quantization)
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
-    factors = check_settings(
-        dictionary, checkpoint, factors, instructions, max_new_tokens, temperature, batch_size, top_k
-    )
-    with trusting_remote_code(trust_remote_code):
-        steerers = _load_steerers(dictionary, checkpoint, lm)
-    if dictionary is None:
-        factors = [1.0]
-    lm = steered_lm(steerers, lm)
-    cells_of = concept_cells(concepts, steerers, dictionary is not None)
-    pool = load_instructions(instruction_file, lm)
+    paths = artifact_paths(artifact, dictionary, checkpoint)
+    factors = check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k)
+    artifacts = load_artifacts(paths, trust_remote_code)
+    lm = steered_lm(artifacts, lm)
+    cells_of = concept_cells(concepts, artifacts)
+    pool = load_instructions(instruction_file)
     if len(pool) < instructions:
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
     judge = ready_judge(judge)
     out = Path(out)
-    method = steerers[0].method if len(steerers) == 1 else "+".join(sorted({s.method for s in steerers}))
     meta = {
         "lm": lm,
-        "method": method,
-        "dictionary": dictionary,
-        "checkpoint": checkpoint,
+        "method": "+".join(sorted({artifact_method(a) for a in artifacts})),
+        "artifact": paths,
         "instructions": instructions,
         "instruction_file": instruction_file,
         "max_new_tokens": max_new_tokens,
@@ -209,12 +210,12 @@ def plan_steer_eval(
 
 
 # --- run: generate and judge, one (concept, factor) cell at a time -----------------------------
-def _run_cell(plan: SteerPlan, model, tokenizer, steerer, concept: str, factor: float) -> list[dict]:
+def _run_cell(plan: SteerPlan, model, tokenizer, artifact: LoadedArtifact, concept: str, factor: float) -> list[dict]:
     """The rows of one cell: N instructions drawn for the concept (seeded by concept), generated
-    under the steerer at the factor, judged; the first N//2 are the "select" half."""
-    ci = steerer.concepts.index(concept)
+    with the artifact applied at the factor (`apply`), judged; the first N//2 are the "select" half."""
+    names, told = artifact_concepts(artifact)
     chosen = random.Random(f"{plan.seed}:{concept}").sample(plan.pool, plan.instructions)
-    with steerer.steer(model, concept, factor) as steered:
+    with apply(model, artifact, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
         responses = generate(
             steered,
             tokenizer,
@@ -229,9 +230,9 @@ def _run_cell(plan: SteerPlan, model, tokenizer, steerer, concept: str, factor: 
     select = plan.instructions // 2
     return [
         {
-            "method": steerer.method,
+            "method": artifact_method(artifact),
             "concept": concept,
-            "concept_id": ci,
+            "concept_id": names.index(concept),
             "factor": float(factor),
             "half": "select" if k < select else "report",
             "instruction_index": k,
@@ -273,9 +274,9 @@ def run_cells(plan: SteerPlan) -> list[dict]:
     work = [(s, c, f) for s, names in plan.cells_of.items() for c in names for f in plan.factors]
     todo = [(s, c, f) for s, c, f in work if done[(c, float(f))] < plan.instructions]
     with path.open("a") as sink, Progress(len(work), "steering cells", "cell", len(work) - len(todo)) as shown:
-        for steerer, concept, factor in todo:
+        for artifact, concept, factor in todo:
             shown.note(f"{concept}, factor {factor}")
-            cell = _run_cell(plan, model, tokenizer, steerer, concept, factor)
+            cell = _run_cell(plan, model, tokenizer, artifact, concept, factor)
             sink.write("".join(json.dumps(r) + "\n" for r in cell))
             sink.flush()
             rows += cell
@@ -285,7 +286,8 @@ def run_cells(plan: SteerPlan) -> list[dict]:
 
 # --- the evaluation: plan, run, report ----------------------------------------------------------
 def run_steer_eval(
-    dictionary: str | None = None,
+    artifact: str | list[str] | None = None,
+    dictionary: str | list[str] | None = None,
     checkpoint: str | list[str] | None = None,
     lm: str | None = None,
     concepts: str | list[str | int] | None = "all",
@@ -306,11 +308,15 @@ def run_steer_eval(
     """Run (or resume) the steering evaluation; returns the summary rows.
 
     Args:
-        dictionary: a released dictionary (`Dictionary.load`).
-        checkpoint: a trained LoReFT / LoRA run directory (or .ckpt), or a list of them (one concept each).
-        lm: the LM to steer (default: the dictionary's / checkpoint's model; must match it).
-        concepts: names or ids in the dictionary, or 'all'.
-        factors: steering factors (default the paper's 14); ignored for checkpoints (one run, 1.0).
+        artifact: what steers, one or a list: any artifact `lit-interventions generate` applies (a
+            concept dictionary, an intervention that edits the LM alone, a LoReFT / LoRA run
+            directory or .ckpt, a hub id). A dictionary is evaluated on its concepts, any other
+            artifact on the one concept its config names.
+        dictionary, checkpoint: other spellings of `artifact` (give exactly one of the three).
+        lm: the LM to steer (default: the model the artifacts were trained on; must match it).
+        concepts: names or ids among the artifacts' concepts, or 'all'.
+        factors: steering factors (default the paper's 14), each run for every artifact: a
+            dictionary's α = factor × max activation; any other edit f* is scaled, h + factor·(f* − h).
         instructions: N instructions per concept: the first N//2 choose the factor, the rest report.
         instruction_file: a JSON list or a text file of instructions (default: the AxBench data module's).
         max_new_tokens, temperature, top_k: generation (AxBench: 128, 1.0 and transformers' default
@@ -320,10 +326,11 @@ def run_steer_eval(
         out: output directory. seed: instruction sampling and generation seed.
         device_map, quantization: a steered LM larger than one device (`lit_interventions.core.sharding`):
             e.g. "auto" and "4bit".
-        trust_remote_code: import a class path a checkpoint names that is not a registered steering
-            module (only for checkpoints whose source you trust: importing runs its code).
+        trust_remote_code: import a class path an artifact names that is not registered (only for
+            artifacts whose source you trust: importing runs its code).
     """
     plan = plan_steer_eval(
+        artifact=artifact,
         dictionary=dictionary,
         checkpoint=checkpoint,
         lm=lm,
