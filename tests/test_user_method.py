@@ -265,3 +265,33 @@ def test_the_grid_refuses_an_objective_without_row_losses_and_the_sweep_one_that
     with pytest.raises(ValueError, match="method 'mdas': objective CauseIsoLoss.* trains on Iso pairs"):
         causalgym_sweep.run_sweep(methods=[mdas], lm=tiny_lm_dir("llama"), out=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_users_source_free_method_trained_by_train_py_is_scored_by_steer(tmp_path, tiny_lm_dir):
+    lm = tiny_lm_dir("llama")
+    config = _user_yaml(tmp_path, "configs/das.yaml", "Reflection")
+    fit = run_command(
+        "train.py", "fit", "--config", config, f"--model.lm={lm}", "--model.layer=1", "--data.train_pairs=12",
+        "--data.eval_pairs=4", f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu",
+        "--trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    run = str(tmp_path / TASK / "layer1" / "version_0")
+    (tmp_path / "instructions.json").write_text(json.dumps(["Tell me about rivers.", "Write a short poem."]))
+    out = tmp_path / "steer"
+    steer = [
+        "steer", "--artifact", run, "--instruction_file", str(tmp_path / "instructions.json"), "--out", str(out),
+        "--factors=[0.0, 1.0]", "--instructions=2", "--max_new_tokens=4", "--batch_size=2", "--temperature=0.0",
+        "--judge", json.dumps({"backend": "local", "lm": lm, "max_new_tokens": 3}),
+    ]  # fmt: skip
+    refused = run_command(*steer)  # its class is the user's: imported only when they trust it
+    assert refused.returncode == 2 and "tests.user_methods.Reflection" in refused.stderr
+    assert "trust_remote_code" in refused.stderr and not out.exists()
+    unnamed = run_command(*steer, "--trust_remote_code=true")  # trained on CausalGym: no concept of its own
+    assert unnamed.returncode == 2 and "names no concept to steer toward; give the one it is judged on" in unnamed.stderr
+    done = run_command(*steer, "--trust_remote_code=true", "--concepts=rivers")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert sorted({(r["concept"], r["factor"]) for r in rows}) == [("rivers", 0.0), ("rivers", 1.0)]
+    by_factor = {f: [r["response"] for r in rows if r["factor"] == f] for f in (0.0, 1.0)}
+    assert by_factor[0.0] != by_factor[1.0]  # the reflection changes what is generated

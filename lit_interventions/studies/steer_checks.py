@@ -62,10 +62,17 @@ def steered_lm(artifacts: list[LoadedArtifact], lm: str | None) -> str:
 def concept_cells(concepts, artifacts: list[LoadedArtifact]) -> dict:
     """{artifact: its concepts to evaluate}: the chosen ones (names or ids among all the
     artifacts' concepts, or 'all') of each artifact. Each artifact must name a concept (a
-    dictionary's, or the one its config records), and no concept may be steered by two."""
+    dictionary's, or the one its config records); one artifact that names none (an intervention
+    trained on another benchmark) is judged on the one concept name `concepts` gives. No concept
+    may be steered by two."""
+    if len(artifacts) == 1 and not artifact_concepts(artifacts[0])[0] and _one_name(concepts):
+        artifacts[0].config["concept"] = concepts  # what its edit is judged on
     named = {artifact: artifact_concepts(artifact)[0] for artifact in artifacts}
     if unnamed := [a.where for a, names in named.items() if not names]:
-        raise ValueError(f"{unnamed[0]} names no concept to steer toward; retrain with model.concept set")
+        raise ValueError(
+            f"{unnamed[0]} names no concept to steer toward; give the one it is judged on (--concepts NAME, "
+            "with one artifact) or retrain with model.concept set"
+        )
     every = [c for names in named.values() for c in names]
     if twice := sorted(c for c, n in Counter(every).items() if n > 1):
         raise ValueError(f"concept {twice[0]!r} is steered by two artifacts; evaluate them in separate runs (--out)")
@@ -76,6 +83,11 @@ def concept_cells(concepts, artifacts: list[LoadedArtifact]) -> dict:
         if chosen := [c for c in wanted if c in own]:
             cells_of[artifact] = chosen
     return cells_of
+
+
+def _one_name(concepts) -> bool:
+    """Whether `concepts` is one concept name (not 'all', not an id)."""
+    return isinstance(concepts, str) and bool(concepts.strip()) and concepts != "all" and not concepts.isdigit()
 
 
 def ready_judge(judge: dict | Judge | None) -> Judge:
