@@ -30,7 +30,7 @@ from lit_interventions.datamodules.pairs_files import PairRow, assign_splits, re
 from lit_interventions.core.batch import CAUSE, ISO
 from lit_interventions.core.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.core.pair_checks import refuse_identical_pairs
-from lit_interventions.inference.positions import encode_text, span_position
+from lit_interventions.core.positions import encode_text, span_position
 
 REGIONS = ("site", "last")
 FILE_SPLITS = {"train": "train", "val": "dev", "test": "eval"}  # the file's split -> the served split

@@ -12,7 +12,7 @@ import torch
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.core.sites import decoder_layers
 from lit_interventions.inference.apply import LoadedArtifact, apply
-from lit_interventions.inference.positions import Positions, encode_text, span_position
+from lit_interventions.core.positions import Positions, encode_text, span_position
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.interventions.attacks import GradientAttack

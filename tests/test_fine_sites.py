@@ -23,7 +23,7 @@ from lit_interventions.core.sites import (
 )
 from lit_interventions.export.cli import main as export_main
 from lit_interventions.inference.apply import apply
-from lit_interventions.inference.positions import encode_text
+from lit_interventions.core.positions import encode_text
 from lit_interventions.interventions.base import load_intervention
 from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule

@@ -15,7 +15,7 @@ from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.core.blocks import decoder_layers
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.sites import final_logits, residual_hook
-from lit_interventions.inference.positions import Positions, PositionTracker
+from lit_interventions.core.positions import Positions, PositionTracker
 from lit_interventions.interventions.loreft import loreft
 from lit_interventions.modules.steering_baselines import LoReFTModule
 from lit_interventions.modules.steering_loreft import instruction_ends

@@ -23,7 +23,7 @@ import torch
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.inference.generate import generate_pair
-from lit_interventions.inference.positions import encode_text
+from lit_interventions.core.positions import encode_text
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.serving.steered_server import SteeredLM, make_server, parser, serve_in_background

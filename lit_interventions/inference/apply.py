@@ -11,7 +11,7 @@
 
 An artifact is a run directory, a `save_pretrained` directory, a hub id or an object already
 loaded (`from_pretrained`). What it edits is its own `edits(config, request, where)`
-(`lit_interventions.inference.edits`): nothing here depends on its kind. Several artifacts given
+(`lit_interventions.core.edits`): nothing here depends on its kind. Several artifacts given
 as a list edit the LM together, with the same options; nested `apply` blocks compose too.
 
 Positions (`positions`): the artifact's own rule by default ("site": every position for
@@ -39,8 +39,8 @@ from torch import nn
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
 from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.core.sites import Site
-from lit_interventions.inference.edits import ApplyRequest, Edit, install
-from lit_interventions.inference.positions import Positions
+from lit_interventions.core.edits import ApplyRequest, Edit, install
+from lit_interventions.core.positions import Positions
 from lit_interventions.interventions.base import CARD
 
 

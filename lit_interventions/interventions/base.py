@@ -46,7 +46,7 @@ from lit_interventions.artifacts.hub import (
     write_hub_files,
 )
 from lit_interventions.core.files import check_finite, write_atomically
-from lit_interventions.inference.edits import ApplyRequest, Edit, intervention_edits
+from lit_interventions.core.edits import ApplyRequest, Edit, intervention_edits
 
 WEIGHTS, CARD = "intervention.safetensors", "intervention.json"
 

@@ -13,7 +13,7 @@ block (`layer`) or after each of several (`layers`, one independent intervention
   the generated tokens through the cached keys and values of the prompt.
 
 Positions count from each row's first real token, so left- and right-padded batches edit the
-same tokens (`inference.positions.prompt_ends`).
+same tokens (`core.positions.prompt_ends`).
 
 Saved: `layer` at every position keeps `LoReFTIntervention`'s own artifact (intervention kind;
 tensors rotation, weight, bias); any other setting is a steering artifact whose card records
@@ -32,8 +32,8 @@ from torch import nn
 from lit_interventions.artifacts.hub import intervention_config, write_hub_files
 from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.core.sites import residual_hook, site_layer
-from lit_interventions.inference.edits import ApplyRequest, Edit, check_site, check_width
-from lit_interventions.inference.positions import PositionTracker, prompt_ends
+from lit_interventions.core.edits import ApplyRequest, Edit, check_site, check_width
+from lit_interventions.core.positions import PositionTracker, prompt_ends
 from lit_interventions.interventions.base import save_intervention
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.loreft_artifact import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_interventions.inference.edits import STEERING_RULE, ApplyRequest, Edit, lm_name
+from lit_interventions.core.edits import STEERING_RULE, ApplyRequest, Edit, lm_name
 
 
 def lora_edits(tensors: dict[str, torch.Tensor], scale: float, request: ApplyRequest, config: dict, where: str):
