@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.core.blocks import decoder_layers
 from lit_interventions.core.lm import load_lm
-from lit_interventions.core.sites import final_logits, residual_hook
 from lit_interventions.core.positions import Positions, PositionTracker
+from lit_interventions.core.sites import final_logits, residual_hook
 from lit_interventions.interventions.loreft import loreft
 from lit_interventions.modules.steering_baselines import LoReFTModule
 from lit_interventions.modules.steering_loreft import instruction_ends
@@ -225,7 +225,7 @@ def test_training_on_the_prompt_ends_lowers_the_loss_and_round_trips(tiny_lm_dir
 
 
 def test_an_old_single_layer_card_loads_as_before(tiny_lm_dir, tmp_path):
-    from lit_interventions.interventions.base import write_tensors
+    from lit_interventions.artifacts.intervention_files import write_tensors
 
     torch.manual_seed(1)
     module = LoReFTModule(lm=tiny_lm_dir("llama"), layer=1, rank=2)

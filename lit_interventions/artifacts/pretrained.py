@@ -28,7 +28,7 @@ from typing import Any
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
-from lit_interventions.interventions.base import CARD, load_pretrained
+from lit_interventions.artifacts.intervention_files import CARD, load_pretrained
 from lit_interventions.interventions.featurizers import SAEFeaturizer
 from lit_interventions.modules.steering_registry import load_steering_checkpoint, registered_steering_modules
 

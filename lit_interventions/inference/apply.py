@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
+from lit_interventions.artifacts.intervention_files import CARD
 from lit_interventions.artifacts.pretrained import from_pretrained
-from lit_interventions.core.sites import Site
 from lit_interventions.core.edits import ApplyRequest, Edit, install
 from lit_interventions.core.positions import Positions
-from lit_interventions.interventions.base import CARD
+from lit_interventions.core.sites import Site
 
 
 class LoadedArtifact:

@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from lit_interventions.artifacts.hub import intervention_config, write_hub_files
-from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
-from lit_interventions.core.sites import residual_hook, site_layer
+from lit_interventions.artifacts.intervention_files import save_intervention
 from lit_interventions.core.edits import ApplyRequest, Edit, check_site, check_width
+from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.core.positions import PositionTracker, prompt_ends
-from lit_interventions.interventions.base import save_intervention
+from lit_interventions.core.sites import residual_hook, site_layer
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.loreft_artifact import (
     check_card,
