@@ -105,7 +105,7 @@ def load_intervention(directory: str | Path, *, trust_remote_code: bool = False)
     """(the rebuilt intervention, its card) from what `save_intervention` wrote. The card's class
     path is resolved by `loadable_class`."""
     where = Path(directory) / CARD
-    card = _read_card(where)
+    card = read_card(where)
     if "class_path" not in card:
         raise ValueError(f"{where} has no class_path (an older export?); read it with read_tensors")
     loadable_class_or_trusted(card["class_path"], where, trust_remote_code)  # refused before the weights are read
@@ -157,7 +157,7 @@ def loadable_class_or_trusted(path: object, where: Path, trust: bool) -> type:
         return loadable_class(path, where)
 
 
-def _read_card(where: Path) -> dict:
+def read_card(where: Path) -> dict:
     """The JSON card at `where` (intervention.json)."""
     try:
         card = json.loads(where.read_text())
