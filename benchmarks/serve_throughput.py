@@ -32,9 +32,9 @@ import openai
 import torch
 
 from lit_interventions.core.lm import load_lm, load_tokenizer
+from lit_interventions.core.positions import encode_text
 from lit_interventions.inference.apply import load_artifact
 from lit_interventions.inference.generate import prompt_text
-from lit_interventions.inference.positions import encode_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

@@ -9,7 +9,7 @@ and fitted on by closed-form methods through the same `site_labels`; the class o
 its sentence's label as written (a closed-form direction needs exactly two of them in train).
 
 Two regions: `site`, the last token of the row's `base_position` / `source_position` (found
-through the fast tokenizer's character offsets, `inference.positions.span_position`; the
+through the fast tokenizer's character offsets, `core.positions.span_position`; the
 sentence's last token where the row gives none), and `last`, the sentence's last token. A label
 of several tokens is scored by its first token, as CausalGym does (`causalgym.first_token`).
 
@@ -30,7 +30,7 @@ from lit_interventions.datamodules.pairs_files import PairRow, assign_splits, re
 from lit_interventions.core.batch import CAUSE, ISO
 from lit_interventions.core.lm import DEFAULT_LM, load_tokenizer
 from lit_interventions.core.pair_checks import refuse_identical_pairs
-from lit_interventions.inference.positions import encode_text, span_position
+from lit_interventions.core.positions import encode_text, span_position
 
 REGIONS = ("site", "last")
 FILE_SPLITS = {"train": "train", "val": "dev", "test": "eval"}  # the file's split -> the served split

@@ -32,8 +32,8 @@ _quiet_imports()  # before peft imports bitsandbytes, which logs an optional ker
 _API = {
     "Dictionary": "lit_interventions.artifacts.dictionary",
     "apply": "lit_interventions.inference.apply",
-    "encode_text": "lit_interventions.inference.positions",
-    "span_position": "lit_interventions.inference.positions",
+    "encode_text": "lit_interventions.core.positions",
+    "span_position": "lit_interventions.core.positions",
     "generate_pair": "lit_interventions.inference.generate",
     "from_pretrained": "lit_interventions.artifacts.pretrained",
     "AUROCCallback": "lit_interventions.callbacks.metrics",

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.artifacts.intervention_files import save_pretrained
+from lit_interventions.core.positions import Positions, encode_text, span_position
 from lit_interventions.core.sites import decoder_layers
 from lit_interventions.inference.apply import LoadedArtifact, apply
-from lit_interventions.inference.positions import Positions, encode_text, span_position
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.interventions.attacks import GradientAttack
@@ -153,7 +154,7 @@ def test_saved_artifacts_compose_and_load_from_directories(tmp_path, tiny_lm_dir
     token and a dictionary concept at every position give what each gives nested."""
     model, lm_dir = tiny_lm("llama"), tiny_lm_dir("llama")
     das = RotatedSpaceIntervention(HIDDEN, 1)
-    das.save_pretrained(tmp_path / "das", {"model": lm_dir, "layer": 2})
+    save_pretrained(tmp_path / "das", das, {"model": lm_dir, "layer": 2})
     _dictionary(lm_dir).save_pretrained(tmp_path / "dict")
     enc = encode_text(tokenizer, "The dog is here")
     options = dict(tokenizer=tokenizer, source="The keys", concept="second", factor=2.0)
@@ -338,7 +339,7 @@ def test_every_intervention_applies_from_its_directory(name, tmp_path, tiny_lm_d
     object gives, and changes the LM's output."""
     build, interchange = _interventions()[name]
     module = build()
-    module.save_pretrained(tmp_path, {"model": tiny_lm_dir("llama"), "layer": 1})
+    save_pretrained(tmp_path, module, {"model": tiny_lm_dir("llama"), "layer": 1})
     model, enc = tiny_lm("llama"), encode_text(tokenizer, "The dog is here")
     options = dict(tokenizer=tokenizer, source="The keys are there") if interchange else dict(concept=2, factor=3.0)
     with apply(model, str(tmp_path), **options):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.artifacts.intervention_files import save_pretrained
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.modules.steering_baselines import LoRAModule
 from tests.conftest import HIDDEN
@@ -40,7 +41,7 @@ def _saved(kind: str, directory, lm_dir: str):
                 "span": "dog",
                 "source_span": "keys",
             }
-        RotatedSpaceIntervention(HIDDEN, 1).save_pretrained(directory, card)
+        save_pretrained(directory, RotatedSpaceIntervention(HIDDEN, 1), card)
     return (directory / "README.md").read_text()
 
 

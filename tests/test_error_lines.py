@@ -27,11 +27,11 @@ from lit_interventions.datamodules.templates import BUILTIN_TEMPLATES
 from safetensors.torch import save_file
 
 from lit_interventions.artifacts.checkpoint_io import read_checkpoint
+from lit_interventions.artifacts.intervention_files import save_pretrained
 from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.cli.commands import main
 from lit_interventions.cli.lightning import _checkpoint_config
 from lit_interventions.core import lm
-from lit_interventions.interventions.base import save_pretrained
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 from lit_interventions.modules.probe import load_probe
 from lit_interventions.modules.steering_registry import load_steering_checkpoint

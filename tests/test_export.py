@@ -14,6 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.artifacts.intervention_files import save_pretrained
 from lit_interventions.core.hooks import site_hook
 from lit_interventions.core.sites import read_site
 from lit_interventions.export.cli import main
@@ -134,7 +135,7 @@ def test_gguf_one_concept_by_name_or_row_and_a_concept_dictionary(tiny_lm_dir, t
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["rental-services.gguf"]
     assert [p.name for p in (tmp_path / "b").iterdir()] == ["dogs.gguf"]
     rows = ConceptDictionary(3, HIDDEN, seed=4)
-    rows.save_pretrained(tmp_path / "rows", {"model": lm_dir, "layer": 1})  # its layer: config.json's site
+    save_pretrained(tmp_path / "rows", rows, {"model": lm_dir, "layer": 1})  # its layer: config.json's site
     _export("--artifact", tmp_path / "rows", "--to", "gguf-control-vector", "--out", tmp_path / "c", "--factor", "3")
     reader = gguf.GGUFReader(tmp_path / "c" / "concept-2.gguf")
     (tensor,) = reader.tensors
@@ -208,7 +209,7 @@ def test_pyvene_restores_das_with_our_logits(tiny_lm_dir, tiny_lm, tmp_path, cls
     torch.manual_seed(3)
     basis = torch.linalg.qr(torch.randn(HIDDEN, 2)).Q.T  # (k, d), orthonormal rows
     das = RotatedSpaceIntervention.from_tensors({"basis": basis}) if cls is RotatedSpaceIntervention else cls(basis)
-    das.save_pretrained(tmp_path / "das", {"model": lm_dir, "layer": layer, "component": component})
+    save_pretrained(tmp_path / "das", das, {"model": lm_dir, "layer": layer, "component": component})
     _export("--artifact", tmp_path / "das", "--to", "pyvene", "--out", tmp_path / "pv")
     intervenable = pyvene.IntervenableModel.load(str(tmp_path / "pv"), model)
     base, source = _ids(model.config.vocab_size, 1), _ids(model.config.vocab_size, 2)
@@ -235,7 +236,7 @@ def test_pyvene_restores_loreft_with_our_logits(tiny_lm_dir, tiny_lm, tmp_path):
     lm_dir, model = tiny_lm_dir("gpt2"), tiny_lm("gpt2")
     torch.manual_seed(5)
     loreft = LoReFTIntervention(HIDDEN, rank=3)
-    loreft.save_pretrained(tmp_path / "loreft", {"model": lm_dir, "layer": 1})
+    save_pretrained(tmp_path / "loreft", loreft, {"model": lm_dir, "layer": 1})
     _export("--artifact", tmp_path / "loreft", "--to", "pyvene", "--out", tmp_path / "pv")
     intervenable = pyvene.IntervenableModel.load(str(tmp_path / "pv"), model)
     ids = _ids(model.config.vocab_size, 3)
@@ -296,7 +297,7 @@ BAD_INPUT = {  # (format, out): the one error line, {out} standing for the out d
 
 @pytest.mark.parametrize("to,out", list(BAD_INPUT), ids=["unknown-format", "no-capability", "foreign-out-dir"])
 def test_bad_input_is_one_line_and_exit_2(tiny_lm_dir, tmp_path, to, out):
-    RotatedSpaceIntervention(HIDDEN, 1).save_pretrained(tmp_path / "das", {"model": tiny_lm_dir("llama"), "layer": 1})
+    save_pretrained(tmp_path / "das", RotatedSpaceIntervention(HIDDEN, 1), {"model": tiny_lm_dir("llama"), "layer": 1})
     (tmp_path / "theirs").mkdir()
     (tmp_path / "theirs" / "notes.txt").write_text("keep me")
     done = run_command("export", "--artifact", str(tmp_path / "das"), "--to", to, "--out", str(tmp_path / out))
@@ -306,7 +307,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_lm_dir, tmp_path, to, out):
 
 def test_options_an_artifact_does_not_take_and_layers_a_format_cannot_hold(tiny_lm_dir, tmp_path, capsys):
     lm_dir = tiny_lm_dir("llama")
-    RotatedSpaceIntervention(HIDDEN, 1).save_pretrained(tmp_path / "das", {"model": lm_dir, "layer": 1})
+    save_pretrained(tmp_path / "das", RotatedSpaceIntervention(HIDDEN, 1), {"model": lm_dir, "layer": 1})
     _dictionary(lm_dir, layer=0).save_pretrained(tmp_path / "dict0")
     refused = {
         (tmp_path / "das", "pyvene", "--concept", "dogs"): "--concept does not apply to RotatedSpaceIntervention: "

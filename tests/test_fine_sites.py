@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_interventions.artifacts.intervention_files import load_intervention, save_pretrained
 from lit_interventions.core.parts import BLOCKS, PER_HEAD, fused_layout
+from lit_interventions.core.positions import encode_text
 from lit_interventions.core.sites import (
     HEAD_COMPONENTS,
     Site,
@@ -23,8 +25,6 @@ from lit_interventions.core.sites import (
 )
 from lit_interventions.export.cli import main as export_main
 from lit_interventions.inference.apply import apply
-from lit_interventions.inference.positions import encode_text
-from lit_interventions.interventions.base import load_intervention
 from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 from tests.conftest import ARCHS, HIDDEN, LAYERS
@@ -301,7 +301,7 @@ def test_an_artifact_trained_at_a_fine_site_applies_there(component, head, tmp_p
     width = Site(1, component, head=head).width(model.config)
     das = RotatedSpaceIntervention(width, 2)
     card = {"model": tiny_lm_dir("llama"), "layer": 1, "component": component, "head": head}
-    das.save_pretrained(tmp_path, card)
+    save_pretrained(tmp_path, das, card)
     base, source = encode_text(tokenizer, "The dog is here"), encode_text(tokenizer, "The keys are there")
     with apply(model, str(tmp_path), tokenizer=tokenizer, source="The keys are there") as edited:
         got = edited(**base).logits[:, -1]
@@ -314,7 +314,7 @@ def test_an_artifact_trained_at_a_fine_site_applies_there(component, head, tmp_p
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert not torch.allclose(got, model(**base).logits[:, -1])
     wrong = {**card, "head": None} if head is not None else {**card, "component": "attention_output"}
-    das.save_pretrained(tmp_path / "wrong", wrong)
+    save_pretrained(tmp_path / "wrong", das, wrong)
     with pytest.raises(ValueError, match="needs|width|hidden size"):
         with apply(model, str(tmp_path / "wrong"), tokenizer=tokenizer, source="The keys are there"):
             pass
@@ -323,9 +323,11 @@ def test_an_artifact_trained_at_a_fine_site_applies_there(component, head, tmp_p
 def test_export_refuses_a_fine_site_with_one_line(tmp_path, tiny_lm_dir, capsys):
     lm_dir = tiny_lm_dir("llama")
     card = {"model": lm_dir, "layer": 1, "component": "attention_head", "head": 1}
-    RotatedSpaceIntervention(
-        Site(1, "attention_head", head=1).width(AutoConfig.from_pretrained(lm_dir)), 2
-    ).save_pretrained(tmp_path / "das", card)
+    save_pretrained(
+        tmp_path / "das",
+        RotatedSpaceIntervention(Site(1, "attention_head", head=1).width(AutoConfig.from_pretrained(lm_dir)), 2),
+        card,
+    )
     with pytest.raises(SystemExit) as exit_:
         export_main(["--artifact", str(tmp_path / "das"), "--to", "pyvene", "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2

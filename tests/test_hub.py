@@ -16,8 +16,14 @@ from huggingface_hub import ModelCard
 
 from lit_interventions.artifacts import hub
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.artifacts.intervention_files import (
+    load_pretrained,
+    pretrained_intervention,
+    push_intervention,
+    save_intervention,
+    save_pretrained,
+)
 from lit_interventions.artifacts.pretrained import from_pretrained
-from lit_interventions.interventions.base import load_pretrained, save_intervention
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 
 CARD = {
@@ -63,22 +69,22 @@ def _same_outputs(a, b, d=16):
 
 def test_intervention_round_trip_and_files(tmp_path):
     das = _das()
-    out = das.save_pretrained(tmp_path / "das", CARD)
+    out = save_pretrained(tmp_path / "das", das, CARD)
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "intervention.safetensors"]
     config = json.loads((out / "config.json").read_text())
     assert config["class_path"] == "lit_interventions.interventions.rotation.RotatedSpaceIntervention"
     assert config["config"] == das.config() and config["library_name"] == "lit-interventions"
     assert config["site"] == {"layer": 3, "region": "subject"} and config["metrics"] == CARD["metrics"]
     assert config["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["command"] == CARD["command"]
-    for loaded in (RotatedSpaceIntervention.from_pretrained(out), from_pretrained(out), load_pretrained(out)):
+    for loaded in (pretrained_intervention(RotatedSpaceIntervention, out), from_pretrained(out), load_pretrained(out)):
         assert type(loaded) is RotatedSpaceIntervention
         _same_outputs(das, loaded)
     with pytest.raises(TypeError, match="not a lit_interventions.interventions.rotation.FixedSubspaceIntervention"):
-        FixedSubspaceIntervention.from_pretrained(out)
+        pretrained_intervention(FixedSubspaceIntervention, out)
 
 
 def test_model_card_names_the_lm_layer_metrics_and_command(tmp_path):
-    out = _das().save_pretrained(tmp_path, CARD)
+    out = save_pretrained(tmp_path, _das(), CARD)
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "lit-interventions" and "lit-interventions" in card.data.tags
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -88,7 +94,7 @@ def test_model_card_names_the_lm_layer_metrics_and_command(tmp_path):
     assert "| `val/odds` | 2.5 |" in text and "| `val/iia` | 0.75 |" in text
     assert CARD["command"] in text and "agr_sv_num_pp" in text
     # an LM with no known hub id: no base_model in the front matter
-    out = _das().save_pretrained(tmp_path / "local", {**CARD, "model": str(tmp_path / "my-model")})
+    out = save_pretrained(tmp_path / "local", _das(), {**CARD, "model": str(tmp_path / "my-model")})
     assert ModelCard.load(out / "README.md").data.base_model is None
 
 
@@ -96,13 +102,13 @@ def test_old_intervention_directories_still_load(tmp_path):
     das = _das()
     save_intervention(tmp_path, das, CARD)  # intervention.safetensors + intervention.json only
     assert not (tmp_path / "config.json").exists()
-    for loaded in (RotatedSpaceIntervention.from_pretrained(tmp_path), from_pretrained(tmp_path)):
+    for loaded in (pretrained_intervention(RotatedSpaceIntervention, tmp_path), from_pretrained(tmp_path)):
         _same_outputs(das, loaded)
 
 
 def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
     das = _das()
-    served = das.save_pretrained(tmp_path / "served", CARD)
+    served = save_pretrained(tmp_path / "served", das, CARD)
     calls = []
 
     def fake_snapshot_download(repo_id, **kwargs):
@@ -110,7 +116,7 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
         return str(served)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    loaded = RotatedSpaceIntervention.from_pretrained("someone/das-agr", revision="v1")
+    loaded = pretrained_intervention(RotatedSpaceIntervention, "someone/das-agr", revision="v1")
     _same_outputs(das, loaded)
     assert calls[0][0] == "someone/das-agr" and calls[0][1]["revision"] == "v1"
     assert calls[0][1]["library_name"] == "lit-interventions"
@@ -146,7 +152,7 @@ def uploads(monkeypatch):
 
 
 def test_push_to_hub_uploads_the_directory(tmp_path, uploads):
-    out = _das().save_pretrained(tmp_path / "das", CARD)
+    out = save_pretrained(tmp_path / "das", _das(), CARD)
     (out / "events.out.tfevents.1").write_text("logs stay behind")
     assert hub.push_to_hub(out, "someone/das-agr", private=True) == "commit-info"
     (_, repo, created), (_, repo2, upload) = uploads
@@ -155,7 +161,7 @@ def test_push_to_hub_uploads_the_directory(tmp_path, uploads):
     assert {"config.json", "README.md", "intervention.safetensors"} <= set(upload["allow_patterns"])
     assert not any("tfevents" in pattern or "ckpt" in pattern for pattern in upload["allow_patterns"])
     # from the object: saved to a temporary directory first
-    assert _das().push_to_hub("someone/das-2", CARD) == "commit-info"
+    assert push_intervention(_das(), "someone/das-2", CARD) == "commit-info"
     assert uploads[-1][2]["files"] == ["README.md", "config.json", "intervention.safetensors"]
 
 
@@ -263,15 +269,15 @@ def test_export_dictionary_callback_writes_the_hub_layout(tmp_path, monkeypatch)
 def test_a_readme_or_config_of_someone_else_is_never_replaced(tmp_path):
     (tmp_path / "README.md").write_text("# my project\n")
     with pytest.raises(FileExistsError, match="README.md not written by lit-interventions"):
-        _das().save_pretrained(tmp_path, CARD)
+        save_pretrained(tmp_path, _das(), CARD)
     assert (tmp_path / "README.md").read_text() == "# my project\n" and not (tmp_path / "config.json").exists()
     (tmp_path / "README.md").unlink()
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(FileExistsError, match="config.json"):
         _dictionary("smollm2-135m-instruct").save_pretrained(tmp_path)
     # its own files are replaced: saving twice works
-    out = _das().save_pretrained(tmp_path / "own", CARD)
-    _das().save_pretrained(out, {**CARD, "layer": 4})
+    out = save_pretrained(tmp_path / "own", _das(), CARD)
+    save_pretrained(out, _das(), {**CARD, "layer": 4})
     assert json.loads((out / "config.json").read_text())["layer"] == 4
 
 

@@ -13,16 +13,11 @@ import torch
 from lightning.pytorch.utilities.parsing import AttributeDict
 from safetensors.torch import save_file
 
+from lit_interventions.artifacts.intervention_files import CARD, WEIGHTS, load_intervention, save_intervention
 from lit_interventions.callbacks.export import ExportIntervention
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.interventions.attacks import GradientAttack, RandomSignIntervention, fgsm, pgd
-from lit_interventions.interventions.base import (
-    CARD,
-    WEIGHTS,
-    InterventionProtocol,
-    load_intervention,
-    save_intervention,
-)
+from lit_interventions.interventions.base import InterventionProtocol
 from lit_interventions.interventions.directions import DiffMeanDirection, fit_intervention
 from lit_interventions.interventions.featurizers import (
     FeatureInterchange,
@@ -254,8 +249,8 @@ def test_interventions_import_no_lightning():
 
 
 def test_damaged_intervention_files_name_their_path(tmp_path):
+    from lit_interventions.artifacts.intervention_files import CARD, WEIGHTS, load_intervention, save_intervention
     from lit_interventions.interventions import RotatedSpaceIntervention
-    from lit_interventions.interventions.base import CARD, WEIGHTS, load_intervention, save_intervention
 
     save_intervention(tmp_path, RotatedSpaceIntervention(8, 2), {})
     weights = (tmp_path / WEIGHTS).read_bytes()

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.artifacts.steering_files import LoRAAdapter
 from lit_interventions.cli.commands import run
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.sites import final_logits
@@ -178,8 +179,10 @@ def test_lora_adapter_on_o_proj_changes_output_and_saves_only_adapter(tiny_lm_di
     config = json.loads((tmp_path / "config.json").read_text())  # the one artifact format
     assert config["kind"] == "steering" and config["class_path"].endswith("LoRAModule") and config["rank"] == 2
     assert "o_proj" in config["site"] and (tmp_path / "README.md").is_file()
-    by_kind = from_pretrained(tmp_path)  # an adapter needs its LM: the module, as load_steering_checkpoint
-    assert type(by_kind) is LoRAModule and abs(_loss(by_kind, loader) - after) < 1e-4
+    by_kind = from_pretrained(tmp_path)  # the adapter's weights and edits, without the LM
+    assert type(by_kind) is LoRAAdapter and by_kind.scaling == loaded.scaling
+    for key, value in loaded.export()[0].items():
+        torch.testing.assert_close(by_kind.tensors[key], value.float(), rtol=0, atol=0, msg=key)
     assert abs(float(lm_loss(load_lm(lm), next(iter(loader)))) - clean) < 1e-6  # shared LM untouched
 
 
@@ -190,8 +193,10 @@ def test_rslora_scales_by_alpha_over_root_rank_and_keeps_it_through_saving(tiny_
     assert peft_layer.scaling["default"] == module.scaling == 8 / 2  # α/√r, not α/r = 2
     loader = _batches(tokenizer)
     _fit(module, loader, tmp_path, steps=5)
-    loaded = from_pretrained(tmp_path)
+    loaded = load_steering_checkpoint(tmp_path)
     assert loaded.hparams.rslora is True and loaded.scaling == 4.0
+    adapter = from_pretrained(tmp_path)
+    assert adapter.scaling == 4.0 and adapter.peft_adapter()[0].use_rslora is True
     assert abs(_loss(loaded, loader) - _loss(module, loader)) < 1e-5
     assert json.loads((tmp_path / "config.json").read_text())["rslora"] is True
     assert loaded.peft_adapter()[0].use_rslora is True  # `export --to peft` writes it to adapter_config.json

@@ -12,10 +12,11 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.artifacts.steering_files import LoReFTSteering
 from lit_interventions.core.blocks import decoder_layers
 from lit_interventions.core.lm import load_lm
+from lit_interventions.core.positions import Positions, PositionTracker
 from lit_interventions.core.sites import final_logits, residual_hook
-from lit_interventions.inference.positions import Positions, PositionTracker
 from lit_interventions.interventions.loreft import loreft
 from lit_interventions.modules.steering_baselines import LoReFTModule
 from lit_interventions.modules.steering_loreft import instruction_ends
@@ -216,16 +217,23 @@ def test_training_on_the_prompt_ends_lowers_the_loss_and_round_trips(tiny_lm_dir
         f"layers.{layer}.{part}" for layer in (0, 1, 2) for part in ("rotation", "weight", "bias")
     }
     ids = next(iter(loader))["input_ids"]
-    for loaded in (load_steering_checkpoint(tmp_path), from_pretrained(tmp_path)):
-        assert type(loaded) is LoReFTModule and str(loaded.positions) == "f2+l2"
-        # R is rebuilt through the orthogonal parametrization: equal up to float32 round-off
-        torch.testing.assert_close(_logits(loaded, ids), _logits(module, ids), rtol=0, atol=1e-6)
-        assert _loss(loaded, loader) == pytest.approx(after, abs=1e-6)
+    loaded = load_steering_checkpoint(tmp_path)
+    assert type(loaded) is LoReFTModule and str(loaded.positions) == "f2+l2"
+    # R is rebuilt through the orthogonal parametrization: equal up to float32 round-off
+    torch.testing.assert_close(_logits(loaded, ids), _logits(module, ids), rtol=0, atol=1e-6)
+    assert _loss(loaded, loader) == pytest.approx(after, abs=1e-6)
+    steering = from_pretrained(tmp_path)  # the weights and their edits, without the LM
+    assert type(steering) is LoReFTSteering and str(steering.positions) == "f2+l2"
+    hidden = torch.randn(3, 32)
+    for layer, intervention in module.by_layer().items():
+        with torch.no_grad():
+            want = intervention(hidden, None)
+        torch.testing.assert_close(steering.by_layer[layer](hidden, None), want, rtol=0, atol=1e-6)
     assert abs(float(lm_loss(load_lm(lm), next(iter(loader)))) - clean) < 1e-6  # the shared LM is untouched
 
 
 def test_an_old_single_layer_card_loads_as_before(tiny_lm_dir, tmp_path):
-    from lit_interventions.interventions.base import write_tensors
+    from lit_interventions.artifacts.intervention_files import write_tensors
 
     torch.manual_seed(1)
     module = LoReFTModule(lm=tiny_lm_dir("llama"), layer=1, rank=2)

@@ -152,7 +152,7 @@ def test_other_cells_from_the_command_line_alone(overrides, kind, tmp_path, tiny
 
 
 def test_fitted_interventions_export_and_reload(tmp_path):
-    from lit_interventions.interventions.base import load_intervention, save_intervention
+    from lit_interventions.artifacts.intervention_files import load_intervention, save_intervention
     from lit_interventions.interventions.fitted import FeatureInterchangeFit
 
     g = torch.Generator().manual_seed(1)
@@ -214,7 +214,7 @@ def test_das_at_a_sub_block_component(tmp_path, tiny_lm_dir):
 def test_two_sites_composed(tmp_path, tiny_lm_dir):
     """configs/das_two_sites.yaml: DAS on the subject (layer 0 here) and on the object (layer 1) in
     one forward; each part trains; the composition equals both edits applied by hand."""
-    from lit_interventions.interventions.base import load_intervention
+    from lit_interventions.artifacts.intervention_files import load_intervention
 
     cli = _fit(
         "configs/das_two_sites.yaml",

@@ -40,7 +40,7 @@ from lit_interventions.interventions.registry import (
     registered_methods,
 )
 from lit_interventions.modules.interchange import InterchangeModule
-from lit_interventions.objectives import CounterfactualLoss
+from lit_interventions.objectives import CounterfactualLoss, build_objective
 from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies import ravel_sweep
 from tests.user_methods import Line
@@ -111,7 +111,7 @@ def test_registry_maps_short_names_to_specs():
     assert isinstance(method_spec("das").build(8), RotatedSpaceIntervention)
     assert method_spec("probe").build(8, seed=5).random_state == 5  # the sweep's seed, where the class has one
     dbm = method_spec("dbm")
-    assert dbm.lr == 0.01 and dbm.build_objective().sparsity == 0.001
+    assert dbm.lr == 0.01 and build_objective(dbm).sparsity == 0.001
     assert dbm.build(8).temperature_end == 1e-7
     with pytest.raises(ValueError, match="already registered"):
         register_method("das", "lit_interventions.interventions.rotation.RotatedSpaceIntervention")

@@ -15,19 +15,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lit_interventions.artifacts.pretrained import from_pretrained
-from lit_interventions.interventions import base
-from lit_interventions.interventions.attacks import GradientAttack
-from lit_interventions.interventions.base import (
+from lit_interventions.artifacts.intervention_files import (
     CARD,
     load_intervention,
     load_pretrained,
-    loadable_class,
-    register_intervention,
-    registered_interventions,
+    pretrained_intervention,
     save_intervention,
     save_pretrained,
 )
+from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.interventions import base
+from lit_interventions.interventions.attacks import GradientAttack
+from lit_interventions.interventions.base import loadable_class, register_intervention, registered_interventions
 from lit_interventions.interventions.compose import Composition
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.modules.probe import ProbeModule
@@ -102,7 +101,7 @@ def test_the_old_card_and_from_pretrained_refuse_it_too(tmp_path, planted):
     with pytest.raises(ValueError, match="not a registered class"):
         load_intervention(tmp_path)
     with pytest.raises(ValueError, match="not a registered class"):
-        RotatedSpaceIntervention.from_pretrained(tmp_path)
+        pretrained_intervention(RotatedSpaceIntervention, tmp_path)
     assert not marker.exists() and module not in sys.modules
 
 

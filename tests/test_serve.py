@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.artifacts.intervention_files import save_pretrained
 from lit_interventions.core.lm import load_lm, load_tokenizer
+from lit_interventions.core.positions import encode_text
 from lit_interventions.inference.generate import generate_pair
-from lit_interventions.inference.positions import encode_text
 from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.serving.steered_server import SteeredLM, make_server, parser, serve_in_background
@@ -269,7 +270,9 @@ def test_a_client_leaving_a_stream_stops_its_row_and_frees_its_slot(dictionary_d
 def test_any_artifact_that_edits_alone_is_served_and_an_interchange_is_refused(tmp_path, tiny_lm_dir, lm_and_tokenizer):
     lm, tokenizer = lm_and_tokenizer
     torch.manual_seed(5)
-    LoReFTIntervention(HIDDEN, rank=3).save_pretrained(tmp_path / "loreft", {"model": tiny_lm_dir("llama"), "layer": 1})
+    save_pretrained(
+        tmp_path / "loreft", LoReFTIntervention(HIDDEN, rank=3), {"model": tiny_lm_dir("llama"), "layer": 1}
+    )
     steered = SteeredLM(str(tmp_path / "loreft"), lm, tokenizer=tokenizer, max_new_tokens=8)
     server = make_server(steered)
     serve_in_background(server)
@@ -285,7 +288,7 @@ def test_any_artifact_that_edits_alone_is_served_and_an_interchange_is_refused(t
         server.shutdown()
         server.server_close()
         steered.close()
-    RotatedSpaceIntervention(HIDDEN, 1).save_pretrained(tmp_path / "das", {"model": tiny_lm_dir("llama"), "layer": 2})
+    save_pretrained(tmp_path / "das", RotatedSpaceIntervention(HIDDEN, 1), {"model": tiny_lm_dir("llama"), "layer": 2})
     with pytest.raises(ValueError, match="is an interchange intervention: give a source"):
         SteeredLM(str(tmp_path / "das"), lm, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be an integer >= 1"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.artifacts.intervention_files import save_pretrained
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.metrics.judge import Judge, JudgeScore, harmonic_mean
@@ -311,7 +312,7 @@ def test_an_interchange_artifact_is_refused_in_one_line_before_the_lm_loads(tmp_
     config names an LM that does not exist (and so does the judge's): reading that LM's config,
     loading it, or building the judge would end in another error."""
     missing = str(tmp_path / "no-such-lm")
-    das = RotatedSpaceIntervention(32, 1).save_pretrained(tmp_path / "das", {"model": missing, "layer": 1})
+    das = save_pretrained(tmp_path / "das", RotatedSpaceIntervention(32, 1), {"model": missing, "layer": 1})
     out = tmp_path / "out"
     done = run_command(
         *("steer", "--artifact", str(das), "--instruction_file", setup[2], "--out", str(out)),

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 import train
 from lit_interventions.core.lm import load_tokenizer
+from lit_interventions.core.positions import encode_text, span_position
 from lit_interventions.core.sites import logits_at, read_site
 from lit_interventions.inference.apply import apply
-from lit_interventions.inference.positions import encode_text, span_position
 
 
 def _fit(tmp_path, lm_dir, *extra):

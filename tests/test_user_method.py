@@ -288,7 +288,9 @@ def test_the_users_source_free_method_trained_by_train_py_is_scored_by_steer(tmp
     assert refused.returncode == 2 and "tests.user_methods.Reflection" in refused.stderr
     assert "trust_remote_code" in refused.stderr and not out.exists()
     unnamed = run_command(*steer, "--trust_remote_code=true")  # trained on CausalGym: no concept of its own
-    assert unnamed.returncode == 2 and "names no concept to steer toward; give the one it is judged on" in unnamed.stderr
+    assert (
+        unnamed.returncode == 2 and "names no concept to steer toward; give the one it is judged on" in unnamed.stderr
+    )
     done = run_command(*steer, "--trust_remote_code=true", "--concepts=rivers")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]

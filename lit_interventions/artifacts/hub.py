@@ -9,7 +9,7 @@ A saved artifact is one directory, the same on disk and on the hub:
 
     d = Dictionary.from_pretrained("checkpoints/axbench/builtin-diffmean")   # a directory ...
     d = Dictionary.from_pretrained("someone/smollm2-diffmean-l15")           # ... or a hub id
-    das = RotatedSpaceIntervention.from_pretrained("runs/das/.../version_0")  # any intervention class
+    das = pretrained_intervention(RotatedSpaceIntervention, "runs/das/.../version_0")  # artifacts.intervention_files
     x = from_pretrained("someone/repo")              # whichever config.json says (lit_interventions.from_pretrained)
     d.push_to_hub("someone/smollm2-diffmean-l15")    # save_pretrained to a temporary dir + upload
 
@@ -31,6 +31,7 @@ from typing import Any
 from lit_interventions.artifacts.card import LIBRARY, model_card
 from lit_interventions.core.files import finite_values, write_atomically
 from lit_interventions.core.model_cache import hub_offline_reason
+from lit_interventions.interventions.base import class_path
 
 CONFIG, README = "config.json", "README.md"
 INTERVENTION_FORMAT = "lit-interventions/intervention/v1"
@@ -44,12 +45,6 @@ HUB_KEYS = ("library_name", "kind", "weights", "class_path", "base_model", "site
 
 
 # --- what goes into config.json ------------------------------------------------------------------
-
-
-def class_path(obj_or_cls) -> str:
-    """The import path of a class (or of an object's class): ``package.module.Class``."""
-    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def base_model(lm: str | None) -> str | None:

@@ -170,13 +170,9 @@ def odds_heatmap(odds: np.ndarray, layers: list[int], regions: list[str], title:
     return save_figure(fig, path, dpi=DPI)
 
 
-def attribute_heatmap(rates: np.ndarray, rows: list[str], columns: list[str], title: str, path: str | Path) -> Path:
-    """rates: (intervened attribute, queried attribute) in [0, 1], NaN where not run (RAVEL Fig. 3a)."""
-    return save_figure(attribute_figure(rates, rows, columns, title), path, dpi=120)
-
-
 def attribute_figure(rates: np.ndarray, rows: list[str], columns: list[str], title: str):
-    """The figure of `attribute_heatmap`."""
+    """RAVEL's attribute heatmap (Fig. 3a): rates, (intervened attribute, queried attribute) in
+    [0, 1], NaN where not run."""
     fig, ax = plt.subplots(figsize=(1.6 + 0.9 * len(columns), 1.2 + 0.6 * len(rows)))
     image = ax.imshow(np.ma.masked_invalid(rates), vmin=0, vmax=1, aspect="auto", cmap="viridis")
     for i in range(len(rows)):

@@ -6,14 +6,13 @@ What a directory holds is read from its files, never from a class path they name
     kind          files                                        loads as
     intervention  intervention.safetensors + intervention.json  the intervention (DAS, DBM, LoReFT, ...)
     dictionary    dictionary.safetensors + dictionary.json      `Dictionary` (AxBench concepts)
-    steering      intervention.safetensors + intervention.json  the steering module (`LoRAModule`: the
-                  of a registered steering module                frozen LM with its adapter)
+    steering      intervention.safetensors + intervention.json  `LoRAAdapter` or `LoReFTSteering` (its
+                  of a LoRA or LoReFT run                        weights and edits, without the LM)
     sae           sae.safetensors + sae.json                    `SAEFeaturizer` (encode / decode)
 
-A steering module's class is the registered one its files name
-(`lit_interventions.modules.steering_registry`). A directory without config.json is an
-intervention when its intervention.json names a class path, and a steering module when it names
-none and its `method` is a registered steering module.
+A steering artifact is read by `lit_interventions.artifacts.steering_files`. A directory without
+config.json is an intervention when its intervention.json names a class path, and a steering
+artifact when it names none and its `method` is a steering method (`STEERING_METHODS`).
 
 The layout itself (config.json, the model card, downloads and uploads) is
 `lit_interventions.artifacts.hub`.
@@ -28,9 +27,9 @@ from typing import Any
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
-from lit_interventions.interventions.base import CARD, load_pretrained
+from lit_interventions.artifacts.intervention_files import CARD, load_pretrained
+from lit_interventions.artifacts.steering_files import STEERING_METHODS, load_steering
 from lit_interventions.interventions.featurizers import SAEFeaturizer
-from lit_interventions.modules.steering_registry import load_steering_checkpoint, registered_steering_modules
 
 SAE_WEIGHTS, SAE_CARD = "sae.safetensors", "sae.json"
 
@@ -42,7 +41,7 @@ def _load_sae(directory: Path) -> SAEFeaturizer:
 LOADERS: dict[str, Callable[[Path], Any]] = {
     "intervention": load_pretrained,
     "dictionary": Dictionary.load,
-    "steering": load_steering_checkpoint,
+    "steering": load_steering,
     "sae": _load_sae,
 }
 
@@ -64,7 +63,7 @@ def artifact_kind(directory: str | Path) -> str:
         return "sae"
     if (directory / CARD).is_file():
         card = _card(directory / CARD)
-        steering = "class_path" not in card and card.get("method") in registered_steering_modules()
+        steering = "class_path" not in card and card.get("method") in STEERING_METHODS
         return "steering" if steering else "intervention"
     if (directory / CONFIG).is_file():
         return "intervention"  # a config.json of ours without a kind: load_pretrained says what is wrong

@@ -7,18 +7,15 @@ from __future__ import annotations
 from lightning import Callback
 
 from lit_interventions.artifacts.hub import export_dir, intervention_config, trainer_command, write_hub_files_beside
+from lit_interventions.artifacts.intervention_files import (
+    CARD,
+    WEIGHTS,
+    save_intervention,
+)
 from lit_interventions.core.files import finite_values
 from lit_interventions.core.lm import num_layers
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.interventions.base import (  # noqa: F401  (re-exported: older imports)
-    CARD,
-    WEIGHTS,
-    InterventionProtocol,
-    load_intervention,
-    read_tensors,
-    save_intervention,
-    write_tensors,
-)
+from lit_interventions.interventions.base import InterventionProtocol
 
 
 def _site(site) -> dict:

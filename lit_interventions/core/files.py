@@ -5,6 +5,7 @@
   file or the new one, never half of one; the file gets the permissions `open` would give it.
 - `read_utf8`: a data file's text, or one error naming the file and the first byte that is not
   UTF-8.
+- `read_weights`: the tensors of a safetensors file (never a pickle), or one error naming it.
 - `check_finite` refuses tensors with NaN or infinite values before they are written or used;
   `finite_values` keeps the finite numbers of a metrics dict (a model card's, a config's).
 """
@@ -85,3 +86,24 @@ def finite_values(values: Mapping | None) -> dict[str, float]:
         if math.isfinite(value):
             out[str(name)] = value
     return out
+
+
+def read_weights(weights: Path, named_in: Path | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file `weights` (that the config `named_in` names); one clear
+    error naming the file when it is missing, unreadable (truncated, empty, another kind of file:
+    a pickle is never unpickled) or holds non-finite values."""
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(weights)
+    except FileNotFoundError:
+        named = f" ({named_in} names it as the weights)" if named_in is not None else ""
+        raise FileNotFoundError(f"{weights}: no such file{named}") from None
+    except Exception as err:  # truncated, empty, not safetensors
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise ValueError(
+            f"{weights} is unreadable ({type(err).__name__}{': ' + detail if detail else ''}); "
+            "restore the file or save it again"
+        ) from None
+    check_finite(tensors, weights, "load")
+    return tensors

@@ -11,7 +11,7 @@
 
 An artifact is a run directory, a `save_pretrained` directory, a hub id (`from_pretrained`), a
 steering module's Lightning `.ckpt`, a concept dictionary's file, or an object already loaded.
-What it edits is its own `edits(config, request, where)` (`lit_interventions.inference.edits`):
+What it edits is its own `edits(config, request, where)` (`lit_interventions.core.edits`):
 nothing here depends on its kind. Several artifacts given as a list edit the LM together, with
 the same options; nested `apply` blocks compose too.
 
@@ -22,7 +22,7 @@ or prompt token indices. `span_position` finds a piece of text's last token. An 
 Steering takes `concept` (a name or index) and `factor`; each may be one value or one per batch
 row, and `enabled` switches rows off. The factor is a concept dictionary's own (h + factor·m_c·w_c)
 and scales any other edit f*: h + factor·(f*(h) − h), f* itself at factor 1
-(`lit_interventions.inference.edits`).
+(`lit_interventions.core.edits`).
 
 An artifact is checked against the LM before any hook is placed: another hidden size, or a site
 layer the LM does not have, is one ValueError naming both.
@@ -41,11 +41,12 @@ from torch import nn
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
+from lit_interventions.artifacts.intervention_files import CARD
 from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.core.edits import ApplyRequest, Edit, install
+from lit_interventions.core.positions import Positions
 from lit_interventions.core.sites import Site
-from lit_interventions.inference.edits import ApplyRequest, Edit, install
-from lit_interventions.inference.positions import Positions
-from lit_interventions.interventions.base import CARD, trusting_remote_code
+from lit_interventions.interventions.base import trusting_remote_code
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 
 

@@ -19,11 +19,11 @@ import textwrap
 from transformers.utils import logging as transformers_logging
 
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
+from lit_interventions.core.edits import concept_index
 from lit_interventions.core.lm import load_lm, load_tokenizer
+from lit_interventions.core.positions import Positions
 from lit_interventions.inference.apply import LoadedArtifact, load_artifact
-from lit_interventions.inference.edits import concept_index
 from lit_interventions.inference.generate import generate_pair
-from lit_interventions.inference.positions import Positions
 
 
 def add_artifact_options(parser: Parser) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_interventions.core.positions import Positions, encode_text, span_position
 from lit_interventions.inference.apply import apply
-from lit_interventions.inference.positions import Positions, encode_text, span_position
 
 
 def prompt_text(tokenizer, prompt: str, chat: bool | None = None) -> tuple[str, bool]:

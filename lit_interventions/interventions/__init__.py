@@ -1,11 +1,6 @@
 """Interventions: pure torch modules mapping (f(b), f(s)) to f*(b, s). No Lightning here."""
 
-from lit_interventions.interventions.base import (
-    Intervention,
-    InterventionProtocol,
-    load_intervention,
-    save_intervention,
-)
+from lit_interventions.interventions.base import Intervention, InterventionProtocol
 from lit_interventions.interventions.capabilities import (
     Annealed,
     DirectionEstimator,
@@ -36,8 +31,6 @@ from lit_interventions.interventions.rotation import (
 __all__ = [
     "Intervention",
     "InterventionProtocol",
-    "load_intervention",
-    "save_intervention",
     "fit_intervention",
     "FixedSubspaceIntervention",
     "FullSubspaceSwap",

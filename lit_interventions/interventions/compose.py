@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lit_interventions.inference.edits import ApplyRequest, Edit, intervention_edits
+from lit_interventions.core.edits import ApplyRequest, Edit, intervention_edits
 from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
 from lit_interventions.interventions.capabilities import Annealed, Penalised, intervene, is_source_free
 

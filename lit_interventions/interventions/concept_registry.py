@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lit_interventions.artifacts.hub import class_path
-from lit_interventions.interventions.base import import_class
+from lit_interventions.interventions.base import class_path, import_class
 from lit_interventions.interventions.capabilities import Fitted, is_trained
 from lit_interventions.interventions.concept_methods import ConceptMethod
 

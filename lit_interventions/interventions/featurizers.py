@@ -34,13 +34,8 @@ from sklearn.decomposition import PCA
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 
-from lit_interventions.interventions.base import (
-    Intervention,
-    class_path,
-    loadable_class,
-    read_weights,
-    register_intervention,
-)
+from lit_interventions.core.files import read_weights
+from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
 from lit_interventions.interventions.feature_selection import (  # noqa: F401  (re-exported: feature selection)
     CLASSIFIERS,
     DEFAULT_C_GRID,

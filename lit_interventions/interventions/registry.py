@@ -17,7 +17,6 @@ from torch import nn
 
 from lit_interventions.interventions.base import import_class
 from lit_interventions.interventions.capabilities import Fitted, is_trained
-from lit_interventions.objectives import Objective
 
 FITTED, TRAINED, FIXED = "fitted", "trained", "fixed"  # what `kind` says of a built method
 
@@ -26,7 +25,8 @@ FITTED, TRAINED, FIXED = "fitted", "trained", "fixed"  # what `kind` says of a b
 class MethodSpec:
     """A method: `name` (the results' `method` column), `class_path` and `init_args` of what it
     builds, and for a trained one its loop's `lr`, `warmup_ratio` and `objective` ({class_path,
-    init_args} of an `Objective`; None: CausalGym's −log p*(y_s), `CounterfactualLoss`)."""
+    init_args} of an `Objective`, built by `lit_interventions.objectives.build_objective`; None:
+    CausalGym's −log p*(y_s), `CounterfactualLoss`)."""
 
     name: str
     class_path: str
@@ -65,15 +65,6 @@ class MethodSpec:
         params = built.get_params() if callable(getattr(built, "get_params", None)) else {}
         if "random_state" in params and "random_state" not in self.init_args:
             built.set_params(random_state=seed)
-        return built
-
-    def build_objective(self) -> Objective | None:
-        """The training objective `objective` names (None: the loop's default)."""
-        if self.objective is None:
-            return None
-        built = import_class(self.objective["class_path"])(**self.objective.get("init_args", {}))
-        if not isinstance(built, Objective):
-            raise ValueError(f"method {self.name!r}: objective {self.objective['class_path']!r} is not an Objective")
         return built
 
     def loop_options(self) -> tuple:

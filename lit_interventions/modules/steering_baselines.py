@@ -21,10 +21,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lit_interventions.core.edits import ApplyRequest, Edit
 from lit_interventions.core.lm import DEFAULT_LM, load_config, load_lm, num_layers
+from lit_interventions.core.lora import lora_edits
 from lit_interventions.core.parts import attention_output_modules
-from lit_interventions.inference.edits import ApplyRequest, Edit
-from lit_interventions.inference.lora import lora_edits
 from lit_interventions.modules.steering_finetuned import FinetunedSteeringModule
 from lit_interventions.modules.steering_loreft import LoReFTModule  # noqa: F401  (re-exported: configs name it here)
 from lit_interventions.modules.steering_objective import lm_loss

@@ -21,9 +21,9 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_interventions.artifacts.hub import artifact_config, write_hub_files
+from lit_interventions.artifacts.intervention_files import WEIGHTS, write_tensors
 from lit_interventions.core.lm import check_dtype
 from lit_interventions.core.optim import OptimizerArgs
-from lit_interventions.interventions.base import WEIGHTS, write_tensors
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_registry import CHECKPOINT_KEY
 

@@ -13,7 +13,7 @@ block (`layer`) or after each of several (`layers`, one independent intervention
   the generated tokens through the cached keys and values of the prompt.
 
 Positions count from each row's first real token, so left- and right-padded batches edit the
-same tokens (`inference.positions.prompt_ends`).
+same tokens (`core.positions.prompt_ends`).
 
 Saved: `layer` at every position keeps `LoReFTIntervention`'s own artifact (intervention kind;
 tensors rotation, weight, bias); any other setting is a steering artifact whose card records
@@ -30,19 +30,20 @@ import torch
 from torch import nn
 
 from lit_interventions.artifacts.hub import intervention_config, write_hub_files
-from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
-from lit_interventions.core.sites import residual_hook, site_layer
-from lit_interventions.inference.edits import ApplyRequest, Edit, check_site, check_width, scaled
-from lit_interventions.inference.positions import PositionTracker, prompt_ends
-from lit_interventions.interventions.base import save_intervention
-from lit_interventions.interventions.loreft import LoReFTIntervention
-from lit_interventions.modules.loreft_artifact import (
+from lit_interventions.artifacts.intervention_files import save_intervention
+from lit_interventions.artifacts.loreft_artifact import (
     check_card,
     check_layers,
     layer_tensors,
     loreft_positions,
     split_tensors,
 )
+from lit_interventions.artifacts.steering_files import LoReFTSteering
+from lit_interventions.core.edits import ApplyRequest, Edit
+from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
+from lit_interventions.core.positions import PositionTracker, prompt_ends
+from lit_interventions.core.sites import residual_hook, site_layer
+from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.steering_finetuned import FinetunedSteeringModule
 from lit_interventions.modules.steering_objective import lm_loss
 
@@ -219,26 +220,17 @@ class LoReFTModule(FinetunedSteeringModule):
         return path
 
     def to_pyvene_layers(self) -> dict[int, dict]:
-        """{layer: its intervention's `to_pyvene()`} (`lit-interventions export --to pyvene`): one
-        pyvene LoreftIntervention per layer; the positions are pyvene's `unit_locations`."""
-        return {layer: intervention.to_pyvene() for layer, intervention in self.by_layer().items()}
+        """{layer: its intervention's `to_pyvene()`} (`lit-interventions export --to pyvene`)."""
+        return self.artifact().to_pyvene_layers()
+
+    def artifact(self) -> LoReFTSteering:
+        """Its weights as the saved artifact loads (`LoReFTSteering`): what `apply` places on an LM."""
+        return LoReFTSteering(self.by_layer(), self.positions, self.hparams.lm)
 
     def edits(self, config: dict, request: ApplyRequest, where: str = "the LoReFT module") -> list[Edit]:
         """What `lit_interventions.apply` does with it: Φ after each layer, at the module's
-        positions unless the request names others, scaled by the request's factor: h +
-        factor·(Φ(h) − h) (`scaled`; Φ itself at factor 1)."""
-        positions = request.positions.resolved(str(self.positions))
-        config = {**config, "model": self.hparams.lm}
-        edits = []
-        for layer, intervention in self.by_layer().items():
-            check_site(layer, "block_output", request.lm, config, where)
-            check_width(intervention.hidden_size, request.lm, config, where)
-
-            def fn(states, rows, inputs=None, intervention=intervention):
-                return scaled(states, intervention(states, None), request.per_row(request.factor, rows))
-
-            edits.append(Edit(fn, positions, layer))
-        return edits
+        positions unless the request names others (`LoReFTSteering.edits`)."""
+        return self.artifact().edits(config, request, where)
 
 
 def _edit(intervention: LoReFTIntervention, chosen: Chooser) -> Callable[[torch.Tensor], torch.Tensor]:

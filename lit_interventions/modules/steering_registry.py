@@ -29,15 +29,10 @@ from pathlib import Path
 
 from lit_interventions.artifacts.card import LIBRARY
 from lit_interventions.artifacts.checkpoint_io import read_checkpoint
-from lit_interventions.artifacts.hub import CONFIG, class_path, read_config
-from lit_interventions.interventions.base import (
-    CARD,
-    import_class,
-    read_tensors,
-    read_weights,
-    remote_code_trusted,
-    weights_path,
-)
+from lit_interventions.artifacts.hub import CONFIG, read_config
+from lit_interventions.artifacts.intervention_files import CARD, read_tensors, weights_path
+from lit_interventions.core.files import read_weights
+from lit_interventions.interventions.base import class_path, import_class, remote_code_trusted
 
 CHECKPOINT_KEY = "steering_module"  # the registered name a Lightning checkpoint records
 _REGISTRY: dict[str, str] = {}  # name -> class path

@@ -19,8 +19,8 @@ from torch import nn
 from transformers import StoppingCriteriaList
 
 from lit_interventions.core.lm import check_device, load_lm, load_tokenizer
+from lit_interventions.core.positions import encode_text
 from lit_interventions.inference.apply import apply, load_artifact, request_for
-from lit_interventions.inference.positions import encode_text
 from lit_interventions.serving.batcher import Batcher, Job, RowsDone, RowStreamer
 from lit_interventions.serving.chat_request import chat_text, is_int
 from lit_interventions.serving.completion_request import Options, Steering

@@ -52,6 +52,7 @@ from lit_interventions.core.signals import raise_pending
 from lit_interventions.core.sites import BLOCK_OUTPUT, COMPONENTS, HEAD_COMPONENTS, KEY, VALUE, head_counts
 from lit_interventions.interventions.registry import TRAINED, MethodSpec
 from lit_interventions.modules.interchange import InterchangeModule
+from lit_interventions.objectives import build_objective
 from lit_interventions.studies import distributed
 from lit_interventions.studies.causalgym_report import SUMMARY_COLUMNS, summary_rows, write_heatmaps, write_summary_csv
 from lit_interventions.studies.causalgym_scoring import CONTROL, sweep_site, task_accuracy
@@ -152,7 +153,7 @@ def train_at_site(method: MethodSpec, lm: str, layer: int, component: str, head,
         layer=layer,
         region=data.region,
         intervention=method.build,
-        objective=method.build_objective(),
+        objective=build_objective(method),
         lr=method.lr,
         warmup_ratio=method.warmup_ratio,
         dtype=dtype,

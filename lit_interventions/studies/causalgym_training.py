@@ -29,6 +29,7 @@ from lit_interventions.core.files import write_atomically
 from lit_interventions.interventions.base import Intervention, import_class
 from lit_interventions.interventions.registry import MethodSpec, method_spec
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
+from lit_interventions.objectives import build_objective
 
 BASIS = "basis"  # the tensor kept under the region's name alone (DAS: {region: W})
 
@@ -42,7 +43,7 @@ def _module(method: MethodSpec, lm, sites, dtype, seed) -> MultiSiteInterchangeM
         lr=method.lr,
         warmup_ratio=method.warmup_ratio,
         intervention=method.build,
-        objective=method.build_objective(),
+        objective=build_objective(method),
     )
 
 

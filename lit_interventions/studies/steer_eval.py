@@ -9,7 +9,7 @@ intervention, a LoReFT / LoRA steering module, a run directory, a hub id; `--dic
 factor. A concept dictionary steers Φ(h) = h + α·w at every position of its layer, α = factor ×
 (the concept's max activation) (AxBench §3.3, `Dictionary.edits`); any other artifact's edit f*
 (LoReFT, LoRA, a steering intervention) is scaled, Φ(h) = h + factor·(f*(h) − h), f* itself at
-factor 1 (`inference.edits.scaled`). An interchange intervention (DAS) needs a source text and is
+factor 1 (`core.edits.scaled`). An interchange intervention (DAS) needs a source text and is
 refused before the LM loads. A dictionary is evaluated on its chosen concepts, any other artifact
 on the one concept its config names.
 

@@ -41,7 +41,7 @@ from lit_interventions.core.blocks import BLOCK_OUTPUT, check_component, decoder
 from lit_interventions.core.forward import read_layers
 from lit_interventions.core.hooks import site_hook
 from lit_interventions.core.lm import num_layers
-from lit_interventions.inference.positions import Positions, PositionTracker, encode_text
+from lit_interventions.core.positions import Positions, PositionTracker, encode_text
 
 STEERING_RULE, INTERCHANGE_RULE = "all", "last"
 

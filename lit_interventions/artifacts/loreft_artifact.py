@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_interventions.inference.positions import ENDS, Positions, parse_ends
+from lit_interventions.core.positions import ENDS, Positions, parse_ends
 
 PARTS = ("rotation", "weight", "bias")
 ORTHONORMAL_ATOL = 1e-3  # |R Rᵀ − I| allowed in a saved rotation (float32 round trips stay far below)

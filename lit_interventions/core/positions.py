@@ -194,10 +194,6 @@ class PositionTracker:
         self.last = width - 1 - mask.flip(1).argmax(1)  # the last real token (right padding)
         self.prompt_ids = ids.detach().cpu() if ids is not None else None
 
-    @property
-    def prompt_width(self) -> int:
-        return int(self.last.max()) + 1 if len(self.last) else 0
-
     def mask(self, positions: Positions, batch: int, device: torch.device) -> torch.Tensor:
         """(batch, chunk) bool: which positions of the current chunk `positions` edits (in the
         rows `enabled` leaves on)."""

@@ -1,14 +1,14 @@
 """A LoRA adapter applied to an LM with hooks (`lit_interventions.apply`): peft's LoRA forward,
 W₀x + (α/r)·B A x, on the modules the adapter names, removed again when the block ends (the LM is
 never modified in place). The request's factor scales the edit as for any artifact
-(`lit_interventions.inference.edits.scaled`): W₀x + factor·(α/r)·B A x, exactly peft's output at
+(`lit_interventions.core.edits.scaled`): W₀x + factor·(α/r)·B A x, exactly peft's output at
 factor 1."""
 
 from __future__ import annotations
 
 import torch
 
-from lit_interventions.inference.edits import STEERING_RULE, ApplyRequest, Edit, lm_name, scaled
+from lit_interventions.core.edits import STEERING_RULE, ApplyRequest, Edit, lm_name, scaled
 
 
 def lora_edits(tensors: dict[str, torch.Tensor], scale: float, request: ApplyRequest, config: dict, where: str):

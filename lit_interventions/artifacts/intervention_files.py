@@ -1,0 +1,194 @@
+"""An intervention's files, through its protocol (`export`, `config`, `from_tensors`).
+
+    save_pretrained(directory, intervention, card)   intervention.safetensors + config.json + README.md
+    load_pretrained(directory)                       the intervention again (registered classes only)
+    pretrained_intervention(cls, directory_or_hub_id)  the same from a directory or a hub id, checked to be a `cls`
+    push_intervention(intervention, repo_id, card)   save_pretrained to a temporary directory, then upload
+
+`save_intervention` / `load_intervention` write and read the older layout: ``intervention.safetensors``
+plus an ``intervention.json`` card holding ``class_path`` and ``config`` (a run's log directory
+still holds it beside config.json). A class path read from a file is resolved by
+`lit_interventions.interventions.base.loadable_class`: refused before it is imported unless it is
+registered or the caller passes `trust_remote_code=True`; a refusal happens before any weights
+are read. Weights are safetensors only (never a pickle), checked to be finite.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_interventions.artifacts.hub import (
+    CONFIG,
+    intervention_config,
+    local_directory,
+    push_to_hub,
+    read_config,
+    write_hub_files,
+)
+from lit_interventions.core.files import check_finite, read_weights, write_atomically
+from lit_interventions.interventions.base import InterventionProtocol, class_path, loadable_class, trusting_remote_code
+
+WEIGHTS, CARD = "intervention.safetensors", "intervention.json"
+
+
+def weights_path(directory: Path, name: object, where: str | Path) -> Path:
+    """The weights file `name` (from a saved config) inside `directory`: a plain file name only,
+    never a path that leaves the artifact's directory."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or ":" in name:
+        raise ValueError(f"{where}: weights={name!r} must be a file name inside {directory} (no path separators)")
+    return directory / name
+
+
+def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card: dict) -> Path:
+    """`intervention.safetensors` (float32, CPU) plus `intervention.json`, each written atomically.
+    Refuses non-finite tensors. Returns the safetensors path."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = directory / WEIGHTS
+    tensors = {k: v.detach().cpu().contiguous().float() for k, v in tensors.items()}
+    check_finite(tensors, weights, "write")
+    text = json.dumps(card, indent=2) + "\n"  # fails before anything is written if not JSON-able
+    write_atomically(weights, lambda tmp: save_file(tensors, tmp))
+    write_atomically(directory / CARD, text)
+    return weights
+
+
+def read_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and the card `write_tensors` wrote; refuses non-finite tensors."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    fix = "re-export it (fit again) or restore the file"
+    try:
+        tensors = load_file(directory / WEIGHTS)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{directory / WEIGHTS}: no such file (is {directory} an intervention's directory?)"
+        ) from None
+    except Exception as err:  # truncated, empty, not safetensors: SafetensorError and others
+        raise ValueError(
+            f"{directory / WEIGHTS} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); {fix}"
+        ) from None
+    check_finite(tensors, directory / WEIGHTS, "load")
+    try:
+        card = json.loads((directory / CARD).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{directory / CARD} is unreadable ({type(err).__name__}); {fix}") from None
+    return tensors, card
+
+
+def save_intervention(directory: str | Path, intervention: InterventionProtocol, card: dict) -> Path:
+    """Write `intervention.export()` and the card, with `class_path` and `config` added."""
+    card = {**card, "class_path": class_path(intervention), "config": intervention.config()}
+    return write_tensors(directory, intervention.export(), card)
+
+
+def _rebuild(cls_path: object, tensors: dict[str, torch.Tensor], config: object, where: Path, trust: bool):
+    """`cls.from_tensors(tensors, **config)` for the class `cls_path` names (see `loadable_class`)."""
+    with trusting_remote_code(trust):
+        cls = loadable_class(cls_path, where)
+        if not callable(getattr(cls, "from_tensors", None)):
+            raise ValueError(f"{where}: class_path={cls_path!r} is not an intervention class (no from_tensors)")
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: config={config!r} must be a JSON object")
+        return cls.from_tensors(tensors, **config)
+
+
+def load_intervention(directory: str | Path, *, trust_remote_code: bool = False) -> tuple[InterventionProtocol, dict]:
+    """(the rebuilt intervention, its card) from what `save_intervention` wrote. The card's class
+    path is resolved by `loadable_class`."""
+    where = Path(directory) / CARD
+    card = read_card(where)
+    if "class_path" not in card:
+        raise ValueError(f"{where} has no class_path (an older export?); read it with read_tensors")
+    loadable_class_or_trusted(card["class_path"], where, trust_remote_code)  # refused before the weights are read
+    tensors, card = read_tensors(directory)
+    return _rebuild(card["class_path"], tensors, card.get("config", {}), where, trust_remote_code), card
+
+
+# --- the Hugging Face layout (config.json + README.md card; see lit_interventions.artifacts.hub) ---------------
+
+
+def save_pretrained(directory: str | Path, intervention: InterventionProtocol, card: dict | None = None) -> Path:
+    """`directory` as a hub model repository: `intervention.safetensors`, `config.json` (class path,
+    config, and the card's model, layer/site, data, metrics, command) and a `README.md` model card.
+    Returns the directory."""
+    directory = Path(directory)
+    tensors = {k: v.detach().cpu().contiguous().float() for k, v in intervention.export().items()}
+    check_finite(tensors, directory / WEIGHTS, "write")
+    config = intervention_config(intervention, card or {})
+    json.dumps(config)  # not JSON-able: fails before anything is written
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write_atomically(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp))
+    write_hub_files(directory, config)
+    return directory
+
+
+def load_pretrained(directory: str | Path, *, trust_remote_code: bool = False) -> InterventionProtocol:
+    """The intervention `save_pretrained` (config.json) or `save_intervention` (intervention.json,
+    older directories) wrote to the local `directory`. Its class path (and those of its nested
+    parts) must be registered (`register_intervention`) unless `trust_remote_code`; a refusal
+    happens before any weights are read."""
+
+    directory = Path(directory)
+    config = read_config(directory) if (directory / CONFIG).is_file() else {}
+    if "class_path" not in config:  # an older directory (intervention.json only), or config.json not ours
+        if not (directory / CARD).is_file():
+            raise FileNotFoundError(f"{directory} holds neither a lit-interventions config.json nor {CARD}")
+        return load_intervention(directory, trust_remote_code=trust_remote_code)[0]
+    where = directory / CONFIG
+    loadable_class_or_trusted(config["class_path"], where, trust_remote_code)
+    tensors = read_weights(weights_path(directory, config.get("weights", WEIGHTS), where), where)
+    return _rebuild(config["class_path"], tensors, config.get("config", {}), where, trust_remote_code)
+
+
+def loadable_class_or_trusted(path: object, where: Path, trust: bool) -> type:
+    """`loadable_class(path, where)`, importing an unregistered class path only when `trust`."""
+    with trusting_remote_code(trust):
+        return loadable_class(path, where)
+
+
+def read_card(where: Path) -> dict:
+    """The JSON card at `where` (intervention.json)."""
+    try:
+        card = json.loads(where.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: no such file (is {where.parent} an intervention's directory?)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{where} is unreadable ({type(err).__name__}); re-export it or restore the file") from None
+    if not isinstance(card, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    return card
+
+
+def pretrained_intervention(
+    cls: type, directory_or_hub_id: str | Path, *, trust_remote_code: bool = False, **download: Any
+) -> InterventionProtocol:
+    """The intervention saved in a local directory or a hub repository (`snapshot_download`;
+    `download`: revision, token, cache_dir, local_files_only), which must be a `cls`: one of
+    another class is refused, and an unregistered class path unless `trust_remote_code`."""
+    directory = local_directory(directory_or_hub_id, **download)
+    intervention = load_pretrained(directory, trust_remote_code=trust_remote_code)
+    if not isinstance(intervention, cls):
+        raise TypeError(
+            f"{directory_or_hub_id} holds a {class_path(intervention)}, not a {class_path(cls)}; "
+            "load it with lit_interventions.from_pretrained"
+        )
+    return intervention
+
+
+def push_intervention(intervention: InterventionProtocol, repo_id: str, card: dict | None = None, **kwargs: Any):
+    """`save_pretrained` to a temporary directory, then upload it to `repo_id` (`push_to_hub`;
+    kwargs: private, token, commit_message, revision, create_pr)."""
+    with tempfile.TemporaryDirectory(prefix="lit-interventions-push-") as tmp:
+        save_pretrained(tmp, intervention, card)
+        return push_to_hub(tmp, repo_id, **kwargs)
