@@ -72,6 +72,7 @@ from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
 from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
 from lit_interventions.modules.multisite import grid_objective
+from lit_interventions.objectives import build_objective
 from lit_interventions.studies import distributed
 from lit_interventions.studies.causalgym_components import check_component, choose_heads, run_components
 from lit_interventions.studies.causalgym_report import overall, store_rows, store_summary, summarise, write_heatmaps
@@ -128,7 +129,7 @@ def choose_methods(methods: str | dict | list[str | dict]) -> list[MethodSpec]:
     if len(set(names)) != len(names):
         raise ValueError(f"methods {names} name a method twice: give each name once")
     for spec in specs:  # each objective is checked here, before any work
-        objective = grid_objective(spec.build_objective())
+        objective = grid_objective(build_objective(spec))
         if objective.uses_iso:
             raise ValueError(
                 f"method {spec.name!r}: objective {objective!r} trains on Iso pairs, which the sweep's "
