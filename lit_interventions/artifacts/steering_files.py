@@ -187,6 +187,19 @@ def steering_method(key: object, where: str | Path) -> str:
     )
 
 
+def names_known_steering(directory: str | Path) -> bool:
+    """Whether the steering artifact in `directory` names a method of `STEERING_METHODS` (its
+    config.json's class path, or its intervention.json's method), which `load_steering` loads as
+    weights; another (a steering module of the user's own) loads as its module
+    (`modules.steering_registry.load_steering_checkpoint`)."""
+    directory = Path(directory)
+    if (directory / CONFIG).is_file():
+        key = read_config(directory).get("class_path")
+    else:
+        key = read_card(directory / CARD).get("method") if (directory / CARD).is_file() else None
+    return isinstance(key, str) and any(key in (method, path) for method, path in STEERING_METHODS.items())
+
+
 def load_steering(directory: str | Path) -> LoRAAdapter | LoReFTSteering:
     """The steering artifact in `directory` (config.json of kind "steering", or an
     intervention.json without config.json), as the object `apply` and `export` use."""

@@ -42,7 +42,8 @@ from torch import nn
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
 from lit_interventions.artifacts.intervention_files import CARD
-from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.artifacts.pretrained import artifact_kind, from_pretrained
+from lit_interventions.artifacts.steering_files import names_known_steering
 from lit_interventions.core.edits import ApplyRequest, Edit, install
 from lit_interventions.core.positions import Positions
 from lit_interventions.core.sites import Site
@@ -94,7 +95,7 @@ def _load_path(artifact: str | Path, trust_remote_code: bool, download: dict) ->
     """(the object, its config) of a path: a steering module's Lightning `.ckpt`
     (`load_steering_checkpoint`; its config is the card it exports), a concept dictionary's
     NAME.safetensors / NAME.json or their stem (`Dictionary.load`), else a directory or hub id
-    (`from_pretrained`)."""
+    (`from_pretrained`; a steering run of a module of the user's own, `load_steering_checkpoint`)."""
     path = Path(artifact).expanduser()
     if path.suffix == ".ckpt":
         module = load_steering_checkpoint(path)
@@ -102,6 +103,9 @@ def _load_path(artifact: str | Path, trust_remote_code: bool, download: dict) ->
     if path.is_file() or path.with_name(path.name + ".safetensors").is_file():
         return Dictionary.load(path), {}
     directory = local_directory(artifact, **download)
+    if artifact_kind(directory) == "steering" and not names_known_steering(directory):
+        module = load_steering_checkpoint(directory)  # a steering module of the user's own: registered or trusted
+        return module, module.export()[1]
     return from_pretrained(directory, trust_remote_code=trust_remote_code), artifact_config(directory)
 
 
