@@ -56,17 +56,18 @@ import pyvene
 import torch
 import torch.nn.functional as F
 import yaml
-from lit_interventions.datamodules.axbench import AxBenchDataModule, load_concepts
+from lit_interventions.datamodules.axbench import AxBenchDataModule
+from lit_interventions.datamodules.axbench_files import load_concepts
 from measure import OneLineParser, alternate, built_cli, exit_if_unequal, report
 
 from lit_interventions.artifacts.dictionary import latent_values
 from lit_interventions.callbacks.metrics import safe_name
 from lit_interventions.cli.parsing import fail
+from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import DTYPES, check_device, hidden_size, load_config, num_layers
-from lit_interventions.core.sites import residual_hook
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.metrics.detection import ConceptAUROC, per_concept_shapes
-from lit_interventions.modules.steering import response_tokens
+from lit_interventions.modules.steering_closed_form import response_tokens
 from lit_interventions.modules.steering_objective import intervention_mask
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -96,7 +96,7 @@ def run_reference(lm: str, layer: int, task: str, steps: int, device: str, dtype
     from transformers import get_linear_schedule_with_warmup
 
     from lit_interventions.core.lm import load_lm
-    from lit_interventions.metrics import log_odds_ratio
+    from lit_interventions.metrics.odds import log_odds_ratio
 
     data = _data(lm, task, steps)
     torch.manual_seed(0)

@@ -39,7 +39,7 @@ from pathlib import Path
 import pyvene
 import torch
 import torch.nn.functional as F
-from lit_interventions.datamodules.ravel import load_ravel
+from lit_interventions.datamodules.ravel_files import load_ravel
 from measure import OneLineParser, alternate, built_cli, exit_if_unequal, pyvene_last_logits, report
 from pyvene.models.gemma2.modelings_intervenable_gemma2 import (
     gemma2_lm_type_to_dimension_mapping,

@@ -41,10 +41,10 @@ from measure import alternate, isolated, pyvene_last_logits, report
 from transformers import get_linear_schedule_with_warmup
 
 from lit_interventions.cli.studies import choose_layers
+from lit_interventions.core.forward import read_site
 from lit_interventions.core.lm import check_device, load_config, load_lm, num_layers
-from lit_interventions.core.sites import read_site
 from lit_interventions.interventions.directions import fit_direction
-from lit_interventions.metrics import log_odds_ratio
+from lit_interventions.metrics.odds import log_odds_ratio
 from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies import causalgym_training as training
 

@@ -41,8 +41,8 @@ from measure import alternate, report
 
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, check_device, load_lm, load_tokenizer
 from lit_interventions.core.surprisal import aggregate, encode_regions
-from lit_interventions.studies.syntaxgym import Suite, evaluate_suite, load_suite, sg_score, suite_paths
-from lit_interventions.studies.syntaxgym.score import judged
+from lit_interventions.studies.syntaxgym.score import evaluate_suite, judged, sg_score
+from lit_interventions.studies.syntaxgym.suites import Suite, load_suite, suite_paths
 
 FLOAT32_TOLERANCE = 1e-4
 # the default sample: one suite of each of the 10 families of phenomena (10,068 of the 34 suites'

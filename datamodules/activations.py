@@ -15,12 +15,13 @@ import math
 import numpy as np
 import torch
 from lightning import LightningDataModule
-from lit_interventions.datamodules.ravel import encode_prompt, load_ravel
+from lit_interventions.datamodules.ravel_files import encode_prompt, load_ravel
 from torch.utils.data import DataLoader, TensorDataset
 
+from lit_interventions.core.blocks import check_layer
+from lit_interventions.core.forward import read_layers
 from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, load_lm, load_tokenizer, num_layers
 from lit_interventions.core.loaders import split_loader
-from lit_interventions.core.sites import check_layer, read_layers
 from lit_interventions.core.surprisal import bos_prefix
 
 POSITIONS = ("entity", "all")

@@ -5,8 +5,7 @@ Layout (the published AxBench one, parquet or our JSONL): a concept directory ho
 `latent_eval_data.*` (per concept: positives, negatives and hard negatives, each row carrying the
 concept id it is evaluated for) and `metadata.jsonl` ({concept_id, concept, ref,
 concept_genres_map}). The built-in set in `datamodules/data/axbench/` is ours (see its README).
-Reading it: `axbench_files.py`; formatting rows and batching them: `axbench_format.py` (their
-names are re-exported here).
+Reading it: `axbench_files.py`; formatting rows and batching them: `axbench_format.py`.
 
 Batches carry the LM loss mask on the response (`response_mask`), the sequence label for
 detection (`label`: 1 positive, 0 negative, −1 left out of the AUROC; `category`), per-token concept labels (`token_labels`) and `content_mask`:
@@ -25,25 +24,17 @@ import warnings
 from functools import partial
 
 import pandas as pd
-from lit_interventions.datamodules.axbench_files import (  # noqa: F401  (re-exported: reading a concept directory)
-    BUILTIN_DIR,
-    CATEGORIES,
-    COLUMNS,
+from lit_interventions.datamodules.axbench_files import (
     EVAL_LABELS,
     NEGATIVE_POOL,
-    ConceptData,
     check_counts,
     load_concepts,
     load_instructions,
 )
-from lit_interventions.datamodules.axbench_format import (  # noqa: F401  (re-exported: formatting and collate)
+from lit_interventions.datamodules.axbench_format import (
     Example,
-    chat_prefix,
     collate,
-    common_length,
-    encode,
     has_chat_template,
-    split_chat,
     tokenize_rows,
 )
 from lit_interventions.datamodules.base import BenchmarkDataModule

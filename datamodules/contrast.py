@@ -25,16 +25,9 @@ scored for their pair's concept (label 0), positives as 1.
 from __future__ import annotations
 
 import pandas as pd
-from lit_interventions.datamodules.axbench import (
-    CATEGORIES,
-    CHAT_LM,
-    NEGATIVE_POOL,
-    AxBenchDataModule,
-    Example,
-    chat_tokenizer,
-    tokenize_rows,
-    warn_truncated,
-)
+from lit_interventions.datamodules.axbench import CHAT_LM, AxBenchDataModule, chat_tokenizer, warn_truncated
+from lit_interventions.datamodules.axbench_files import CATEGORIES, NEGATIVE_POOL
+from lit_interventions.datamodules.axbench_format import Example, tokenize_rows
 from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.contrast_files import assign_splits, concept_data, read_contrast
 

@@ -1,8 +1,7 @@
 """RAVEL DataModule: (entity, template) pairs the model answers correctly, turned into Cause and
 Iso interchange examples (Huang et al. 2024, §3-4). Reading the published files and encoding a
 prompt: `datamodules/ravel_files.py`; the example records: `ravel_examples.py` (batched by
-`core.batch.collate_pairs`); the model's cached answers: `ravel_answers.py` (their names are re-exported
-here)."""
+`core.batch.collate_pairs`); the model's cached answers: `ravel_answers.py`."""
 
 from __future__ import annotations
 
@@ -10,7 +9,10 @@ import random
 from functools import partial
 
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.datamodules.ravel_answers import (  # noqa: F401  (_first_token: re-exported)
+
+# _first_token (ravel_answers.py) and RavelData (ravel_files.py) are kept here only until
+# studies/calm_data.py and calm_plan.py import them from their own modules
+from lit_interventions.datamodules.ravel_answers import (  # noqa: F401  (see above)
     AnswerCache,
     _first_token,
     _value_tokens,
@@ -18,27 +20,18 @@ from lit_interventions.datamodules.ravel_answers import (  # noqa: F401  (_first
     greedy_tokens,
     named_value,
 )
-from lit_interventions.datamodules.ravel_examples import (  # noqa: F401  (re-exported: the records)
-    CAUSE,
-    ISO,
-    REGION,
-    Query,
-    RavelExample,
-)
-from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (re-exported: the data's reader and prompt encoding)
-    BUILTIN_RAVEL,
-    FILES,
+from lit_interventions.datamodules.ravel_examples import REGION, Query, RavelExample
+from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (see above)
     SPLITS,
     RavelData,
     encode_prompt,
-    entity_types,
     load_ravel,
     value_separator,
 )
 from torch.utils.data import DataLoader
 
 from lit_interventions.callbacks.metrics import DisentangleCallback
-from lit_interventions.core.batch import PairBatch, collate_pairs
+from lit_interventions.core.batch import CAUSE, ISO, PairBatch, collate_pairs
 from lit_interventions.core.lm import DEFAULT_LM, load_lm, load_tokenizer
 from lit_interventions.core.loaders import split_loader
 from lit_interventions.core.surprisal import bos_prefix

@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lit_interventions.core.forward import cache_keyword
-from lit_interventions.core.lm import cache_dir
-from lit_interventions.core.sites import logits_at
+from lit_interventions.core.forward import cache_keyword, logits_at
+from lit_interventions.core.model_cache import cache_dir
 from lit_interventions.core.tokens import pad_batch
 
 

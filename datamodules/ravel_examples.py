@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lit_interventions.core.batch import CAUSE, ISO  # noqa: F401  (an example's kind, re-exported)
-
 REGION = "entity"  # the one region of a RAVEL prompt: the entity's last token is the site
 
 

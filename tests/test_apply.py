@@ -11,10 +11,9 @@ import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.intervention_files import save_pretrained
+from lit_interventions.core.blocks import decoder_layers
 from lit_interventions.core.positions import Positions, encode_text, span_position
-from lit_interventions.core.sites import decoder_layers
 from lit_interventions.inference.apply import LoadedArtifact, apply
-from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.interventions.attacks import GradientAttack
 from lit_interventions.interventions.base import Intervention, register_intervention
@@ -23,7 +22,7 @@ from lit_interventions.interventions.directions import DiffMeanDirection
 from lit_interventions.interventions.featurizers import FeatureInterchange, FullVectorSwap, PCAFeaturizer, SAEFeaturizer
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.interventions.mask import SigmoidMaskIntervention
-from lit_interventions.interventions.rotation import FixedSubspaceIntervention
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.modules.probe import ProbeModule
 from lit_interventions.modules.steering_baselines import LoRAModule
 from tests.conftest import HIDDEN

@@ -6,18 +6,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from lit_interventions.datamodules.axbench import (
+from lit_interventions.datamodules.axbench import AxBenchDataModule
+from lit_interventions.datamodules.axbench_files import (
     BUILTIN_DIR,
     CATEGORIES,
     COLUMNS,
-    AxBenchDataModule,
-    collate,
-    encode,
     load_concepts,
     load_instructions,
-    split_chat,
-    tokenize_rows,
 )
+from lit_interventions.datamodules.axbench_format import collate, encode, split_chat, tokenize_rows
 
 from lit_interventions.core.lm import load_tokenizer
 

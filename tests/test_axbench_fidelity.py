@@ -9,15 +9,17 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
-from lit_interventions.datamodules.axbench import BUILTIN_DIR, CATEGORIES, AxBenchDataModule, load_concepts
+from lit_interventions.datamodules.axbench import AxBenchDataModule
+from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, CATEGORIES, load_concepts
 from sklearn.metrics import auc, roc_curve
 
 import lit_interventions.studies.steer_eval as steer_eval
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.callbacks.metrics import AUROCCallback
+from lit_interventions.interventions.additive import DEAD_MAX_ACTIVATION, steering_units
 from lit_interventions.metrics.detection import UNSCORED, ConceptAUROC
 from lit_interventions.metrics.judge_openai import OpenAIJudge
-from lit_interventions.modules.steering import DEAD_MAX_ACTIVATION, SteeringModule, steering_units
+from lit_interventions.modules.steering import SteeringModule
 
 # One concept: 3 positives, 3 negatives and 2 hard negatives that score above two positives.
 POSITIVES, NEGATIVES, HARD = [0.9, 0.6, 0.4], [0.1, 0.5, 0.2], [0.95, 0.7]

@@ -24,7 +24,8 @@ from lit_interventions.interventions.additive import (
 )
 from lit_interventions.interventions.concept_methods import ReFTR1Method, SSVMethod
 from lit_interventions.metrics.detection import ConceptAUROC, min_max_normalise, sequence_scores
-from lit_interventions.modules.steering import SteeringModule, fit_concept_direction
+from lit_interventions.modules.steering import SteeringModule
+from lit_interventions.modules.steering_closed_form import fit_concept_direction
 
 CONCEPTS = ["dogs", "giving"]
 
@@ -372,7 +373,7 @@ def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
     rows = make_rows(tokenizer)
     batch = collate([rows[0], rows[-1]])  # a positive of concept 0, a pool negative
     seen = {}
-    from lit_interventions.core.sites import residual_hook
+    from lit_interventions.core.hooks import residual_hook
 
     with residual_hook(module.lm, 1, lambda h: seen.setdefault("h", h)):
         module._steered_loss(batch)  # the hook at layer 1 runs first: it sees the clean states
@@ -516,7 +517,8 @@ def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
 
 def _hand_reft_r1_loss(module, batch, trained, k):
     """−log p(response) of the `trained` rows with Φ = h + mean(TopK over content)·w on content tokens only."""
-    from lit_interventions.core.sites import final_logits, residual_hook, run_body
+    from lit_interventions.core.forward import final_logits, run_body
+    from lit_interventions.core.hooks import residual_hook
 
     hidden = module.states(batch).detach()
     content = batch["content_mask"].bool()
@@ -572,7 +574,7 @@ def test_reft_r1_prefix_gets_no_intervention_and_is_never_in_the_topk(tiny_lm_di
     latents = torch.relu(hidden[0] @ module.dictionary.weight[0])
     assert latents.argmax() == 0
     seen = {}
-    from lit_interventions.core.sites import residual_hook
+    from lit_interventions.core.hooks import residual_hook
 
     with torch.no_grad(), residual_hook(module.lm, 2, lambda h: seen.setdefault("after", h)):
         lm_loss, l1 = module._steered_loss(batch)

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from lit_interventions.datamodules.axbench import BUILTIN_DIR
+from lit_interventions.datamodules.axbench_files import BUILTIN_DIR
 from test_axbench_methods import CONCEPTS, SyntheticConcepts, _trainer
 
 from lit_interventions.artifacts.dictionary import Dictionary

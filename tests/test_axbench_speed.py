@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from lit_interventions.datamodules.axbench import BUILTIN_DIR
+from lit_interventions.datamodules.axbench_files import BUILTIN_DIR
 
 from tests.helpers import BENCHMARKS, benchmark_module, run_benchmark
 

@@ -7,8 +7,9 @@ from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
 from lit_interventions.core.batch import PairBatch, Side, input_keys
 from lit_interventions.core.cache import ActivationCache
-from lit_interventions.core.sites import final_logits, logits_at, read_layers, stacked_hidden
-from lit_interventions.interventions import FixedSubspaceIntervention
+from lit_interventions.core.forward import final_logits, logits_at, read_layers
+from lit_interventions.core.stacked import stacked_hidden
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_interventions.core.sites import logits_at, read_layers
+from lit_interventions.core.forward import logits_at, read_layers
 from lit_interventions.interventions.attacks import (
     add,
     attack_spec,
@@ -268,7 +268,7 @@ def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):
 
 def test_study_ranks_within_each_task_answer_vocabulary(tiny_lm_dir, tmp_path, monkeypatch):
     """Every Competence of a task gets the first tokens of the queried attribute's values."""
-    from lit_interventions.datamodules.ravel import load_ravel, value_separator
+    from lit_interventions.datamodules.ravel_files import load_ravel, value_separator
 
     from lit_interventions.core.lm import load_tokenizer
     from lit_interventions.studies import calm

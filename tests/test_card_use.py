@@ -14,7 +14,7 @@ import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.intervention_files import save_pretrained
-from lit_interventions.interventions import RotatedSpaceIntervention
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.modules.steering_baselines import LoRAModule
 from tests.conftest import HIDDEN
 from tests.helpers import ROOT, run_command

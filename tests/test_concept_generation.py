@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from lit_interventions.datamodules.axbench import COLUMNS, AxBenchDataModule, load_concepts
+from lit_interventions.datamodules.axbench import AxBenchDataModule
+from lit_interventions.datamodules.axbench_files import COLUMNS, load_concepts
 from lit_interventions.datamodules.concepts_build import CACHE, GenerationCache, Settings, build_concepts
 from lit_interventions.datamodules.concepts_generators import Generator
 from lit_interventions.datamodules.concepts_recipe import (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lit_interventions.datamodules.axbench import CATEGORIES, NEGATIVE_POOL
+from lit_interventions.datamodules.axbench_files import CATEGORIES, NEGATIVE_POOL
 from lit_interventions.datamodules.contrast import ContrastDataModule
 from lit_interventions.datamodules.contrast_files import assign_splits, read_contrast
 from transformers import AutoModelForCausalLM

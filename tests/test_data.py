@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_interventions.cli import data
-from lit_interventions.cli.data import ChecksumError, Dataset, Remote, download, main
+from lit_interventions.cli import data, data_registry
+from lit_interventions.cli.data import ChecksumError, download, main
+from lit_interventions.cli.data_registry import Dataset, Remote
 from tests.helpers import free_port, run_command
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -87,7 +88,7 @@ def tiny(server, monkeypatch):
             Remote("data.tgz", "data.tgz", _sha(archive), members={k: _sha(v) for k, v in MEMBERS.items()}),
         ),
     )
-    monkeypatch.setitem(data.DATASETS, "tiny", dataset)
+    monkeypatch.setitem(data_registry.DATASETS, "tiny", dataset)
     return base_url, root, requested
 
 
@@ -121,10 +122,10 @@ def test_corrupted_archive_member_is_refused(tiny, tmp_path, monkeypatch):
     bad = dict(MEMBERS, **{"ravel_city_x.json": b"[]"})
     archive = _tgz(bad)
     (root / "data.tgz").write_bytes(archive)
-    good = data.DATASETS["tiny"]
+    good = data_registry.DATASETS["tiny"]
     members = {k: _sha(v) for k, v in MEMBERS.items()}
     files = (*good.files[:2], Remote("data.tgz", "data.tgz", _sha(archive), members=members))
-    monkeypatch.setitem(data.DATASETS, "tiny", Dataset(**{**good.__dict__, "files": files}))
+    monkeypatch.setitem(data_registry.DATASETS, "tiny", Dataset(**{**good.__dict__, "files": files}))
     with pytest.raises(ChecksumError, match=r"ravel_city_x\.json: expected " + members["ravel_city_x.json"]):
         download("tiny", tmp_path / "out", base_url=base_url)
     assert not (tmp_path / "out" / "ravel_city_x.json").exists()
@@ -147,9 +148,9 @@ def test_rerun_skips_verified_files_and_replaces_a_changed_one(tiny, tmp_path):
 
 def test_file_without_hash_is_downloaded_with_a_warning(tiny, tmp_path, monkeypatch):
     base_url, _, _ = tiny
-    good = data.DATASETS["tiny"]
+    good = data_registry.DATASETS["tiny"]
     files = (Remote("suites/tiny.json", "tiny.json", None),)
-    monkeypatch.setitem(data.DATASETS, "tiny", Dataset(**{**good.__dict__, "files": files}))
+    monkeypatch.setitem(data_registry.DATASETS, "tiny", Dataset(**{**good.__dict__, "files": files}))
     with pytest.warns(UserWarning, match="no sha256 recorded for tiny.json: verification skipped"):
         download("tiny", tmp_path / "out", base_url=base_url)
     assert (tmp_path / "out" / "tiny.json").read_bytes() == SUITE
@@ -190,20 +191,22 @@ def test_python_dash_m_runs(tmp_path):
         cwd=Path(__file__).resolve().parents[1],
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"error: unknown dataset 'nope'; valid: {', '.join(data.DATASETS)}"]
+    assert result.stderr.strip().splitlines() == [
+        f"error: unknown dataset 'nope'; valid: {', '.join(data_registry.DATASETS)}"
+    ]
 
 
 def test_registry_is_well_formed():
-    assert set(data.DATASETS) == {"causalgym", "syntaxgym", "ravel", "axbench-concept10", "axbench-concept500"}
-    for dataset in data.DATASETS.values():
+    assert set(data_registry.DATASETS) == {"causalgym", "syntaxgym", "ravel", "axbench-concept10", "axbench-concept500"}
+    for dataset in data_registry.DATASETS.values():
         assert re.fullmatch(r"https://raw\.githubusercontent\.com/[\w.-]+/[\w.-]+/[0-9a-f]{40}/", dataset.base_url)
         names = [r.name for r in dataset.files] + [m for r in dataset.files for m in r.members]
         assert len(names) == len(set(names)), dataset.name
         for remote in dataset.files:
             for sha in [remote.sha256, *remote.members.values()]:
                 assert sha is None or re.fullmatch(r"[0-9a-f]{64}", sha)
-    assert len(data.DATASETS["syntaxgym"].files) == 34 + 2
-    assert len(data.DATASETS["ravel"].files[0].members) == 25
+    assert len(data_registry.DATASETS["syntaxgym"].files) == 34 + 2
+    assert len(data_registry.DATASETS["ravel"].files[0].members) == 25
 
 
 LOCAL_COPIES = {
@@ -218,7 +221,7 @@ def test_registry_hashes_match_the_local_copies(name):
     folder = LOCAL_COPIES[name]
     if not folder.is_dir():
         pytest.skip(f"no local copy at {folder}; get it with: lit-interventions data {name} --out {folder}")
-    dataset = data.DATASETS[name]
+    dataset = data_registry.DATASETS[name]
     expected = {r.name: r.sha256 for r in dataset.files if not r.members}
     expected |= {m: sha for r in dataset.files for m, sha in r.members.items()}
     expected.pop("LICENSE", None)  # the AxBench licence sits one level up in the local copy
@@ -311,7 +314,7 @@ def test_console_script_a_failed_download_is_one_line_and_leaves_no_folder(serve
     url = f"{base_url}data/templates/syntaxgym.json"
     expected = {
         "missing": f"error: could not download {url}: HTTP Error 404: File not found",
-        "tampered": f"error: sha256 mismatch for templates.json: expected {data.DATASETS['causalgym'].files[0].sha256}",
+        "tampered": f"error: sha256 mismatch for templates.json: expected {data_registry.DATASETS['causalgym'].files[0].sha256}",
         "refused": f"error: could not download {url}: <urlopen error [Errno ",  # 111 (Linux), 61 (macOS)
     }[failure]
     assert failure != "refused" or "Connection refused>" in line

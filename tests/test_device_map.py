@@ -14,11 +14,12 @@ import torch
 from lit_interventions.datamodules.causalgym import CausalGymDataModule
 
 from lit_interventions.core.batch import PairBatch, Side
+from lit_interventions.core.blocks import decoder_layers
 from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.forward import logits_at, read_layers
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.sharding import LoadOptions, execution_device, input_device, is_dispatched
-from lit_interventions.core.sites import decoder_layers, logits_at, read_layers
-from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 from tests.conftest import HIDDEN, LAYERS
 from tests.helpers import token_batch
@@ -245,7 +246,7 @@ def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, token
     at every token, LoReFT through `lm_loss`) are the same with blocks on disk."""
     from lit_interventions.interventions.concept_methods import ReFTR1Method
     from lit_interventions.modules.steering import SteeringModule
-    from lit_interventions.modules.steering_baselines import LoReFTModule
+    from lit_interventions.modules.steering_loreft import LoReFTModule
     from tests.test_axbench_methods import CONCEPTS, collate, make_rows
 
     lm_dir = tiny_lm_dir("llama")
@@ -279,7 +280,7 @@ def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, token
 def test_generation_from_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, tokenizer, offload_dir):
     """steer_eval's generation (and the judge's inputs) go to where the embeddings compute, not
     to `model.device` (the first parameter's: "meta" when it is offloaded)."""
-    from lit_interventions.metrics.judge import generate_replies
+    from lit_interventions.metrics.judge_local import generate_replies
 
     plain, _, _ = _sharded(tiny_lm_dir, "gemma3", offload_dir)  # tied: the embeddings are on disk too
     sharded = load_lm(tiny_lm_dir("gemma3"), "float32", split_map(plain, 0), offload_folder=offload_dir)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
-from lit_interventions.core.sites import read_layers
+from lit_interventions.core.forward import read_layers
 
 
 def _dictionary(lm_dir, method="diffmean", d=32, names=("dogs", "giving", "rent")):

@@ -5,16 +5,16 @@ import pytest
 import torch
 from sklearn.base import clone
 
-from lit_interventions.interventions import (
+from lit_interventions.interventions.directions import (
     METHODS,
     DiffMeanDirection,
-    FixedSubspaceIntervention,
     LDADirection,
     ProbeDirection,
     RandomDirection,
     default_probe_strength,
     fit_direction,
 )
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 
 
 def two_classes(n=400, d=16, sep=4.0, seed=0, mix=None, offset=3.0):

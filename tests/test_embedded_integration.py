@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import train
+from lit_interventions.core.forward import logits_at
 from lit_interventions.core.lm import load_lm, load_tokenizer
-from lit_interventions.core.sites import logits_at
 from tests.helpers import run_command
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from lit_interventions.datamodules.axbench import AxBenchDataModule, load_concepts
+from lit_interventions.datamodules.axbench import AxBenchDataModule
+from lit_interventions.datamodules.axbench_files import load_concepts
 from lit_interventions.datamodules.causalgym import CausalGymDataModule
-from lit_interventions.datamodules.ravel import RavelDataModule, entity_types, load_ravel
+from lit_interventions.datamodules.ravel import RavelDataModule
+from lit_interventions.datamodules.ravel_files import entity_types, load_ravel
 from lit_interventions.datamodules.templates import load_task
 from safetensors.torch import load_file
 

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.intervention_files import save_pretrained
+from lit_interventions.core.forward import read_site
 from lit_interventions.core.hooks import site_hook
-from lit_interventions.core.sites import read_site
 from lit_interventions.export.cli import main
 from lit_interventions.export.formats import supported_formats
 from lit_interventions.export.pyvene_interventions import pyvene

@@ -12,10 +12,11 @@ import torch
 from lightning import Trainer
 from lit_interventions.datamodules.activations import ActivationsDataModule, RavelActivationsDataModule
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.datamodules.ravel import encode_prompt
+from lit_interventions.datamodules.ravel_files import encode_prompt
 from safetensors.torch import load_file
 from sklearn.linear_model import LogisticRegression
 
+from lit_interventions.interventions.feature_selection import select_features
 from lit_interventions.interventions.featurizers import (
     FeatureInterchange,
     FullVectorSwap,
@@ -24,7 +25,6 @@ from lit_interventions.interventions.featurizers import (
     featurize,
     fit_feature_interchange,
     keep_error_of,
-    select_features,
 )
 from lit_interventions.interventions.fitted import FeatureInterchangeFit
 from lit_interventions.modules.sae import CARD, WEIGHTS, ExportSAE, SAEModule, SparseAutoencoder
@@ -218,7 +218,7 @@ def test_grouped_holdout_keeps_groups_apart():
     groups = np.arange(600) // 6  # e.g. the entity of each row: 100 entities, 6 prompts each
     grouped = select_features(Z, labels, groups=groups)
     assert set(grouped.selected.tolist()) == {3, 7}
-    from lit_interventions.interventions.featurizers import _holdout
+    from lit_interventions.interventions.feature_selection import _holdout
 
     fit_rows, dev_rows = _holdout(600, 0.2, 0, groups)
     assert not set(groups[fit_rows]) & set(groups[dev_rows]) and len(dev_rows) == 120
@@ -425,8 +425,8 @@ def test_pca_interchange_from_ravel_batches(monkeypatch, tiny_lm_dir):
     (labels: the target attribute of the base entity) and run it in the tiny model."""
     from lit_interventions.datamodules.ravel import RavelDataModule
 
+    from lit_interventions.core.forward import logits_at, read_site
     from lit_interventions.core.lm import load_lm
-    from lit_interventions.core.sites import logits_at, read_site
 
     def oracle(self, model, queries):  # the tiny random model answers nothing: pretend it knows all
         return [list(self.value_tokens(q.template, self.data.entities[q.entity][q.attribute])) for q in queries]

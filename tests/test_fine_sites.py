@@ -11,18 +11,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_interventions.artifacts.intervention_files import load_intervention, save_pretrained
+from lit_interventions.core.blocks import HEAD_COMPONENTS, head_counts, site_width
+from lit_interventions.core.forward import logits_at, position_ids, read_layers, read_site
 from lit_interventions.core.parts import BLOCKS, PER_HEAD, fused_layout
 from lit_interventions.core.positions import encode_text
-from lit_interventions.core.sites import (
-    HEAD_COMPONENTS,
-    Site,
-    head_counts,
-    logits_at,
-    position_ids,
-    read_layers,
-    read_site,
-    site_width,
-)
+from lit_interventions.core.sites import Site
 from lit_interventions.export.cli import main as export_main
 from lit_interventions.inference.apply import apply
 from lit_interventions.interventions.rotation import RotatedSpaceIntervention

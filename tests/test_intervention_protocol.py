@@ -250,7 +250,7 @@ def test_interventions_import_no_lightning():
 
 def test_damaged_intervention_files_name_their_path(tmp_path):
     from lit_interventions.artifacts.intervention_files import CARD, WEIGHTS, load_intervention, save_intervention
-    from lit_interventions.interventions import RotatedSpaceIntervention
+    from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 
     save_intervention(tmp_path, RotatedSpaceIntervention(8, 2), {})
     weights = (tmp_path / WEIGHTS).read_bytes()

@@ -8,15 +8,12 @@ import urllib.request
 
 import pytest
 
-from lit_interventions.metrics.judge import (
-    PROMPTS,
-    OpenAIJudge,
-    generate_replies,
-    harmonic_mean,
-    make_judge,
-    parse_rating,
-)
-from lit_interventions.serving.judge_server import make_server, serve_in_background
+from lit_interventions.metrics.judge import make_judge
+from lit_interventions.metrics.judge_local import generate_replies
+from lit_interventions.metrics.judge_openai import OpenAIJudge
+from lit_interventions.metrics.judge_prompts import PROMPTS, harmonic_mean, parse_rating
+from lit_interventions.serving.http_server import serve_in_background
+from lit_interventions.serving.judge_server import make_server
 from tests.helpers import free_port as _free_port
 
 
@@ -71,7 +68,7 @@ def test_parse_rating_as_axbench_takes_the_last_rating(reply, expected):
 
 
 def test_default_prompts_carry_axbench_criteria():
-    from lit_interventions.metrics.judge import OUR_PROMPTS, PROMPT_STYLES
+    from lit_interventions.metrics.judge_prompts import OUR_PROMPTS, PROMPT_STYLES
 
     assert PROMPTS is PROMPT_STYLES["axbench"]
     fluency = PROMPTS["fluency"].lower()
@@ -88,7 +85,8 @@ def test_default_prompts_carry_axbench_criteria():
 
 
 def test_make_judge_sets_prompt_style_and_parsing():
-    from lit_interventions.metrics.judge import OUR_PROMPTS, make_judge
+    from lit_interventions.metrics.judge import make_judge
+    from lit_interventions.metrics.judge_prompts import OUR_PROMPTS
 
     judge = make_judge("openai", base_url="http://127.0.0.1:1/v1", model="x", prompt_style="ours", parsing="lenient")
     assert (judge.prompt_style, judge.parsing) == ("ours", "lenient")
@@ -241,7 +239,8 @@ def test_local_probability_judge_is_the_expected_rating(tiny_lm_dir, tokenizer):
     "Rating: [[", computed here by hand from one unpadded forward per prompt."""
     import torch
 
-    from lit_interventions.metrics.judge import LocalJudge, chat_prompt, make_judge
+    from lit_interventions.metrics.judge import make_judge
+    from lit_interventions.metrics.judge_local import LocalJudge, chat_prompt
 
     judge = make_judge("local", lm=tiny_lm_dir("llama"))
     assert isinstance(judge, LocalJudge) and judge.rating == "probability"

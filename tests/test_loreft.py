@@ -13,10 +13,12 @@ from torch.utils.data import DataLoader
 from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.artifacts.steering_files import LoRAAdapter
 from lit_interventions.cli.commands import run
+from lit_interventions.core.forward import final_logits
 from lit_interventions.core.lm import load_lm
-from lit_interventions.core.sites import final_logits
+from lit_interventions.core.parts import attention_output_modules
 from lit_interventions.interventions.loreft import LoReFTIntervention, loreft
-from lit_interventions.modules.steering_baselines import LoRAModule, LoReFTModule, attention_output_modules
+from lit_interventions.modules.steering_baselines import LoRAModule
+from lit_interventions.modules.steering_loreft import LoReFTModule
 from lit_interventions.modules.steering_objective import lm_loss
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 

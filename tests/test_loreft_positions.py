@@ -14,12 +14,12 @@ from torch.utils.data import DataLoader
 from lit_interventions.artifacts.pretrained import from_pretrained
 from lit_interventions.artifacts.steering_files import LoReFTSteering
 from lit_interventions.core.blocks import decoder_layers
+from lit_interventions.core.forward import final_logits
+from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import load_lm
 from lit_interventions.core.positions import Positions, PositionTracker
-from lit_interventions.core.sites import final_logits, residual_hook
 from lit_interventions.interventions.loreft import loreft
-from lit_interventions.modules.steering_baselines import LoReFTModule
-from lit_interventions.modules.steering_loreft import instruction_ends
+from lit_interventions.modules.steering_loreft import LoReFTModule, instruction_ends
 from lit_interventions.modules.steering_objective import lm_loss
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 from tests.helpers import ONE_QUIET_EPOCH, run_command

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.fitted import DirectionInterchange
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 
 COMMON = ["--trainer.enable_progress_bar=false", "--trainer.max_epochs=1"]
@@ -172,7 +172,7 @@ def test_fitted_interventions_export_and_reload(tmp_path):
 def test_das_at_a_sub_block_component(tmp_path, tiny_lm_dir):
     """configs/das_mlp.yaml: DAS at the MLP output, trained, scored, and its odds equal to an
     interchange written by hand at the real MLP module with the trained basis."""
-    from lit_interventions.core.sites import logits_at, read_site
+    from lit_interventions.core.forward import logits_at, read_site
 
     cli = _fit(
         "configs/das_mlp.yaml", tmp_path, tiny_lm_dir("gpt_neox"), "--data.train_pairs=24", "--data.eval_pairs=8"

@@ -17,7 +17,6 @@ import yaml
 from safetensors import safe_open
 from torch import nn
 
-from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.interventions.capabilities import (
     Annealed,
     DirectionEstimator,
@@ -39,6 +38,7 @@ from lit_interventions.interventions.registry import (
     register_method,
     registered_methods,
 )
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.objectives import CounterfactualLoss, build_objective
 from lit_interventions.studies import causalgym_sweep as sweep

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lit_interventions.metrics import InterchangeOdds, log_odds_ratio
+from lit_interventions.metrics.odds import InterchangeOdds, log_odds_ratio
 
 # Three examples over a 3-token vocabulary.
 BASE = torch.tensor([[2.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 4.0, 0.0]])

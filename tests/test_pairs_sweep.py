@@ -12,8 +12,8 @@ import pytest
 
 import train
 from lit_interventions.studies import causalgym_sweep as sweep
-from tests.helpers import ONE_QUIET_EPOCH, csv_rows
-from tests.test_pairs_data import PAIRS, example_rows, write_jsonl
+from tests.helpers import ONE_QUIET_EPOCH, csv_rows, write_jsonl
+from tests.test_pairs_data import PAIRS, example_rows
 
 LAYERS = [0, 1]
 REGIONS = ["site", "last"]

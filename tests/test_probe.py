@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_interventions.core.sites import read_site
+from lit_interventions.core.forward import read_site
 from lit_interventions.modules.probe import ProbeModule, load_probe, probe_loss, train_probe
 
 

@@ -9,8 +9,9 @@ import torch
 
 pyvene = pytest.importorskip("pyvene")
 
-from lit_interventions.core.sites import HEAD_COMPONENTS, PYVENE_NAMES, logits_at, read_site, site_width  # noqa: E402
-from lit_interventions.interventions import RotatedSpaceIntervention  # noqa: E402
+from lit_interventions.core.blocks import HEAD_COMPONENTS, PYVENE_NAMES, site_width  # noqa: E402
+from lit_interventions.core.forward import logits_at, read_site  # noqa: E402
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention  # noqa: E402
 from tests.conftest import HIDDEN  # noqa: E402
 
 # pyvene's head_{query,key,value}_output are commented out for GPT-NeoX; its mlp_activation is the

@@ -8,8 +8,8 @@ from lit_interventions.datamodules.ravel_answers import answer_hit, greedy_token
 
 from lit_interventions.core.batch import CAUSE, ISO, PairBatch, Side
 from lit_interventions.core.blocks import decoder_layers
-from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.featurizers import FullVectorSwap
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.metrics.disentangle import Disentanglement, answer_hits
 from lit_interventions.modules.generation import greedy_answers
 from lit_interventions.modules.interchange import InterchangeModule

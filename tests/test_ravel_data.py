@@ -6,15 +6,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from lit_interventions.datamodules.ravel import (
-    BUILTIN_RAVEL,
-    CAUSE,
-    ISO,
-    RavelDataModule,
-    load_ravel,
-    value_separator,
-)
+from lit_interventions.datamodules.ravel import RavelDataModule
 from lit_interventions.datamodules.ravel_answers import _value_tokens, answer_hit
+from lit_interventions.datamodules.ravel_files import BUILTIN_RAVEL, load_ravel, value_separator
+
+from lit_interventions.core.batch import CAUSE, ISO
 
 SHARED_RAVEL = Path(__file__).resolve().parents[2] / "shared" / "data" / "ravel"
 

@@ -5,7 +5,8 @@ is one error line."""
 
 import pytest
 import torch
-from lit_interventions.datamodules.ravel import RavelDataModule, load_ravel
+from lit_interventions.datamodules.ravel import RavelDataModule
+from lit_interventions.datamodules.ravel_files import load_ravel
 
 from tests.helpers import benchmark_module, oracle, run_benchmark
 

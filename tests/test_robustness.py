@@ -54,7 +54,7 @@ def fake_gguf(tmp_path, monkeypatch, tiny_lm_dir):
 def test_conversion_writes_a_manifest_and_is_reused(fake_gguf):
     gguf, calls = fake_gguf
     target = Path(lm.resolve(str(gguf)))
-    manifest = json.loads((target / lm.MANIFEST).read_text())["files"]
+    manifest = json.loads((target / model_cache.MANIFEST).read_text())["files"]
     assert manifest["model.safetensors"]["size"] == (target / "model.safetensors").stat().st_size
     assert len(manifest["model.safetensors"]["sha256"]) == 64 and "config.json" in manifest
     assert lm.resolve(str(gguf)) == str(target) and len(calls) == 1  # no second conversion
@@ -84,7 +84,7 @@ def test_damaged_cache_is_converted_again_with_a_warning(fake_gguf, tiny_lm_dir,
     with pytest.warns(UserWarning, match=rf"model cache {target} is damaged .*model.safetensors.*converting"):
         again = lm.resolve(str(gguf))
     assert again == str(target) and len(calls) == 2
-    assert lm.check_converted(target) is None
+    assert model_cache.check_converted(target) is None
     model = lm.load_lm(str(gguf))
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -102,15 +102,15 @@ def test_a_cache_file_rewritten_in_place_with_its_size_and_mtime_kept_is_caught(
     monkeypatch.setattr(model_cache, "_VERIFIED", set())  # a new process: nothing verified yet
     with pytest.warns(UserWarning, match=r"model.safetensors was modified after conversion .*converting"):
         lm.resolve(str(gguf))
-    assert len(calls) == 2 and lm.check_converted(target) is None
+    assert len(calls) == 2 and model_cache.check_converted(target) is None
 
 
 def test_cache_without_manifest_is_checked_and_adopted(fake_gguf):
     gguf, calls = fake_gguf
     target = Path(lm.resolve(str(gguf)))
-    (target / lm.MANIFEST).unlink()  # made by an older version
-    assert lm.resolve(str(gguf)) == str(target) and (target / lm.MANIFEST).is_file() and len(calls) == 1
-    (target / lm.MANIFEST).unlink()
+    (target / model_cache.MANIFEST).unlink()  # made by an older version
+    assert lm.resolve(str(gguf)) == str(target) and (target / model_cache.MANIFEST).is_file() and len(calls) == 1
+    (target / model_cache.MANIFEST).unlink()
     data = (target / "model.safetensors").read_bytes()
     (target / "model.safetensors").write_bytes(data[:-100])
     with pytest.warns(UserWarning, match="model.safetensors is .* bytes but its header describes"):
@@ -120,12 +120,12 @@ def test_cache_without_manifest_is_checked_and_adopted(fake_gguf):
 
 def test_stale_staging_of_a_killed_conversion_is_removed(fake_gguf, tmp_path):
     gguf, calls = fake_gguf
-    parent = lm.cache_dir()
+    parent = model_cache.cache_dir()
     parent.mkdir(parents=True)
     # a conversion killed before it finished: its lock file is held by no one
     killed = parent / ".converting-killed"
     killed.mkdir()
-    (killed / lm.LOCK).touch()
+    (killed / model_cache.LOCK).touch()
     (killed / "model.safetensors").write_bytes(b"\0" * 1000)
     # one from an older version (no lock), hours old
     old = parent / ".converting-old"
@@ -142,7 +142,7 @@ def test_stale_staging_of_a_killed_conversion_is_removed(fake_gguf, tmp_path):
                 "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY); "
                 "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"
             ),
-            str(live / lm.LOCK),
+            str(live / model_cache.LOCK),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -155,7 +155,7 @@ def test_stale_staging_of_a_killed_conversion_is_removed(fake_gguf, tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    assert lm.clean_stale_staging(parent) == [live]  # its process is gone now
+    assert model_cache.clean_stale_staging(parent) == [live]  # its process is gone now
 
 
 def test_a_copy_of_the_gguf_elsewhere_reuses_its_conversion(fake_gguf, tmp_path):
@@ -199,7 +199,7 @@ def fake_gemma_package(tmp_path, monkeypatch):
 def test_the_gemma_gguf_is_assembled_once_inside_the_cache(fake_gemma_package, tmp_path):
     path = lm._gemma_3_270m_gguf()
     assert path == tmp_path / "cache" / "gguf" / "gemma.gguf" and path.stat().st_size == 1000
-    assert lm.converted_dir(path).name == f"gemma-{fake_gemma_package.EXPECTED_SHA256[:12]}"
+    assert model_cache.converted_dir(path).name == f"gemma-{fake_gemma_package.EXPECTED_SHA256[:12]}"
     lm._ASSEMBLED.clear()  # a new process
     assert lm._gemma_3_270m_gguf() == path and len(fake_gemma_package.writes) == 1
     assert sorted(p.name for p in path.parent.iterdir()) == ["gemma.gguf"]
@@ -353,7 +353,7 @@ def test_guard_is_quiet_on_a_healthy_run(tmp_path, tiny_lm_dir):
 def _concept_dir(tmp_path, empty: str | None = None, drop_eval_negatives: bool = False) -> Path:
     """A copy of the built-in concept set with one split emptied (header rows only)."""
     import pandas as pd
-    from lit_interventions.datamodules.axbench import BUILTIN_DIR, COLUMNS
+    from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, COLUMNS
 
     out = tmp_path / "concepts"
     out.mkdir()
@@ -519,7 +519,8 @@ class StubChat:
 @pytest.fixture
 def judge_server():
     """start(chat, **options) -> (server, base URL) of a judge server on 127.0.0.1, port 0."""
-    from lit_interventions.serving.judge_server import make_server, serve_in_background
+    from lit_interventions.serving.http_server import serve_in_background
+    from lit_interventions.serving.judge_server import make_server
 
     servers = []
 

@@ -25,10 +25,12 @@ from lit_interventions.artifacts.intervention_files import save_pretrained
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.positions import encode_text
 from lit_interventions.inference.generate import generate_pair
-from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.loreft import LoReFTIntervention
-from lit_interventions.serving.steered_server import SteeredLM, make_server, parser, serve_in_background
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
+from lit_interventions.serving.http_server import serve_in_background
+from lit_interventions.serving.steered_lm import SteeredLM
 from lit_interventions.serving.steered_server import main as serve_main
+from lit_interventions.serving.steered_server import make_server, parser
 from tests.conftest import HIDDEN
 from tests.helpers import ROOT, run_command
 

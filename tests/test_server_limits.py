@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from lit_interventions.serving.http_server import ServerLimits
-from lit_interventions.serving.judge_server import make_server, serve_in_background
+from lit_interventions.serving.http_server import ServerLimits, serve_in_background
+from lit_interventions.serving.judge_server import make_server
 
 TEST_LIMIT = 60  # seconds, per test
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" * 8

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lit_interventions.core.sites import Site, _child_name, logits_at, position_ids, read_site
+from lit_interventions.core.blocks import _child_name
+from lit_interventions.core.forward import logits_at, position_ids, read_site
+from lit_interventions.core.sites import Site
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from lit_interventions.core.sites import decoder_layers, logits_at, read_site
-from lit_interventions.interventions import FixedSubspaceIntervention, RotatedSpaceIntervention
+from lit_interventions.core.blocks import decoder_layers
+from lit_interventions.core.forward import logits_at, read_site
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention, RotatedSpaceIntervention
 from tests.conftest import ARCHS, HIDDEN, LAYERS
 from tests.helpers import token_batch as _batch
 

@@ -12,8 +12,9 @@ from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.intervention_files import save_pretrained
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.interventions.rotation import RotatedSpaceIntervention
-from lit_interventions.metrics.judge import Judge, JudgeScore, harmonic_mean
-from lit_interventions.modules.steering_baselines import LoReFTModule
+from lit_interventions.metrics.judge_base import Judge, JudgeScore
+from lit_interventions.metrics.judge_prompts import harmonic_mean
+from lit_interventions.modules.steering_loreft import LoReFTModule
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 from lit_interventions.studies.steer_eval import choose_and_report, generate, main, run_steer_eval
 from tests.helpers import free_port as _free_port

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from lit_interventions.artifacts.pretrained import artifact_kind, from_pretrained
 from lit_interventions.interventions.base import trusting_remote_code
-from lit_interventions.modules.steering_baselines import LoRAModule, LoReFTModule
+from lit_interventions.modules.steering_baselines import LoRAModule
+from lit_interventions.modules.steering_loreft import LoReFTModule
 from lit_interventions.modules.steering_registry import (
     CHECKPOINT_KEY,
     load_steering_checkpoint,

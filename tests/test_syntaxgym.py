@@ -21,18 +21,10 @@ from lit_interventions.core.surprisal import (
     region_surprisals,
     token_surprisals,
 )
-from lit_interventions.studies.syntaxgym import (
-    FormulaError,
-    SuiteResult,
-    evaluate_suite,
-    load_suite,
-    main,
-    parse_formula,
-    sg_score,
-    suite_from_json,
-    suite_paths,
-    write_csv,
-)
+from lit_interventions.studies.syntaxgym.cli import main
+from lit_interventions.studies.syntaxgym.formulas import FormulaError, parse_formula
+from lit_interventions.studies.syntaxgym.score import SuiteResult, evaluate_suite, sg_score, write_csv
+from lit_interventions.studies.syntaxgym.suites import load_suite, suite_from_json, suite_paths
 
 REAL_SUITES = Path(__file__).resolve().parents[2] / "shared" / "data" / "syntaxgym"
 

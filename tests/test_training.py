@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 import train
+from lit_interventions.core.forward import logits_at, read_site
 from lit_interventions.core.lm import load_tokenizer
 from lit_interventions.core.positions import encode_text, span_position
-from lit_interventions.core.sites import logits_at, read_site
 from lit_interventions.inference.apply import apply
 
 

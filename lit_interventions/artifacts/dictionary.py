@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from lit_interventions.artifacts.dictionary_files import (  # noqa: F401  (FORMAT, WEIGHTS_NAME re-exported)
+from lit_interventions.artifacts.dictionary_files import (
     FORMAT,
     REDO,
     WEIGHTS_NAME,
@@ -41,10 +41,12 @@ from lit_interventions.artifacts.dictionary_files import (  # noqa: F401  (FORMA
     write_weights,
 )
 from lit_interventions.artifacts.hub import dictionary_config, local_directory, push_object, write_hub_files
+from lit_interventions.core.blocks import BLOCK_OUTPUT, check_layer
 from lit_interventions.core.edits import STEERING_RULE, ApplyRequest, Edit, check_site, check_width, concept_rows
 from lit_interventions.core.files import write_atomically
+from lit_interventions.core.forward import read_layers
+from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import hidden_size, load_lm, load_tokenizer, num_layers
-from lit_interventions.core.sites import BLOCK_OUTPUT, check_layer, read_layers, residual_hook
 from lit_interventions.core.surprisal import bos_prefix
 from lit_interventions.interventions.additive import add_vector, steering_units
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from lightning import Callback
 
-from lit_interventions.core.lm import cache_dir
+from lit_interventions.core.model_cache import cache_dir
 from lit_interventions.core.quiet import OneLineWarning
 from lit_interventions.core.signals import Stopped, pending_signal
 from lit_interventions.interventions.capabilities import Tempered

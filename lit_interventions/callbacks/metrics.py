@@ -17,8 +17,9 @@ import re
 import torch
 from lightning import Callback
 
+from lit_interventions.core.batch import ISO
 from lit_interventions.metrics.detection import ConceptAUROC, per_concept_shapes
-from lit_interventions.metrics.disentangle import ISO, Disentanglement
+from lit_interventions.metrics.disentangle import Disentanglement
 from lit_interventions.metrics.odds import InterchangeOdds
 
 STAGES = ("validation", "test")

@@ -27,10 +27,10 @@ import urllib.request
 import warnings
 from pathlib import Path
 
-from lit_interventions.cli.data_registry import DATASETS, Dataset, Remote, get_dataset
+from lit_interventions.cli.data_registry import DATASETS, Dataset, get_dataset
 from lit_interventions.cli.parsing import Parser, fail
 
-__all__ = ["DATASETS", "ChecksumError", "Dataset", "Remote", "download", "get_dataset", "main", "sha256_of"]
+__all__ = ["ChecksumError", "download", "main", "sha256_of"]
 
 CHUNK = 1 << 20
 

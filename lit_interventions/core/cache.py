@@ -19,10 +19,11 @@ from torch import nn
 from transformers import DynamicCache
 
 from lit_interventions.core.batch import Key, PairBatch, Side
+from lit_interventions.core.forward import keys_values_above, read_layers
 from lit_interventions.core.lm import num_layers
 from lit_interventions.core.progress import stage
 from lit_interventions.core.sharding import input_device
-from lit_interventions.core.sites import RowPrefix, keys_values_above, read_layers
+from lit_interventions.core.stacked import RowPrefix
 
 PREFIXES = ("site", "all", "none")
 
@@ -36,7 +37,7 @@ class ActivationCache:
         # first tokens' keys and values in the blocks above the lowest layer, (n_above, 2, heads, n, head_dim)
         self._prefix: dict[Key, torch.Tensor] = {}
         # every token's keys and values in blocks 0..lowest, kept for the bases of a `fill(below=True)`:
-        # an answer generated after an intervened prompt reads them (`sites.greedy_at`), (lowest + 1, 2, heads, seq, head_dim)
+        # an answer generated after an intervened prompt reads them (`forward.greedy_at`), (lowest + 1, 2, heads, seq, head_dim)
         self._below: dict[Key, torch.Tensor] = {}
         self._n_blocks = num_layers(model.config)
 
@@ -45,7 +46,7 @@ class ActivationCache:
 
     def states(self, layer: int | list[int], side: Side) -> torch.Tensor:
         """The residual stream at `layer` for one side of a batch, (batch, seq, d), padding as
-        zeros; with a list, one layer per row (rows at different layers, `sites.stacked_hidden`).
+        zeros; with a list, one layer per row (rows at different layers, `stacked.stacked_hidden`).
         Inputs are found by the side's keys (`Side.keys`)."""
         input_ids = side.input_ids
         keys, starts = side.keys
@@ -75,7 +76,7 @@ class ActivationCache:
 
     def prefix(self, layer: int, side: Side) -> tuple[int, torch.Tensor] | None:
         """The keys and values of the blocks above `layer` for the side's first c columns,
-        (n_above, 2, batch, heads, c, head_dim), padding as zeros, for `sites.logits_at(prefix=)`;
+        (n_above, 2, batch, heads, c, head_dim), padding as zeros, for `forward.logits_at(prefix=)`;
         c is as many columns as are cached for every row and before every site. None: c = 0."""
         keys, starts = side.keys
         stored = [start + self._prefix[key].shape[-2] if key in self._prefix else 0 for key, start in zip(keys, starts)]
@@ -92,7 +93,7 @@ class ActivationCache:
 
     def keys_values_below(self, layer: int, side: Side) -> torch.Tensor | None:
         """Every token's keys and values in blocks 0..`layer` for the side's rows, (layer + 1, 2,
-        batch, heads, seq, head_dim), padding as zeros, for `sites.greedy_at`. None: `layer` is not
+        batch, heads, seq, head_dim), padding as zeros, for `forward.greedy_at`. None: `layer` is not
         the lowest cached layer, or a row's are not kept (`fill(below=True)` keeps the bases')."""
         keys, starts = side.keys
         if layer != self.layers[0] or layer < 0 or any(key not in self._below for key in keys):
@@ -109,7 +110,7 @@ class ActivationCache:
 
     def row_prefix(self, layer: int, side: Side, width: int | None = None) -> RowPrefix | None:
         """Each row's own cached keys and values of the blocks above `layer` before its site, for
-        `sites.stacked_hidden`: unlike `prefix`, a row whose site is late does not rerun the
+        `stacked.stacked_hidden`: unlike `prefix`, a row whose site is late does not rerun the
         columns between the batch's earliest site and its own. None: no row has any.
 
         `width`: the prefix's columns (default: the batch's longest). A fixed one
@@ -249,7 +250,7 @@ class ActivationCache:
                 width = len(chunk[-1])
                 input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
                 attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for row, key in enumerate(chunk):  # right padding: positions ignore it (sites.position_ids)
+                for row, key in enumerate(chunk):  # right padding: positions ignore it (forward.position_ids)
                     input_ids[row, : len(key)] = torch.tensor(key)
                     attention_mask[row, : len(key)] = 1
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)

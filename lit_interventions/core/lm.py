@@ -10,8 +10,8 @@
 
 GGUF weights are dequantized by transformers, which takes 30-100 s on a CPU; the result is cached once as
 safetensors under `$LIT_INTERVENTIONS_CACHE` (default `~/.cache/lit_interventions`), so later
-loads take seconds. The cache's layout, manifests and integrity checks are `model_cache.py` (its
-names are re-exported here); `convert_gguf` writes one entry.
+loads take seconds. The cache's layout, manifests and integrity checks are `model_cache.py`;
+`convert_gguf` writes one entry.
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from lit_interventions.core.model_cache import (  # noqa: F401  (re-exported: the cache's layout and checks)
+from lit_interventions.core.model_cache import (
     LOCK,
-    MANIFEST,
     STAGING,
     cache_dir,
     cached_snapshot,

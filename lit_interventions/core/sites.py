@@ -17,57 +17,35 @@ device: the hooks hand `on_hidden` (the intervention) its tensor on the device o
 put what it returns back on the block's device, and the returned states and logits are on the
 device of the inputs.
 
-This module defines `Site` and is the one import point for reading and writing sites; the work
-is done in `blocks.py` (finding blocks and components, checking layers and heads), `parts.py`
-(the projections and heads inside them), `hooks.py` (hooks at a site), `forward.py` (running the body, reading layers, logits at positions) and `stacked.py`
-(rows at several layers in one forward), whose names are re-exported here.
+This module defines `Site`; the work is done in `blocks.py` (finding blocks and components,
+checking layers and heads), `parts.py` (the projections and heads inside them), `hooks.py` (hooks
+at a site), `forward.py` (running the body, reading layers, logits at positions) and `stacked.py`
+(rows at several layers in one forward); import each name from its own module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lit_interventions.core.blocks import (  # noqa: F401  (re-exported: the model's parts and the layer checks)
-    ATTENTION_HEAD,
-    ATTENTION_OUTPUT,
-    BLOCK_INPUT,
+# Kept only until studies/causalgym_components.py, calm_batch.py, calm_data.py, calm_plan.py and
+# stacked_scoring.py import them from their own modules: HEAD_COMPONENTS, KEY, VALUE, head_counts,
+# site_layer (blocks.py), final_logits, logits_at, read_layers (forward.py), stacked_hidden (stacked.py).
+from lit_interventions.core.blocks import (  # noqa: F401  (see above)
     BLOCK_OUTPUT,
     COMPONENTS,
-    EMBEDDINGS,
     HEAD_COMPONENTS,
     KEY,
-    MLP_NEURON,
-    MLP_OUTPUT,
-    NAME_PATTERNS,
     POSITIONS,
-    PYVENE_NAMES,
-    QUERY,
     VALUE,
-    _child_name,
-    check_component,
     check_head,
-    check_layer,
     check_layer_component,
-    component_module,
-    decoder_layers,
     head_counts,
-    heads_of,
     one_of,
     site_layer,
     site_width,
 )
-from lit_interventions.core.forward import (  # noqa: F401  (re-exported: running the LM at a site)
-    final_logits,
-    greedy_at,
-    keys_values_above,
-    logits_at,
-    position_ids,
-    read_layers,
-    read_site,
-    run_body,
-)
-from lit_interventions.core.hooks import residual_hook, site_hook  # noqa: F401  (re-exported)
-from lit_interventions.core.stacked import RowPrefix, stacked_hidden  # noqa: F401  (re-exported)
+from lit_interventions.core.forward import final_logits, logits_at, read_layers  # noqa: F401  (see above)
+from lit_interventions.core.stacked import stacked_hidden  # noqa: F401  (see above)
 
 
 @dataclass(frozen=True)

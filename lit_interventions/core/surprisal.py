@@ -19,7 +19,7 @@ A sentence is given as a list of regions (strings). It is scored the way SyntaxG
        mean: S(r) = S_sum(r) / |r|               (nan for a region without tokens)
 
 Sentences are batched with right padding; position ids come from the attention mask
-(`lit_interventions.core.sites.position_ids`), so padding never changes a result. Only the tokens of
+(`lit_interventions.core.forward.position_ids`), so padding never changes a result. Only the tokens of
 the wanted regions go through the LM head (with a 262k vocabulary it costs more than the body).
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_interventions.core.sites import final_logits, position_ids
+from lit_interventions.core.forward import final_logits, position_ids
 from lit_interventions.core.tokens import pad_batch
 
 METRICS = ("sum", "mean")
@@ -126,7 +126,7 @@ def token_surprisals(
     `wanted[i]` lists the positions t >= 1 of sentence i to score (default: all of them); the
     others, and t = 0 (nothing precedes it), are nan. The body runs once on the right-padded
     batch (position ids ignore padding) on the device of the LM's embeddings; the LM head
-    (`sites.final_logits`, with Gemma's soft-capping) runs only on the hidden states at t - 1 of
+    (`forward.final_logits`, with Gemma's soft-capping) runs only on the hidden states at t - 1 of
     the wanted positions. The surprisals come back on the CPU.
     """
     lengths = [len(ids) for ids in token_ids]

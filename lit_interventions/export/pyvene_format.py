@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from torch.nn.utils import parametrize
 
+from lit_interventions.core.blocks import BLOCK_OUTPUT
 from lit_interventions.core.files import check_finite, write_atomically
-from lit_interventions.core.sites import BLOCK_OUTPUT
 from lit_interventions.export import pyvene_interventions
 from lit_interventions.export.pyvene_interventions import pyvene  # imported there, quietly
 from lit_interventions.export.request import ExportRequest, file_stems, only_layer

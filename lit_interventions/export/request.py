@@ -13,10 +13,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from lit_interventions.core.blocks import decoder_layers
+from lit_interventions.core.blocks import ATTENTION_OUTPUT, BLOCK_INPUT, BLOCK_OUTPUT, MLP_OUTPUT, decoder_layers
 from lit_interventions.core.files import check_finite, write_atomically
 from lit_interventions.core.lm import load_config
-from lit_interventions.core.sites import ATTENTION_OUTPUT, BLOCK_INPUT, BLOCK_OUTPUT, MLP_OUTPUT
 
 OPTIONS = ("concept", "factor")  # the options a capability may take, by the name of its parameter
 

@@ -17,7 +17,7 @@ An attack is a class with `delta(probe, h, target, epsilon) -> δ`, the perturba
 `RandomSign` (±ε per coordinate, from its own seeded generator). A study names one by a short
 name (`register_attack`: fgsm, pgd, random) or by {name, class_path, init_args}; `fgsm`, `pgd`
 and `random_sign` are the same computations as functions. `add(δ)` is the intervention that writes
-h + δ back into the LM's forward, for `sites.logits_at(..., intervention=add(δ))`.
+h + δ back into the LM's forward, for `forward.logits_at(..., intervention=add(δ))`.
 
 As interventions (the protocol of `base.py`), bound to one probe and one ε so that they save and
 serve: `GradientAttack` (PGD, or FGSM with one step of size ε) and `RandomSignIntervention`
@@ -193,7 +193,7 @@ def epsilon_scale(features: torch.Tensor) -> float:
 
 
 def add(delta: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The intervention h ↦ h + δ at the site, for `sites.logits_at(intervention=...)`."""
+    """The intervention h ↦ h + δ at the site, for `forward.logits_at(intervention=...)`."""
     return lambda h: h + delta.to(h.device, h.dtype)
 
 

@@ -20,8 +20,7 @@ Featurizers:
 - `SAEFeaturizer`: f = ReLU(W1 (x − b2) + b1), decoder W2 f + b2 (a trained
   `lit_interventions.modules.sae.SparseAutoencoder`, latent size 4d).
 
-Feature selection (L1 classifiers on the features, RAVEL's choice of C) is `feature_selection.py`;
-its names are re-exported here.
+Feature selection (L1 classifiers on the features, RAVEL's choice of C) is `feature_selection.py`.
 """
 
 from __future__ import annotations
@@ -36,18 +35,12 @@ from torch import nn
 
 from lit_interventions.core.files import read_weights
 from lit_interventions.interventions.base import Intervention, class_path, loadable_class, register_intervention
-from lit_interventions.interventions.feature_selection import (  # noqa: F401  (re-exported: feature selection)
-    CLASSIFIERS,
+from lit_interventions.interventions.feature_selection import (
     DEFAULT_C_GRID,
-    RAVEL_C_GRID,
-    FeatureSelection,
-    _check_C,
     _check_labels,
     _check_representations,
-    _holdout,
     _l1_logistic,
     _used_features,
-    feature_sweep,
     select_features,
 )
 

@@ -24,14 +24,11 @@ from torch import nn
 from lit_interventions.interventions.base import Intervention, register_intervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
 from lit_interventions.interventions.directions import fit_direction
+from lit_interventions.interventions.feature_selection import DEFAULT_C_GRID, RAVEL_C_GRID, _check_C, feature_sweep
 from lit_interventions.interventions.featurizers import (
-    DEFAULT_C_GRID,
-    RAVEL_C_GRID,
     FeatureInterchange,
     PCAFeaturizer,
     SAEFeaturizer,
-    _check_C,
-    feature_sweep,
     featurize,
     fit_feature_interchange,
     keep_error_of,

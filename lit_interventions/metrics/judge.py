@@ -21,56 +21,21 @@ Backends (`make_judge(backend=..., **options)`):
 
 A reply that cannot be parsed scores 0 and is logged (warning), as AxBench does.
 
-This module picks the backend (`make_judge`) and re-exports the judge's names; the parts live in
+This module picks the backend (`make_judge`); the parts live in
 `judge_prompts.py` (prompts, parsing, overall score), `judge_base.py` (`Judge`, `JudgeScore`),
 `judge_openai.py` (the HTTP client and its reply cache) and `judge_local.py` (the local chat LM).
 """
 
 from __future__ import annotations
 
-from lit_interventions.metrics.judge_base import Judge, JudgeScore
-from lit_interventions.metrics.judge_local import (
-    LocalJudge,
-    chat_prompt,
-    expected_ratings,
-    generate_replies,
-    greedy_replies,
-)
-from lit_interventions.metrics.judge_openai import RETRY_STATUS, JudgeRequestError, OpenAIJudge, judge_cache_dir
-from lit_interventions.metrics.judge_prompts import (
-    ASPECTS,
-    AXBENCH_PROMPTS,
-    OUR_PROMPTS,
-    PARSINGS,
-    PROMPT_STYLES,
-    PROMPTS,
-    harmonic_mean,
-    parse_rating,
-)
+# ASPECTS, chat_prompt and generate_replies are kept here only until studies/steer_eval.py imports
+# them from judge_prompts.py and judge_local.py
+from lit_interventions.metrics.judge_base import Judge
+from lit_interventions.metrics.judge_local import LocalJudge, chat_prompt, generate_replies  # noqa: F401  (see above)
+from lit_interventions.metrics.judge_openai import OpenAIJudge
+from lit_interventions.metrics.judge_prompts import ASPECTS, PARSINGS, PROMPT_STYLES  # noqa: F401  (see above)
 
-__all__ = [
-    "ASPECTS",
-    "AXBENCH_PROMPTS",
-    "JUDGES",
-    "OUR_PROMPTS",
-    "PARSINGS",
-    "PROMPTS",
-    "PROMPT_STYLES",
-    "RETRY_STATUS",
-    "Judge",
-    "JudgeRequestError",
-    "JudgeScore",
-    "LocalJudge",
-    "OpenAIJudge",
-    "chat_prompt",
-    "expected_ratings",
-    "generate_replies",
-    "greedy_replies",
-    "harmonic_mean",
-    "judge_cache_dir",
-    "make_judge",
-    "parse_rating",
-]
+__all__ = ["JUDGES", "make_judge"]
 
 JUDGES: dict[str, type[Judge]] = {"openai": OpenAIJudge, "local": LocalJudge}
 

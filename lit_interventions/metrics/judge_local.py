@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from lit_interventions.core.forward import logits_at
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.sharding import input_device
-from lit_interventions.core.sites import logits_at
 from lit_interventions.metrics.judge_base import Judge
 
 

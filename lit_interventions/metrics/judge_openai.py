@@ -12,11 +12,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lit_interventions.core.chat_endpoint import RETRY_STATUS, ChatEndpoint, ChatRequestError
-from lit_interventions.core.lm import cache_dir
+from lit_interventions.core.chat_endpoint import ChatEndpoint, ChatRequestError
+from lit_interventions.core.model_cache import cache_dir
 from lit_interventions.metrics.judge_base import Judge
 
-__all__ = ["RETRY_STATUS", "JudgeRequestError", "OpenAIJudge", "judge_cache_dir"]
+__all__ = ["JudgeRequestError", "OpenAIJudge", "judge_cache_dir"]
 
 log = logging.getLogger("lit_interventions.metrics.judge")  # one logger for the judge, whichever module logs
 

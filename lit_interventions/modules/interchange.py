@@ -32,11 +32,13 @@ import torch
 from torch import nn
 
 from lit_interventions.core.batch import PairBatch
+from lit_interventions.core.blocks import BLOCK_OUTPUT
+from lit_interventions.core.forward import final_logits, read_site, run_body
+from lit_interventions.core.hooks import site_hook
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.core.optim import OptimizerArgs
-from lit_interventions.core.sites import BLOCK_OUTPUT, Site, final_logits, read_site, run_body, site_hook
+from lit_interventions.core.sites import Site
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.interventions import RotatedSpaceIntervention
 from lit_interventions.interventions.capabilities import (
     Annealed,
     DevCandidates,
@@ -50,6 +52,7 @@ from lit_interventions.interventions.capabilities import (
     needs_source,
 )
 from lit_interventions.interventions.compose import Composition
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective

@@ -5,7 +5,7 @@ temperature) is annealed at each of its site's steps, and the objective's sparsi
 of a `Penalised` one (DBM: λ‖σ(m/T)‖₁) to its site's loss.
 
 Each site keeps its own intervention, Adam optimiser and linear schedule, and sees exactly its own
-batches. One step stacks the sites' batches into one forward per region (`sites.stacked_hidden`,
+batches. One step stacks the sites' batches into one forward per region (`stacked.stacked_hidden`,
 each row from its own site's column): each row enters at its own site's layer from its cached state
 there, block j runs only the rows whose site is below it, so every frozen block's weights are read
 once per step and region for all layers, and the LM head's (which dominate a step on a 262k-token
@@ -27,13 +27,15 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
 from lit_interventions.core.batch import PairBatch
+from lit_interventions.core.blocks import site_layer
 from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.forward import final_logits, logits_at, read_layers
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.core.loaders import ResumableLoader
 from lit_interventions.core.optim import OptimizerArgs
-from lit_interventions.core.sites import final_logits, logits_at, read_layers, site_layer, stacked_hidden
-from lit_interventions.interventions import RotatedSpaceIntervention
+from lit_interventions.core.stacked import stacked_hidden
 from lit_interventions.interventions.capabilities import Annealed, Penalised, intervene, is_trained, needs_source
+from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 from lit_interventions.modules.site import SiteModule
 from lit_interventions.objectives import CounterfactualLoss, Objective
 
@@ -216,7 +218,7 @@ class MultiSiteInterchangeModule(SiteModule):
     def _stacked_logits(
         self, stacked: PairBatch, layers: list[int], edit: Callable, groups: list[list[int]]
     ) -> torch.Tensor:
-        """`_logits` by `sites.stacked_hidden`, one forward per group of rows (a region's rows
+        """`_logits` by `stacked.stacked_hidden`, one forward per group of rows (a region's rows
         have runs of similar length, so little padding): each row runs the blocks from its own
         site's column on (the keys and values before it are cached, `ActivationCache.row_prefix`)."""
         cache = self.activations

@@ -5,7 +5,7 @@ with BCE (here: BCE for a binary property, cross-entropy for a multi-class one),
 keeping the epoch with the best validation accuracy. A linear probe is the same module without
 hidden layers.
 
-The LM is frozen, so representations are read once (`lit_interventions.core.sites.read_layers`) and the
+The LM is frozen, so representations are read once (`lit_interventions.core.forward.read_layers`) and the
 probe trains on tensors (`ProbeDataModule`). Inputs are standardised inside the probe by fixed
 buffers (mean and std of the training representations), so the probe and the gradient attacks
 against it act on the raw residual stream, whatever its scale.

@@ -12,10 +12,11 @@ import torch
 from lightning import LightningModule
 
 from lit_interventions.core.batch import PairBatch
+from lit_interventions.core.blocks import BLOCK_OUTPUT, EMBEDDINGS, site_layer
 from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.forward import greedy_at, logits_at, read_site
 from lit_interventions.core.lm import check_dtype, load_config, load_lm
 from lit_interventions.core.sharding import LoadOptions, is_dispatched
-from lit_interventions.core.sites import BLOCK_OUTPUT, EMBEDDINGS, greedy_at, logits_at, read_site, site_layer
 from lit_interventions.interventions.capabilities import intervene, needs_source
 from lit_interventions.modules.generation import answer_length, greedy_answers
 
@@ -113,12 +114,12 @@ class SiteModule(FrozenLMModule):
 
     @property
     def component(self) -> str:
-        """Where in the block the site is (`sites.COMPONENTS`); the residual stream by default."""
+        """Where in the block the site is (`blocks.COMPONENTS`); the residual stream by default."""
         return self.hparams.get("component") or BLOCK_OUTPUT
 
     @property
     def head(self) -> int | list[int] | None:
-        """The head or heads of a head component (`sites.HEAD_COMPONENTS`); None for the others."""
+        """The head or heads of a head component (`blocks.HEAD_COMPONENTS`); None for the others."""
         return self.hparams.get("head")
 
     def _states(self, batch: PairBatch) -> torch.Tensor | None:

@@ -42,16 +42,17 @@ import torch.nn.functional as F
 from lit_interventions.artifacts.dictionary import LATENTS, Dictionary, latent_values
 from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
 from lit_interventions.callbacks.metrics import AUROCCallback
+from lit_interventions.core.blocks import site_layer
+from lit_interventions.core.forward import final_logits, read_layers, run_body
+from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.core.optim import OptimizerArgs
-from lit_interventions.core.sites import final_logits, read_layers, residual_hook, run_body, site_layer
-from lit_interventions.interventions.additive import DEAD_MAX_ACTIVATION, ConceptDictionary, steering_units  # noqa: F401
+from lit_interventions.interventions.additive import ConceptDictionary, steering_units
 from lit_interventions.interventions.capabilities import is_trained
 from lit_interventions.interventions.concept_methods import ConceptMethod, L1Penalised
 from lit_interventions.interventions.concept_registry import concept_method, method_config
 from lit_interventions.modules.site import FrozenLMModule
-from lit_interventions.modules.steering_closed_form import (  # noqa: F401  (re-exported: the closed-form fit)
-    fit_concept_direction,
+from lit_interventions.modules.steering_closed_form import (
     gathered_tokens,
     response_tokens,
 )

@@ -1,6 +1,6 @@
 """The AxBench steering baselines that finetune per concept: LoReFT and LoRA (AxBench §4, methods).
 
-- LoReFT (`steering_loreft.LoReFTModule`, importable from here too): Φ(h) = h + Rᵀ(W h + b − R h)
+- LoReFT (`steering_loreft.LoReFTModule`): Φ(h) = h + Rᵀ(W h + b − R h)
   on the residual stream after one or several blocks, at every position or at the prompt's first
   and last tokens (AxBench's `f5+l5`).
 - LoRA: peft `LoraConfig(r=rank, lora_alpha=32, target_modules=[attention output projection])`
@@ -26,7 +26,6 @@ from lit_interventions.core.lm import DEFAULT_LM, load_config, load_lm, num_laye
 from lit_interventions.core.lora import lora_edits
 from lit_interventions.core.parts import attention_output_modules
 from lit_interventions.modules.steering_finetuned import FinetunedSteeringModule
-from lit_interventions.modules.steering_loreft import LoReFTModule  # noqa: F401  (re-exported: configs name it here)
 from lit_interventions.modules.steering_objective import lm_loss
 
 

@@ -39,10 +39,11 @@ from lit_interventions.artifacts.loreft_artifact import (
     split_tensors,
 )
 from lit_interventions.artifacts.steering_files import LoReFTSteering
+from lit_interventions.core.blocks import site_layer
 from lit_interventions.core.edits import ApplyRequest, Edit
+from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import DEFAULT_LM, hidden_size, load_config, num_layers
 from lit_interventions.core.positions import PositionTracker, prompt_ends
-from lit_interventions.core.sites import residual_hook, site_layer
 from lit_interventions.interventions.loreft import LoReFTIntervention
 from lit_interventions.modules.steering_finetuned import FinetunedSteeringModule
 from lit_interventions.modules.steering_objective import lm_loss

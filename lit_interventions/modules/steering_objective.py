@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_interventions.core.sites import final_logits, run_body
+from lit_interventions.core.forward import final_logits, run_body
 
 
 def intervention_mask(batch: dict, exclude_prefix: bool) -> torch.Tensor:

@@ -34,9 +34,9 @@ import torch
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_dtype, load_lm, load_tokenizer
 from lit_interventions.serving.chat_handler import chat_routes
-from lit_interventions.serving.chat_request import MAX_MESSAGES, ROLES, chat_text, is_int, validate_request
-from lit_interventions.serving.http_server import HTTPServer, ServerLimits, serve_in_background
-from lit_interventions.serving.json_api import BadRequest, json_app
+from lit_interventions.serving.chat_request import chat_text, is_int
+from lit_interventions.serving.http_server import HTTPServer
+from lit_interventions.serving.json_api import json_app
 from lit_interventions.serving.server_options import (
     add_server_options,
     check_server_options,
@@ -45,19 +45,7 @@ from lit_interventions.serving.server_options import (
     server_limits,
 )
 
-__all__ = [
-    "MAX_MESSAGES",
-    "ROLES",
-    "BadRequest",
-    "ChatLM",
-    "HTTPServer",
-    "ServerLimits",
-    "main",
-    "make_server",
-    "parser",
-    "serve_in_background",
-    "validate_request",
-]
+__all__ = ["ChatLM", "main", "make_server", "parser"]
 
 
 class ChatLM:

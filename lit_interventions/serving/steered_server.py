@@ -29,7 +29,7 @@ import math
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_device, check_dtype
 from lit_interventions.inference.cli import add_artifact_options, command_artifacts
-from lit_interventions.serving.http_server import HTTPServer, serve_in_background
+from lit_interventions.serving.http_server import HTTPServer
 from lit_interventions.serving.json_api import json_app
 from lit_interventions.serving.server_options import (
     add_server_options,
@@ -41,7 +41,7 @@ from lit_interventions.serving.server_options import (
 from lit_interventions.serving.steered_lm import SteeredLM
 from lit_interventions.serving.steered_routes import steered_routes
 
-__all__ = ["HTTPServer", "SteeredLM", "main", "make_server", "parser", "serve_in_background"]
+__all__ = ["main", "make_server", "parser"]
 
 
 def make_server(

@@ -44,7 +44,8 @@ from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
-from lit_interventions.datamodules.ravel import ACCURACIES, RavelDataModule, load_ravel
+from lit_interventions.datamodules.ravel import ACCURACIES, RavelDataModule
+from lit_interventions.datamodules.ravel_files import load_ravel
 from lit_interventions.interventions.capabilities import Fitted
 from lit_interventions.metrics.disentangle import AVERAGES
 from lit_interventions.studies import distributed
