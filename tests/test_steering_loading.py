@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from lit_interventions.artifacts.pretrained import artifact_kind, from_pretrained
-from lit_interventions.interventions.base import trusting_remote_code
+from lit_interventions.interventions.base import import_class, trusting_remote_code
 from lit_interventions.modules.steering_baselines import LoRAModule
 from lit_interventions.modules.steering_loreft import LoReFTModule
 from lit_interventions.modules.steering_registry import (
@@ -219,3 +219,9 @@ def test_steer_takes_trust_remote_code_on_the_command_line(tmp_path, planted, tr
             f"was imported; {REGISTERED}; register yours (register_steering_module) or pass --trust_remote_code "
             "if you trust where it came from"
         ]
+
+
+def test_the_class_path_older_loreft_run_configs_name_still_resolves():
+    """Run configs written with configs/loreft.yaml name modules.steering_baselines.LoReFTModule;
+    `validate --ckpt_path` of such a run reads that class path."""
+    assert import_class("lit_interventions.modules.steering_baselines.LoReFTModule") is LoReFTModule

@@ -26,6 +26,7 @@ from lit_interventions.core.lm import DEFAULT_LM, load_config, load_lm, num_laye
 from lit_interventions.core.lora import lora_edits
 from lit_interventions.core.parts import attention_output_modules
 from lit_interventions.modules.steering_finetuned import FinetunedSteeringModule
+from lit_interventions.modules.steering_loreft import LoReFTModule  # noqa: F401  (a class path run configs name: modules.steering_baselines.LoReFTModule)
 from lit_interventions.modules.steering_objective import lm_loss
 
 
