@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from lit_interventions.artifacts.plots import FigureNotWritten
 from lit_interventions.artifacts.results import ResultsStore
-from lit_interventions.studies import calm_report, ravel_sweep, steer_report
+from lit_interventions.studies import calm, ravel_sweep, steer_report
 from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import csv_rows
 from tests.test_ravel_sweep import tiny_sweep  # noqa: F401  (the RAVEL sweep's tiny setup)
@@ -157,7 +157,7 @@ def test_a_full_disk_keeps_the_steering_csvs(tmp_path, monkeypatch):
 
 def test_calm_results_are_whole_or_as_they_were(tmp_path, monkeypatch):
     first = [{"task": "Country", "method": "pgd", "competence": 0.5}]
-    calm_report.write_results(tmp_path, first, first, {"lm": "x"}, {})
+    calm.write_results(tmp_path, first, first, {"lm": "x"}, {})
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert sorted(before) == ["results.csv", "summary.csv", "summary.json"]
     assert json.loads(before["summary.json"])["results"] == first
@@ -168,7 +168,7 @@ def test_calm_results_are_whole_or_as_they_were(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", full)  # each file's last write fails, as on a full disk
     second = [{"task": "Country", "method": "pgd", "competence": 0.75}]
     with pytest.raises(OSError, match=NO_SPACE):
-        calm_report.write_results(tmp_path, second, second, {"lm": "x"}, {})
+        calm.write_results(tmp_path, second, second, {"lm": "x"}, {})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no half file, no temporary
 
 
