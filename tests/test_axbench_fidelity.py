@@ -13,7 +13,7 @@ from lit_interventions.datamodules.axbench import AxBenchDataModule
 from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, CATEGORIES, load_concepts
 from sklearn.metrics import auc, roc_curve
 
-import lit_interventions.studies.steer_eval as steer_eval
+import lit_interventions.studies.steer as steer
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.callbacks.metrics import AUROCCallback
 from lit_interventions.interventions.additive import DEAD_MAX_ACTIVATION, steering_units
@@ -147,12 +147,12 @@ def test_validation_sets_the_unit_of_a_dead_row(tiny_lm_dir):
 
 def test_steering_generation_samples_from_the_top_50_by_default(monkeypatch):
     seen = []
-    monkeypatch.setattr(steer_eval, "generate_replies", lambda *a, **k: seen.append(k) or ["reply"])
+    monkeypatch.setattr(steer, "generate_replies", lambda *a, **k: seen.append(k) or ["reply"])
     model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(max_position_embeddings=64)))
     tokenizer = SimpleNamespace(chat_template=None)
-    steer_eval.generate(model, tokenizer, ["Say hi."], 4, 1.0, 1, seed=0)
-    steer_eval.generate(model, tokenizer, ["Say hi."], 4, 1.0, 1, seed=0, top_k=0)
-    steer_eval.generate(model, tokenizer, ["Say hi."], 4, 0.0, 1, seed=0)
+    steer.generate(model, tokenizer, ["Say hi."], 4, 1.0, 1, seed=0)
+    steer.generate(model, tokenizer, ["Say hi."], 4, 1.0, 1, seed=0, top_k=0)
+    steer.generate(model, tokenizer, ["Say hi."], 4, 0.0, 1, seed=0)
     sampling = [{k: v for k, v in s.items() if k in ("do_sample", "temperature", "top_k", "top_p")} for s in seen]
     assert sampling == [
         {"do_sample": True, "temperature": 1.0, "top_k": 50, "top_p": 1.0},
@@ -160,7 +160,7 @@ def test_steering_generation_samples_from_the_top_50_by_default(monkeypatch):
         {"do_sample": False},
     ]
     with pytest.raises(ValueError, match="top_k=-1"):
-        steer_eval.run_steer_eval(dictionary="unused", top_k=-1)
+        steer.run_steer_eval(dictionary="unused", top_k=-1)
 
 
 def test_judge_samples_at_0_7_without_a_cap_as_axbench(monkeypatch):

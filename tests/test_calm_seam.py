@@ -27,8 +27,7 @@ from lit_interventions.interventions.attacks import (
     registered_attacks,
 )
 from lit_interventions.interventions.registry import MethodSpec
-from lit_interventions.studies.calm import run_calm
-from lit_interventions.studies.calm_plan import CalmArgs, choose_attacks
+from lit_interventions.studies.calm import CalmArgs, choose_attacks, run_calm
 from tests.helpers import CALM_SMALL
 
 ROOT = Path(__file__).resolve().parents[1]

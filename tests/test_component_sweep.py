@@ -1,4 +1,4 @@
-"""The CausalGym sweep at the fine site components on a tiny model (`causalgym_components`): a
+"""The CausalGym sweep at the fine site components on a tiny model (`run_components`): a
 component without heads (`mlp_neuron`, `block_input`) at every layer × region and a key/value
 head component (`value`, grouped-query Llama: 2 key/value heads for 4 query heads) at every
 layer × head × region each equal `train.py fit` at that site; the empty `head` column, the
@@ -11,7 +11,6 @@ import pytest
 import train
 from lit_interventions.core import parts
 from lit_interventions.core.lm import load_config
-from lit_interventions.studies import causalgym_components as components
 from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import ONE_QUIET_EPOCH, csv_rows, run_command
 
@@ -124,7 +123,7 @@ def test_a_rerun_without_heads_scores_nothing_again(swept, tiny_lm_dir, tmp_path
     _sweep(lm, tmp_path / "out", "block_input", methods=["diffmean"])
     first = csv_rows(tmp_path / "out" / "results.csv")
     assert len(first) == len(REGIONS)
-    monkeypatch.setattr(components, "sweep_site", lambda *a, **k: pytest.fail("rescored"))
+    monkeypatch.setattr(sweep, "sweep_site", lambda *a, **k: pytest.fail("rescored"))
     _sweep(lm, tmp_path / "out", "block_input", methods=["diffmean"])
     assert csv_rows(tmp_path / "out" / "results.csv") == first
 
@@ -149,7 +148,6 @@ def test_a_rerun_without_heads_scores_nothing_again(swept, tiny_lm_dir, tmp_path
 def test_bad_heads_for_a_component_fail_before_any_model_work(
     tiny_lm_dir, tmp_path, monkeypatch, component, heads, message
 ):
-    monkeypatch.setattr(components, "load_lm", lambda *a, **k: pytest.fail("the LM loaded"))
     monkeypatch.setattr(sweep, "load_lm", lambda *a, **k: pytest.fail("the LM loaded"))
     with pytest.raises(ValueError, match=message):
         _sweep(tiny_lm_dir("llama"), tmp_path / "out", component, heads=heads)
@@ -158,17 +156,17 @@ def test_bad_heads_for_a_component_fail_before_any_model_work(
 
 def test_the_head_count_depends_on_the_component(tiny_lm_dir):
     config = load_config(tiny_lm_dir("llama"))  # 4 query heads, 2 key/value heads
-    assert components.choose_heads("query", "all", config, [1]) == [0, 1, 2, 3]
-    assert components.choose_heads("key", "all", config, [1]) == [0, 1]
-    assert components.choose_heads("mlp_output", None, config, [0, 1]) == [None]
-    assert components.choose_heads("block_output", None, config, [-1, 1]) is None
+    assert sweep.choose_heads("query", "all", config, [1]) == [0, 1, 2, 3]
+    assert sweep.choose_heads("key", "all", config, [1]) == [0, 1]
+    assert sweep.choose_heads("mlp_output", None, config, [0, 1]) == [None]
+    assert sweep.choose_heads("block_output", None, config, [-1, 1]) is None
     with pytest.raises(ValueError, match=r"^layer -1 \(the embeddings\) has no block_input: choose layers 0\.\."):
-        components.choose_heads("block_input", None, config, [-1, 1])
+        sweep.choose_heads("block_input", None, config, [-1, 1])
 
 
 def test_a_component_the_architecture_lacks_is_one_line_before_any_sweep_work(tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(parts, "DOWN_PROJECTION", ("no_such_projection",))  # an MLP whose down projection is unknown
-    monkeypatch.setattr(components, "sweep_site", lambda *a, **k: pytest.fail("swept"))
+    monkeypatch.setattr(sweep, "sweep_site", lambda *a, **k: pytest.fail("swept"))
     with pytest.raises(
         ValueError, match=r"^Cannot find the down projection module of LlamaMLP: .*exactly one must\.$"
     ) as swept:

@@ -53,7 +53,7 @@ def test_bad_options_are_one_line_before_any_load(options, message):
 
 def test_calm_and_steer_eval_refuse_bad_placement_before_any_work(tmp_path):
     from lit_interventions.studies.calm import run_calm
-    from lit_interventions.studies.steer_eval import run_steer_eval
+    from lit_interventions.studies.steer import run_steer_eval
 
     with pytest.raises(ValueError, match="device_map='everywhere' is neither a placement strategy"):
         run_calm(lm="/no/such/model", device_map="everywhere", out=str(tmp_path / "calm"))
@@ -278,7 +278,7 @@ def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, token
 
 
 def test_generation_from_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, tokenizer, offload_dir):
-    """steer_eval's generation (and the judge's inputs) go to where the embeddings compute, not
+    """The steering evaluation's generation (and the judge's inputs) go to where the embeddings compute, not
     to `model.device` (the first parameter's: "meta" when it is offloaded)."""
     from lit_interventions.metrics.judge_local import generate_replies
 

@@ -316,11 +316,11 @@ def test_a_damaged_meta_json_is_named(tmp_path):
 
 
 def test_a_cut_generations_line_is_reported_and_cut_off(tmp_path):
-    from lit_interventions.studies.steer_eval import _read_generations
+    from lit_interventions.studies.steer import read_generations
 
     path = tmp_path / "generations.jsonl"
     whole = '{"concept": "a", "factor": 1.0}\n'
     path.write_text(whole + '{"concept": "a", "fac')
     with pytest.warns(UserWarning, match=r"generations\.jsonl: line 2 is incomplete or damaged"):
-        assert _read_generations(path) == [{"concept": "a", "factor": 1.0}]
+        assert read_generations(path) == [{"concept": "a", "factor": 1.0}]
     assert path.read_text() == whole  # the redone cell is appended after a whole line, not glued onto a cut one

@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from lit_interventions.studies import causalgym_components as heads
 from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import ONE_QUIET_EPOCH, csv_rows, run_command
 
@@ -72,7 +71,7 @@ def test_the_best_region_grid_takes_the_best_scored_region_of_each_layer_and_hea
         {"layer": "0", "head": "1", "region": "skipped", "odds": "9.0"},
         {"layer": "2", "head": "0", "region": "a", "odds": "-2.0"},
     ]
-    matrix, layers, found = heads.best_region_grid(rows, ["a", "b"])
+    matrix, layers, found = sweep.best_region_grid(rows, ["a", "b"])
     assert (layers, found) == ([0, 2], [0, 1])
     assert matrix[0, 1] == 3.0 and matrix[1, 0] == -2.0
     assert math.isnan(matrix[0, 0]) and math.isnan(matrix[1, 1])
@@ -123,7 +122,7 @@ def test_an_interrupted_head_sweep_resumes_to_the_same_rows_and_reuses_trained_d
 ):
     _, _, expected = swept
     lm = tiny_lm_dir("llama")
-    real, calls = heads.sweep_site, []
+    real, calls = sweep.sweep_site, []
 
     def stop_at_the_fourth(*args, **kwargs):
         calls.append(kwargs["head"])
@@ -131,14 +130,14 @@ def test_an_interrupted_head_sweep_resumes_to_the_same_rows_and_reuses_trained_d
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(heads, "sweep_site", stop_at_the_fourth)
+    monkeypatch.setattr(sweep, "sweep_site", stop_at_the_fourth)
     with pytest.raises(KeyboardInterrupt):
         _sweep(lm, tmp_path / "out")
     first = csv_rows(tmp_path / "out" / "results.csv")
     assert len(first) == 3 * 2  # three sites, each whole (both methods)
-    monkeypatch.setattr(heads, "sweep_site", real)
+    monkeypatch.setattr(sweep, "sweep_site", real)
     trained = []
-    monkeypatch.setattr(heads, "train_at_site", lambda *a: trained.append((a[2], a[4], a[5].region)) or pytest.fail())
+    monkeypatch.setattr(sweep, "train_at_site", lambda *a: trained.append((a[2], a[4], a[5].region)) or pytest.fail())
     with pytest.raises(pytest.fail.Exception):
         _sweep(lm, tmp_path / "out")
     # the fourth site's DAS was saved before the interruption: the first training is the fifth site's
@@ -149,8 +148,8 @@ def test_an_interrupted_head_sweep_resumes_to_the_same_rows_and_reuses_trained_d
     assert resumed[:6] == first
     assert _by_site(resumed) == _by_site(expected)
     # a rerun finds every site done: nothing is trained or scored again
-    monkeypatch.setattr(heads, "train_at_site", lambda *a: pytest.fail("retrained"))
-    monkeypatch.setattr(heads, "sweep_site", lambda *a, **k: pytest.fail("rescored"))
+    monkeypatch.setattr(sweep, "train_at_site", lambda *a: pytest.fail("retrained"))
+    monkeypatch.setattr(sweep, "sweep_site", lambda *a, **k: pytest.fail("rescored"))
     _sweep(lm, tmp_path / "out")
     assert csv_rows(tmp_path / "out" / "results.csv") == resumed
 
@@ -191,7 +190,6 @@ def test_more_heads_on_rerun_add_their_rows_and_keep_the_others(tiny_lm_dir, tmp
     ],
 )
 def test_bad_heads_or_component_fail_before_any_model_work(tiny_lm_dir, tmp_path, monkeypatch, kwargs, message):
-    monkeypatch.setattr(heads, "load_lm", lambda *a, **k: pytest.fail("the LM loaded"))
     monkeypatch.setattr(sweep, "load_lm", lambda *a, **k: pytest.fail("the LM loaded"))
     with pytest.raises(ValueError, match=message):
         _sweep(tiny_lm_dir("llama"), tmp_path / "out", **kwargs)

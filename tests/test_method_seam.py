@@ -43,6 +43,7 @@ from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.objectives import CounterfactualLoss, build_objective
 from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies import ravel_sweep
+from lit_interventions.studies.causalgym_tasks import _region_data
 from tests.user_methods import Line
 
 TASK, SIZES = "agr_sv_num_pp", {"train_pairs": 10, "eval_pairs": 4, "seed": 0}
@@ -161,7 +162,7 @@ def test_dbm_in_the_sweep_equals_dbm_trained_alone_at_its_site(tmp_path, tiny_lm
     }
     rows = _sweep_from_yaml(tmp_path, lm_dir, [dbm, "das"])
     assert {m for m, _ in rows} == {"dbm", "das"}
-    data = sweep._region_data(TASK, None, lm_dir, "subject", None, SIZES)
+    data = _region_data(TASK, None, lm_dir, "subject", None, SIZES)
     L.seed_everything(0)
     alone = InterchangeModule(
         lm=lm_dir,

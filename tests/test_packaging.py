@@ -109,7 +109,7 @@ def test_the_import_graph_has_no_circles_and_no_imports_inside_functions():
     assert "lit_interventions.core.lm" in edges["lit_interventions.datamodules.ravel"]
     table = {
         "lit_interventions.studies.calm",
-        "lit_interventions.studies.steer_eval",
+        "lit_interventions.studies.steer",
         "lit_interventions.cli.lightning",
     }
     assert table <= edges["lit_interventions.cli.commands"] and table <= set(edges)  # the studies, through the table

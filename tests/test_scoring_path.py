@@ -17,7 +17,8 @@ from lit_interventions.interventions.registry import method_spec
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 from lit_interventions.modules.interchange import InterchangeModule, fit_states
 from lit_interventions.studies import causalgym_sweep as sweep
-from lit_interventions.studies.causalgym_scoring import _region_data, fit_site
+from lit_interventions.studies.causalgym_scoring import fit_site
+from lit_interventions.studies.causalgym_tasks import _region_data
 from tests.helpers import ONE_QUIET_EPOCH, csv_rows
 
 TASK, LAYER, REGION = "agr_sv_num_pp", 1, "subject"

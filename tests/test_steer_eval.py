@@ -16,7 +16,7 @@ from lit_interventions.metrics.judge_base import Judge, JudgeScore
 from lit_interventions.metrics.judge_prompts import harmonic_mean
 from lit_interventions.modules.steering_loreft import LoReFTModule
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
-from lit_interventions.studies.steer_eval import choose_and_report, generate, main, run_steer_eval
+from lit_interventions.studies.steer import choose_and_report, generate, main, run_steer_eval
 from tests.helpers import free_port as _free_port
 from tests.helpers import run_command
 
@@ -76,10 +76,10 @@ def test_end_to_end_writes_all_files_and_resumes(setup, tmp_path, monkeypatch, t
     lm = setup[0]
     out = tmp_path / "run"
     calls = []
-    import lit_interventions.studies.steer_eval as steer_eval
+    import lit_interventions.studies.steer as steer
 
-    real_generate = steer_eval.generate
-    monkeypatch.setattr(steer_eval, "generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
+    real_generate = steer.generate
+    monkeypatch.setattr(steer, "generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
     judge = {"backend": "local", "lm": lm, "max_new_tokens": 3}  # the offline backend, on the tiny model
     summary = _run(setup, out, judge)
     assert len(calls) == 4  # 2 concepts × 2 factors
@@ -153,19 +153,19 @@ def test_factor_chosen_on_select_half_and_reported_on_the_other(setup, tmp_path,
     0.5. The summary must pick 2.0 and report instruction 1's scores at 2.0."""
     import random
 
-    import lit_interventions.studies.steer_eval as steer_eval
+    import lit_interventions.studies.steer as steer
 
     order = {c: random.Random(f"0:{c}").sample(INSTRUCTIONS, 2) for c in ("dogs", "rivers")}  # run_steer_eval's draw
     scores = {(0, 0.5): (1, 1, 1), (0, 2.0): (2, 2, 2), (1, 0.5): (2, 2, 2), (1, 2.0): (1, 2, 2)}
     judge = ScriptedJudge(lambda concept, instruction, factor: scores[(order[concept].index(instruction), factor)])
 
-    real_apply = steer_eval.apply
+    real_apply = steer.apply
 
     def spy(model, artifact, **options):  # tells the judge which factor it is scoring
         judge.factor = options["factor"]
         return real_apply(model, artifact, **options)
 
-    monkeypatch.setattr(steer_eval, "apply", spy)
+    monkeypatch.setattr(steer, "apply", spy)
     summary = _run(setup, tmp_path / "sel", judge)
     assert [(r["concept"], r["factor"]) for r in summary] == [("dogs", 2.0), ("rivers", 2.0)]
     for row in summary:
@@ -210,9 +210,9 @@ def test_choose_and_report_by_hand():
 
 
 def test_validation_before_generation(setup, tmp_path, monkeypatch, tiny_lm_dir):
-    import lit_interventions.studies.steer_eval as steer_eval
+    import lit_interventions.studies.steer as steer
 
-    monkeypatch.setattr(steer_eval, "generate", lambda *a, **k: pytest.fail("generated before validating"))
+    monkeypatch.setattr(steer, "generate", lambda *a, **k: pytest.fail("generated before validating"))
     judge = ScriptedJudge(lambda *a: (2, 2, 2))
     with pytest.raises(ValueError, match="Unknown concept 'cats'"):
         _run(setup, tmp_path / "a", judge, concepts=["cats"])

@@ -16,7 +16,7 @@ from lit_interventions.datamodules.ravel import RavelDataModule
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.core.progress import ENV, Progress, TokenSteps, current, line_seconds, stage
 from lit_interventions.interventions.feature_selection import feature_sweep
-from lit_interventions.studies import calm, causalgym_sweep, causalgym_training, ravel_sweep, steer_eval
+from lit_interventions.studies import calm, causalgym_sweep, causalgym_training, ravel_sweep, steer
 from tests.helpers import CALM_SMALL, run_command
 from tests.test_ravel_data import oracle
 
@@ -206,9 +206,9 @@ def test_steering_progress(tiny_lm_dir, tmp_path, monkeypatch):
     assert _counts(shown, "judged generations", step=2) == [[2, 4]] * 4
     # no progress, the judge called once a cell (as before it was split): the same generations and scores
     monkeypatch.setenv(ENV, "off")
-    monkeypatch.setattr(steer_eval, "TokenSteps", lambda *args: None)
-    monkeypatch.setattr(steer_eval, "_judged", lambda judge, *texts: judge.score(*texts))
-    steer_eval.run_steer_eval(
+    monkeypatch.setattr(steer, "TokenSteps", lambda *args: None)
+    monkeypatch.setattr(steer, "_judged", lambda judge, *texts: judge.score(*texts))
+    steer.run_steer_eval(
         dictionary=dictionary, instruction_file=str(instructions), judge=judge, out=str(tmp_path / "quiet"), **options
     )
     _same_files(out, tmp_path / "quiet", ["generations.jsonl", "factors.csv", "summary.csv"])
@@ -252,7 +252,7 @@ def test_feature_selection_counts_each_C_in_the_study_progress(monkeypatch, caps
         (causalgym_sweep.main, ["--config", "configs/sweep_causalgym.yaml"]),
         (ravel_sweep.main, ["--config", "configs/sweep_ravel.yaml"]),
         (calm.main, ["--config", "configs/calm_ravel.yaml"]),
-        (steer_eval.main, ["--config", "configs/steer_eval.yaml", "--dictionary", "d.safetensors"]),
+        (steer.main, ["--config", "configs/steer_eval.yaml", "--dictionary", "d.safetensors"]),
     ],
 )
 def test_a_bad_interval_stops_each_study_before_any_work(main, args, tmp_path, monkeypatch, capsys):

@@ -12,6 +12,7 @@ from lit_interventions.datamodules.templates import load_task, load_templates
 from lit_interventions.studies import causalgym_scoring as scoring
 from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies import causalgym_training as training
+from lit_interventions.studies.causalgym_tasks import _region_data
 
 
 def _rows(path):
@@ -277,9 +278,7 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
     # Every site × method of the unit in stacked forwards of 7 rows (pieces of several sites,
     # methods and the clean rows at different layers share a forward) gives the results.csv
     # that scoring each site alone gives, to float rounding, the control task included.
-    from lit_interventions.studies import stacked_scoring
-
-    calls, score = [], stacked_scoring.score_stacked
+    calls, score = [], scoring.score_stacked
 
     def counted(*args, **kwargs):  # counts the calls that returned (a failure falls back to site by site)
         scores = score(*args, **kwargs)
@@ -298,8 +297,8 @@ def test_stacked_scoring_equals_site_by_site(tmp_path, tiny_lm_dir, monkeypatch,
         forwarded.append(len(input_ids))
         return hidden(model, input_ids, *args, **kwargs)
 
-    hidden = stacked_scoring.stacked_hidden
-    monkeypatch.setattr(stacked_scoring, "stacked_hidden", counted_rows)
+    hidden = scoring.stacked_hidden
+    monkeypatch.setattr(scoring, "stacked_hidden", counted_rows)
     stacked = _run(tmp_path / "stacked", lm_dir, **options)
     assert len(calls) == 1  # the task and its control in one call for the unit
     # the control shares the clean rows and the fitted directions' rows: only its DAS rows are extra
@@ -356,7 +355,7 @@ def test_a_failed_fit_is_raised_not_retried_site_by_site(tmp_path, tiny_lm_dir, 
 
 
 def test_stacked_scoring_packs_rows_across_jobs_shortest_runs_first():
-    from lit_interventions.studies.stacked_scoring import _pieces
+    from lit_interventions.studies.causalgym_scoring import _pieces
 
     runs = {"a": [3, 1, 3, 1, 2], "b": [2, 2, 2], "c": [1, 9, 9, 1, 1, 9]}  # each row's run, in columns
     runs = {job: dict(enumerate(row_runs)) for job, row_runs in runs.items()}
@@ -367,7 +366,7 @@ def test_stacked_scoring_packs_rows_across_jobs_shortest_runs_first():
         [("c", [2, 5])],
     ]
     with pytest.raises(ValueError, match="rows=0 must be a positive integer"):
-        from lit_interventions.studies.stacked_scoring import score_stacked
+        from lit_interventions.studies.causalgym_scoring import score_stacked
 
         score_stacked(None, None, {}, {}, rows=0)
 
@@ -409,7 +408,7 @@ def test_das_of_every_layer_in_one_loop_equals_one_loop_per_layer(tmp_path, tiny
     lm_dir = tiny_lm_dir("llama")
     options = dict(methods=["das", "diffmean"], layers=[-1, 0, 2], control=True)
     calls = []
-    train_das = sweep.train_das
+    train_das = training.train_das
     monkeypatch.setattr(
         training, "train_das", lambda datas, *a, **k: calls.append(sorted(datas)) or train_das(datas, *a, **k)
     )
@@ -445,7 +444,7 @@ def test_a_rerun_trains_only_the_missing_das_sites(tmp_path, tiny_lm_dir, monkey
     (out / "das" / "agr_sv_num_pp_1.safetensors").unlink()
     for name in ("results.csv", "results.sqlite"):
         (out / name).unlink()
-    calls, progress, train_das = [], [], sweep.train_das
+    calls, progress, train_das = [], [], training.train_das
     monkeypatch.setattr(
         training,
         "train_das",
@@ -480,16 +479,14 @@ def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir
 
     lm_dir = tiny_lm_dir("llama")
     datas = {
-        (layer, region): sweep._region_data(
-            "agr_sv_num_pp", None, lm_dir, region, None, {"train_pairs": 24, "eval_pairs": 2}
-        )
+        (layer, region): _region_data("agr_sv_num_pp", None, lm_dir, region, None, {"train_pairs": 24, "eval_pairs": 2})
         for layer in (0, 2)
         for region in ("subject", "prep")
     }
     cache = ActivationCache(load_lm(lm_dir), [0, 2])
     step, steps = MultiSiteInterchangeModule.training_step, []
     monkeypatch.setattr(MultiSiteInterchangeModule, "training_step", lambda self, *a: steps.append(1) or step(self, *a))
-    whole = sweep.train_das(datas, lm_dir, cache, seed=1)
+    whole = training.train_das(datas, lm_dir, cache, seed=1)
     assert len(steps) == 12  # 24 pairs, both ways, in batches of 4
 
     class Killed(Exception):
@@ -504,14 +501,14 @@ def test_an_interrupted_das_loop_resumes_from_its_progress(tmp_path, tiny_lm_dir
 
     monkeypatch.setattr(SaveProgress, "on_train_batch_end", save_then_die_at_3)
     with pytest.raises(Killed):
-        sweep.train_das(datas, lm_dir, cache, seed=1, progress=tmp_path / "agr", every=timedelta(0))
+        training.train_das(datas, lm_dir, cache, seed=1, progress=tmp_path / "agr", every=timedelta(0))
     assert len(list(tmp_path.glob("agr-*.ckpt"))) == 1
     monkeypatch.setattr(SaveProgress, "on_train_batch_end", save)
     steps.clear()
-    sweep.train_das(datas, lm_dir, cache, seed=2, progress=tmp_path / "agr")  # another setup: not resumed
+    training.train_das(datas, lm_dir, cache, seed=2, progress=tmp_path / "agr")  # another setup: not resumed
     assert len(steps) == 12 and len(list(tmp_path.glob("agr-*.ckpt"))) == 1
     steps.clear()
-    resumed = sweep.train_das(datas, lm_dir, cache, seed=1, progress=tmp_path / "agr")
+    resumed = training.train_das(datas, lm_dir, cache, seed=1, progress=tmp_path / "agr")
     assert len(steps) == 9 and not list(tmp_path.glob("agr-*"))
     assert set(resumed) == set(datas)
     for site in datas:
@@ -530,21 +527,19 @@ def test_das_does_not_train_sites_no_pair_differs_at(tiny_lm_dir, monkeypatch):
 
     lm_dir = tiny_lm_dir("llama")
     datas = {
-        (layer, region): sweep._region_data(
-            "agr_sv_num_pp", None, lm_dir, region, None, {"train_pairs": 24, "eval_pairs": 2}
-        )
+        (layer, region): _region_data("agr_sv_num_pp", None, lm_dir, region, None, {"train_pairs": 24, "eval_pairs": 2})
         for layer in (0, 2)
         for region in ("The", "subject")
     }
     cache = ActivationCache(load_lm(lm_dir), [0, 2])
-    assert sweep.unchanged_sites(datas, cache) == {(0, "The"), (2, "The")}
+    assert training.unchanged_sites(datas, cache) == {(0, "The"), (2, "The")}
     looped, attach = [], MultiSiteInterchangeModule.attach
     monkeypatch.setattr(
         MultiSiteInterchangeModule,
         "attach",
         lambda self, group, *a, **k: looped.append(sorted(group)) or attach(self, group, *a, **k),
     )
-    trained = sweep.train_das(datas, lm_dir, cache, seed=1)
+    trained = training.train_das(datas, lm_dir, cache, seed=1)
     assert looped == [[(0, "subject"), (2, "subject")]] and set(trained) == set(datas)
     fresh = MultiSiteInterchangeModule(lm=lm_dir, grid=list(datas), seed=1).trained()
     for site in ((0, "The"), (2, "The")):

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from lit_interventions.artifacts.plots import FigureNotWritten
 from lit_interventions.artifacts.results import ResultsStore
-from lit_interventions.studies import calm_report, ravel_sweep, steer_report
+from lit_interventions.studies import calm, ravel_sweep, steer
 from lit_interventions.studies import causalgym_sweep as sweep
 from tests.helpers import csv_rows
 from tests.test_ravel_sweep import tiny_sweep  # noqa: F401  (the RAVEL sweep's tiny setup)
@@ -137,7 +137,7 @@ def test_a_full_disk_keeps_the_ravel_results(tiny_sweep, monkeypatch, capsys):  
 
 def test_a_full_disk_keeps_the_steering_csvs(tmp_path, monkeypatch):
     rows = [
-        {"method": "m", "concept": c, "factor": f, "half": h, **dict.fromkeys(steer_report.SCORES, f)}
+        {"method": "m", "concept": c, "factor": f, "half": h, **dict.fromkeys(steer.SCORES, f)}
         for c in ("dogs", "rivers")
         for f in (0.5, 1.0)
         for h in ("select", "report")
@@ -145,7 +145,7 @@ def test_a_full_disk_keeps_the_steering_csvs(tmp_path, monkeypatch):
     cells = {(c, f) for c in ("dogs", "rivers") for f in (0.5, 1.0)}
     _full_disk(monkeypatch)
     with pytest.raises(FigureNotWritten) as failed:
-        steer_report.write_report(tmp_path, rows, cells)
+        steer.write_report(tmp_path, rows, cells)
     assert (failed.value.path, failed.value.reason.errno) == (tmp_path / "steering.png", errno.ENOSPC)
     assert [(r["concept"], r["factor"]) for r in csv_rows(tmp_path / "summary.csv")] == [
         ("dogs", "1.0"),
@@ -157,7 +157,7 @@ def test_a_full_disk_keeps_the_steering_csvs(tmp_path, monkeypatch):
 
 def test_calm_results_are_whole_or_as_they_were(tmp_path, monkeypatch):
     first = [{"task": "Country", "method": "pgd", "competence": 0.5}]
-    calm_report.write_results(tmp_path, first, first, {"lm": "x"}, {})
+    calm.write_results(tmp_path, first, first, {"lm": "x"}, {})
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert sorted(before) == ["results.csv", "summary.csv", "summary.json"]
     assert json.loads(before["summary.json"])["results"] == first
@@ -168,7 +168,7 @@ def test_calm_results_are_whole_or_as_they_were(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", full)  # each file's last write fails, as on a full disk
     second = [{"task": "Country", "method": "pgd", "competence": 0.75}]
     with pytest.raises(OSError, match=NO_SPACE):
-        calm_report.write_results(tmp_path, second, second, {"lm": "x"}, {})
+        calm.write_results(tmp_path, second, second, {"lm": "x"}, {})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no half file, no temporary
 
 

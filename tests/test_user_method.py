@@ -23,6 +23,7 @@ from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.objectives import Objective
 from lit_interventions.studies import causalgym_sweep, ravel_sweep
+from lit_interventions.studies.causalgym_tasks import _region_data
 from tests.helpers import ROOT, csv_rows, run_command
 from tests.test_ravel_data import oracle
 from tests.user_methods import AwayFromBase, Line, Reflection
@@ -243,9 +244,7 @@ def _trained_alone_and_together(lm_dir, objective, datas):
 
 def test_the_grid_module_trains_on_the_users_objective_as_each_site_alone(tiny_lm_dir):
     lm_dir = tiny_lm_dir("llama")
-    datas = {
-        (layer, "subject"): causalgym_sweep._region_data(TASK, None, lm_dir, "subject", None, SIZES) for layer in (0, 1)
-    }
+    datas = {(layer, "subject"): _region_data(TASK, None, lm_dir, "subject", None, SIZES) for layer in (0, 1)}
     together, alone = _trained_alone_and_together(lm_dir, AwayFromBase(), datas)
     for site in datas:
         torch.testing.assert_close(together[site], alone[site], rtol=1e-4, atol=1e-5)

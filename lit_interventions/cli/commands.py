@@ -52,7 +52,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "sweep ravel": ("lit_interventions.studies.ravel_sweep:main", "every method at every layer of RAVEL attributes"),
     "calm": ("lit_interventions.studies.calm:main", "CALM on RAVEL"),
-    "steer": ("lit_interventions.studies.steer_eval:main", "AxBench steering evaluation"),
+    "steer": ("lit_interventions.studies.steer:main", "AxBench steering evaluation"),
     "syntaxgym": ("lit_interventions.studies.syntaxgym.cli:main", "SyntaxGym accuracy of a frozen LM"),
     "serve-judge": ("lit_interventions.serving.judge_server:main", "serve a local chat model as an OpenAI-style judge"),
     "generate": (

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -25,12 +26,11 @@ from pathlib import Path
 
 from lit_interventions.cli.studies import choose_names
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.datamodules.causalgym import split_pairs
+from lit_interventions.datamodules.causalgym import CausalGymDataModule, EmptyRegionError, split_pairs
 from lit_interventions.datamodules.pairs import REGIONS as PAIRS_REGIONS
 from lit_interventions.datamodules.pairs import PairsDataModule
 from lit_interventions.datamodules.pairs_files import read_pairs
 from lit_interventions.datamodules.templates import BUILTIN_TEMPLATES, load_task, load_templates
-from lit_interventions.studies.causalgym_scoring import _region_data
 
 DEFAULT_TASK = "agr_sv_num_pp"
 
@@ -83,6 +83,17 @@ def template_tasks(tasks: str | list[str], templates: str | None, lm: str, sizes
 def _template_data(task, templates, lm, sizes, region, kind=None):
     """A template task's data module at `region` (kind: None, or the control task), set up."""
     return _region_data(task, templates, lm, region, kind, sizes)
+
+
+def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pairs where this region is empty are expected: skipped quietly
+        data = CausalGymDataModule(task=task, templates=templates, lm=lm, region=region, control=control, **sizes)
+        try:
+            data.setup("fit")
+        except EmptyRegionError:
+            return None  # the region is empty in every pair: no site (any other error is the user's to see)
+    return data
 
 
 def _pairs_data(path: str, lm: str, seed: int, region: str | None, kind: str | None = None) -> PairsDataModule:

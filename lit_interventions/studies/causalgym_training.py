@@ -6,6 +6,10 @@ at every layer and region of a unit together (`MultiSiteInterchangeModule`), fro
 saved as it runs (a rerun resumes it), and the trained interventions are kept per layer in
 DIR/<method>/TASK_LAYER[_control].safetensors (`trained_path`), which a rerun scores instead of
 training again.
+
+A sweep of another component (`--component`) trains each site on its own instead (`train_at_site`:
+what `train.py fit --model.component C [--model.head H]` trains there, one epoch), kept in the same
+files, one per layer and head (`saved_at_site`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.files import write_atomically
 from lit_interventions.interventions.base import Intervention, import_class
 from lit_interventions.interventions.registry import MethodSpec, method_spec
+from lit_interventions.modules.interchange import InterchangeModule
 from lit_interventions.modules.multisite import MultiSiteInterchangeModule
 from lit_interventions.objectives import build_objective
 
@@ -209,3 +214,57 @@ def saved_trained(
         for layer, region in datas
         if region in saved[layer][0]
     }
+
+
+# --- one site at a time: the sweep of another component -------------------------------------------
+def train_at_site(method: MethodSpec, lm: str, layer: int, component: str, head, data, seed: int, dtype: str):
+    """A trained method's intervention at `component` (head `head`, None without heads) of layer
+    `layer`, at `data`'s region: what `train.py fit --model.component C [--model.head H]` trains
+    there (seeded by `seed_everything(seed)`, then the module built, then one epoch over the
+    shuffled train split at the data's batch size), without its validation; at a site where no train pair differs
+    (`unchanged_at`), the initialised intervention, which that epoch leaves as it is."""
+    L.seed_everything(seed, verbose=False)
+    module = InterchangeModule(
+        lm=lm,
+        layer=layer,
+        region=data.region,
+        intervention=method.build,
+        objective=build_objective(method),
+        lr=method.lr,
+        warmup_ratio=method.warmup_ratio,
+        dtype=dtype,
+        component=component,
+        head=head,
+    )
+    module.to("cuda" if torch.cuda.is_available() else "cpu")  # where the LM is
+    if unchanged_at(module, data):
+        return module.intervention  # f(b) = f(s) at every train pair: a zero gradient, nothing moves
+    trainer = one_epoch_trainer()
+    trainer.fit(module, datamodule=data)
+    return module.intervention
+
+
+@torch.no_grad()
+def unchanged_at(module: InterchangeModule, data, batch_size: int = 64) -> bool:
+    """Whether every train pair's base and source have the same state at `module`'s site, bit
+    for bit (a region before the pairs' first difference, under causal attention). There f* =
+    f(b) + Wᵀ(W f(s) − W f(b)) = f(b) whatever W is: the loss's gradient is exactly zero, so
+    training leaves the intervention as it was initialised."""
+    with torch.random.fork_rng(devices=[]):  # a DataLoader's iterator draws its seed: the loop's order stays
+        for batch in data.loader("train", batch_size):
+            batch = module.transfer_batch_to_device(batch, module.device, 0)
+            if not torch.equal(module.site_representation(batch, "base"), module.site_representation(batch, "source")):
+                return False
+    return True
+
+
+def saved_at_site(path: Path, region: str, method: MethodSpec, train) -> torch.nn.Module:
+    """`method`'s trained intervention at `region` kept in `path` ({region: its exported
+    tensors}, `trained_path`), trained by `train()` and added to the file (written whole) where
+    it lacks it; returned as the fixed intervention it acts as."""
+    regions, config = read_trained(path)
+    if region not in regions:
+        trained = train()
+        regions[region], config = trained.export(), trained.config()
+        write_trained(path, regions, config)
+    return frozen_intervention(method, regions[region], config)

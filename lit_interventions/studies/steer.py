@@ -1,0 +1,613 @@
+"""AxBench steering evaluation: steer, generate, judge, choose the factor on one half, report on the other.
+
+    lit-interventions steer --config configs/steer_eval.yaml --artifact DIR_OR_HUB_ID [--out DIR]
+    lit-interventions steer --config configs/steer_eval.yaml --artifact [RUN_DIR_A, RUN_DIR_B]
+
+An artifact is anything `lit-interventions generate` applies (a concept dictionary, an
+intervention, a LoReFT / LoRA steering module, a run directory, a hub id; `--dictionary` and
+`--checkpoint` are other spellings of `--artifact`), applied with `inference.apply.apply` at every
+factor. A concept dictionary steers Φ(h) = h + α·w at every position of its layer, α = factor ×
+(the concept's max activation) (AxBench §3.3, `Dictionary.edits`); any other artifact's edit f*
+(LoReFT, LoRA, a steering intervention) is scaled, Φ(h) = h + factor·(f*(h) − h), f* itself at
+factor 1 (`core.edits.scaled`). An interchange intervention (DAS) needs a source text and is
+refused before the LM loads. A dictionary is evaluated on its chosen concepts, any other artifact
+on the one concept its config names.
+
+Per concept, N instructions are drawn (seeded); every (factor, instruction) is generated (left
+padding, the LM's chat template) and judged (concept, instruction relevance, fluency, overall =
+their harmonic mean). The factor with the best mean overall on the first half of the instructions
+is chosen; its scores on the other half are reported.
+
+Writes DIR/generations.jsonl (one line per generation, with the judge's replies), DIR/factors.csv
+(every factor × half), DIR/summary.csv (the reported scores per concept) and DIR/steering.png.
+A rerun skips the (concept, factor) cells already in generations.jsonl.
+
+The file reads in that order: plan (every check, and the artifacts read, before the LM loads),
+run (generate and judge each cell), report, then `run_steer_eval` and `main`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import random
+import warnings
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lit_interventions.artifacts.plots import report_figures, save_figure
+from lit_interventions.cli.studies import claim_out_dir, run_cli
+from lit_interventions.core.files import write_atomically
+from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
+from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
+from lit_interventions.core.sharding import LoadOptions
+from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
+from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
+from lit_interventions.interventions.capabilities import is_source_free
+from lit_interventions.metrics.judge import ASPECTS, Judge, chat_prompt, generate_replies, make_judge
+
+FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]  # AxBench's steering factors
+SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
+SUMMARY_COLUMNS = ["method", "concept", "factor", *SCORES]
+FACTOR_COLUMNS = ["method", "concept", "factor", "half", *SCORES, "n"]
+
+
+# --- plan: validate everything before generating --------------------------------------------------
+@dataclass
+class SteerPlan:
+    """A checked steering evaluation: which artifact runs which concepts at which factors, on which
+    LM, with which instructions and generation settings, judged by whom, written where."""
+
+    lm: str
+    placement: LoadOptions
+    cells_of: dict  # LoadedArtifact -> the concepts of it to evaluate
+    factors: list[float]
+    pool: list[str]  # the instructions to draw from
+    judge: Judge
+    out: Path
+    instructions: int
+    max_new_tokens: int
+    temperature: float
+    batch_size: int
+    seed: int
+    top_k: int = 50
+
+
+def load_instructions(path: str | None) -> list[str]:
+    """Steering instructions: a JSON list / text file (one per line), or the AxBench data module's
+    (`data/axbench/instructions.json`)."""
+    if path:
+        text = Path(path).read_text()
+        items = json.loads(text) if path.endswith(".json") else [line.strip() for line in text.splitlines()]
+        return [str(i) for i in items if str(i).strip()]
+    return list(builtin_instructions())
+
+
+def load_artifacts(paths: list[str], trust_remote_code: bool = False) -> list[LoadedArtifact]:
+    """Each artifact read (`load_artifact`; a class path a file names is imported only with
+    `trust_remote_code`), and refused in one line unless it is applied to an LM on its own and
+    edits the LM alone."""
+    artifacts = [load_artifact(path, trust_remote_code=trust_remote_code) for path in paths]
+    for artifact in artifacts:
+        kind = type(artifact.obj).__name__
+        if not callable(getattr(artifact.obj, "edits", None)):
+            raise ValueError(
+                f"{artifact.where} holds a {kind}, which is not applied to an LM on its own; steer takes an "
+                "intervention, a concept dictionary or a steering module (LoReFT, LoRA)"
+            )
+        if not is_source_free(artifact.obj):
+            raise ValueError(
+                f"{artifact.where} holds a {kind}, an interchange intervention: it needs a source text, and "
+                "the steering evaluation has none; steer takes artifacts that edit the LM alone (a concept "
+                "dictionary, LoReFT, LoRA, a steering intervention)"
+            )
+    return artifacts
+
+
+def artifact_method(artifact: LoadedArtifact) -> str:
+    """The method its config (or the object) records, else its class name."""
+    return artifact.config.get("method") or getattr(artifact.obj, "method", None) or type(artifact.obj).__name__
+
+
+def artifact_concepts(artifact: LoadedArtifact) -> tuple[list[str], bool]:
+    """(the concepts it steers toward, whether `apply` is told which): a dictionary's names
+    (told), or the one concept its config names (its edit is that concept's); [] when it names none."""
+    if artifact.concepts:
+        return artifact.concepts, True
+    concept = artifact.config.get("concept")
+    return ([concept] if isinstance(concept, str) and concept else []), False
+
+
+def pick_concepts(value, valid: list[str]) -> list[str]:
+    """The concepts named by `value` (names, ids, or None / "all" for every one), in its order."""
+    if value in (None, "all", ["all"]):
+        return list(valid)
+    chosen = []
+    for item in [value] if isinstance(value, (str, int)) else list(value):
+        if isinstance(item, int) or (isinstance(item, str) and item.isdigit() and item not in valid):
+            index = int(item)
+            if not 0 <= index < len(valid):
+                raise ValueError(
+                    f"concept id {index} is out of range: there are {len(valid)} concepts (0..{len(valid) - 1})"
+                )
+            chosen.append(valid[index])
+        elif item in valid:
+            chosen.append(item)
+        else:
+            raise ValueError(f"Unknown concept {item!r}; valid: {', '.join(valid)} (names or ids, or 'all')")
+    return chosen
+
+
+def artifact_paths(artifact, dictionary, checkpoint) -> list[str]:
+    """The artifacts to steer with, a list: --artifact, or its spellings --dictionary and
+    --checkpoint (exactly one of the three; each one path or a list)."""
+    given = [value for value in (artifact, dictionary, checkpoint) if value is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of --artifact, --dictionary or --checkpoint (a path or hub id, or a list)")
+    paths = [given[0]] if isinstance(given[0], str) else list(given[0])
+    if not paths or not all(isinstance(p, str) and p for p in paths):
+        raise ValueError(f"--artifact={given[0]!r} must be a path or hub id, or a non-empty list of them")
+    return paths
+
+
+def check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k):
+    """The factors (default FACTORS), once the settings that need no file are checked."""
+    factors = list(FACTORS if factors is None else factors)
+    if not factors or any(not isinstance(f, (int, float)) or f < 0 for f in factors):
+        raise ValueError(f"factors={factors!r} must be a non-empty list of non-negative numbers")
+    if not isinstance(instructions, int) or instructions < 2:
+        raise ValueError(f"instructions={instructions!r} must be an integer >= 2 (half select, half report)")
+    if max_new_tokens < 1 or temperature < 0 or batch_size < 1 or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}, temperature={temperature}, batch_size={batch_size}, top_k={top_k!r}: "
+            "need max_new_tokens >= 1, temperature >= 0, batch_size >= 1, top_k an integer >= 0"
+        )
+    return factors
+
+
+def steered_lm(artifacts: list[LoadedArtifact], lm: str | None) -> str:
+    """The LM to steer: `lm`, or the one the artifacts' configs name; it must match them, in name
+    and (where an artifact records it) hidden size. Reads the LM's config only."""
+    models = {a.model for a in artifacts if a.model}
+    if lm is None:
+        if len(models) != 1:
+            raise ValueError(f"cannot tell which LM to steer (the cards name {sorted(models) or 'none'}); pass --lm")
+        lm = models.pop()
+    elif models - {lm}:
+        raise ValueError(f"--lm {lm!r} differs from the model the steering weights were trained on: {sorted(models)}")
+    d = hidden_size(load_config(lm))
+    for artifact in artifacts:
+        width = getattr(artifact.obj, "hidden_size", None)
+        if isinstance(width, int) and not isinstance(width, bool) and width != d:
+            raise ValueError(f"{artifact.where} has hidden size {width}, but {lm!r} has {d}")
+    return lm
+
+
+def concept_cells(concepts, artifacts: list[LoadedArtifact]) -> dict:
+    """{artifact: its concepts to evaluate}: the chosen ones (names or ids among all the
+    artifacts' concepts, or 'all') of each artifact. Each artifact must name a concept (a
+    dictionary's, or the one its config records); one artifact that names none (an intervention
+    trained on another benchmark) is judged on the one concept name `concepts` gives. No concept
+    may be steered by two."""
+    if len(artifacts) == 1 and not artifact_concepts(artifacts[0])[0] and _one_name(concepts):
+        artifacts[0].config["concept"] = concepts  # what its edit is judged on
+    named = {artifact: artifact_concepts(artifact)[0] for artifact in artifacts}
+    if unnamed := [a.where for a, names in named.items() if not names]:
+        raise ValueError(
+            f"{unnamed[0]} names no concept to steer toward; give the one it is judged on (--concepts NAME, "
+            "with one artifact) or retrain with model.concept set"
+        )
+    every = [c for names in named.values() for c in names]
+    if twice := sorted(c for c, n in Counter(every).items() if n > 1):
+        raise ValueError(f"concept {twice[0]!r} is steered by two artifacts; evaluate them in separate runs (--out)")
+    wanted = pick_concepts(concepts, every)
+    cells_of = {}
+    for artifact, names in named.items():
+        own = set(names)
+        if chosen := [c for c in wanted if c in own]:
+            cells_of[artifact] = chosen
+    return cells_of
+
+
+def _one_name(concepts) -> bool:
+    """Whether `concepts` is one concept name (not 'all', not an id)."""
+    return isinstance(concepts, str) and bool(concepts.strip()) and concepts != "all" and not concepts.isdigit()
+
+
+def ready_judge(judge: dict | Judge | None) -> Judge:
+    """The judge (default the openai backend), checked to answer (e.g. the endpoint is down: stop
+    before generating)."""
+    if judge is None:
+        judge = {"backend": "openai"}
+    judge = judge if isinstance(judge, Judge) else make_judge(**judge)
+    judge.check()
+    return judge
+
+
+def plan_steer_eval(
+    *,
+    artifact=None,
+    dictionary=None,
+    checkpoint=None,
+    lm,
+    concepts,
+    factors,
+    instructions,
+    instruction_file,
+    max_new_tokens,
+    temperature,
+    batch_size,
+    judge,
+    out,
+    seed,
+    device_map,
+    quantization,
+    trust_remote_code=False,
+    top_k=50,
+) -> SteerPlan:
+    """Check every argument, read the artifacts (their tensors: an interchange intervention is
+    refused here, before the LM loads), draw up the cells and claim the output directory
+    (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
+    placement = LoadOptions(device_map, quantization)
+    line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
+    paths = artifact_paths(artifact, dictionary, checkpoint)
+    factors = check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k)
+    artifacts = load_artifacts(paths, trust_remote_code)
+    lm = steered_lm(artifacts, lm)
+    cells_of = concept_cells(concepts, artifacts)
+    pool = load_instructions(instruction_file)
+    if len(pool) < instructions:
+        raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
+    judge = ready_judge(judge)
+    out = Path(out)
+    meta = {
+        "lm": lm,
+        "method": "+".join(sorted({artifact_method(a) for a in artifacts})),
+        "artifact": paths,
+        "instructions": instructions,
+        "instruction_file": instruction_file,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
+        "seed": seed,
+    }
+    claim_out_dir(out, meta, what="a steering evaluation")
+    return SteerPlan(
+        lm,
+        placement,
+        cells_of,
+        factors,
+        pool,
+        judge,
+        out,
+        instructions,
+        max_new_tokens,
+        temperature,
+        batch_size,
+        seed,
+        top_k,
+    )
+
+
+# --- run: generate and judge, one (concept, factor) cell at a time --------------------------------
+def generate(
+    model,
+    tokenizer,
+    instructions: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seed: int,
+    top_k: int = 50,
+) -> list[str]:
+    """Sampled replies to each instruction (chat template, left padding), batched, from the `top_k`
+    most likely tokens at `temperature` (0: every token; temperature 0: greedy); each decoding
+    step counted in the study's progress (`core.progress.stage`)."""
+    torch.manual_seed(seed)
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    room = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    texts = [chat_prompt(tokenizer, i) if templated else i for i in instructions]
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    with stage(math.ceil(len(texts) / batch_size) * max_new_tokens, "generated tokens", "token") as shown:
+        return generate_replies(
+            model,
+            tokenizer,
+            texts,
+            max_new_tokens,
+            batch_size,
+            max_length=max(1, room - max_new_tokens) if room else None,
+            streamer=TokenSteps(shown, max_new_tokens),
+            **sampling,
+        )
+
+
+def _run_cell(plan: SteerPlan, model, tokenizer, artifact: LoadedArtifact, concept: str, factor: float) -> list[dict]:
+    """The rows of one cell: N instructions drawn for the concept (seeded by concept), generated
+    with the artifact applied at the factor (`apply`), judged; the first N//2 are the "select" half."""
+    names, told = artifact_concepts(artifact)
+    chosen = random.Random(f"{plan.seed}:{concept}").sample(plan.pool, plan.instructions)
+    with apply(model, artifact, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+        responses = generate(
+            steered,
+            tokenizer,
+            chosen,
+            plan.max_new_tokens,
+            plan.temperature,
+            plan.batch_size,
+            seed=zlib.crc32(f"{plan.seed}:{concept}:{factor}".encode()),
+            top_k=plan.top_k,
+        )
+    scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
+    select = plan.instructions // 2
+    return [
+        {
+            "method": artifact_method(artifact),
+            "concept": concept,
+            "concept_id": names.index(concept),
+            "factor": float(factor),
+            "half": "select" if k < select else "report",
+            "instruction_index": k,
+            "instruction": text,
+            "response": response,
+            **score.as_dict(),
+        }
+        for k, (text, response, score) in enumerate(zip(chosen, responses, scores))
+    ]
+
+
+def _judged(judge: Judge, concepts: list[str], instructions: list[str], responses: list[str]) -> list:
+    """`judge.score`, called on a few generations at a time, each call counted in the study's
+    progress: as many as fill whole batches of the judge's prompts (3 a generation; a local judge's
+    `batch_size`, an endpoint's `workers`), so the judge sees the batches one call gives it."""
+    per = getattr(judge, "batch_size", None) or getattr(judge, "workers", None) or 1
+    size = per // math.gcd(per, len(ASPECTS))
+    scores = []
+    with stage(len(responses), "judged generations", "generation") as shown:
+        for a in range(0, len(responses), size):
+            scores += judge.score(concepts[a : a + size], instructions[a : a + size], responses[a : a + size])
+            shown.update(len(responses[a : a + size]))
+    return scores
+
+
+def run_cells(plan: SteerPlan) -> list[dict]:
+    """Every row of DIR/generations.jsonl: those already there, then each cell not yet complete,
+    generated, judged and appended (flushed) one cell at a time."""
+    path = plan.out / "generations.jsonl"
+    rows = keep_whole_cells(path, read_generations(path), plan.instructions)
+    done = defaultdict(int)
+    for row in rows:
+        done[(row["concept"], float(row["factor"]))] += 1
+    placement = plan.placement
+    model, tokenizer = (
+        load_lm(plan.lm, "float32", placement.device_map, placement.quantization),
+        load_tokenizer(plan.lm),
+    )
+    work = [(s, c, f) for s, names in plan.cells_of.items() for c in names for f in plan.factors]
+    todo = [(s, c, f) for s, c, f in work if done[(c, float(f))] < plan.instructions]
+    with path.open("a") as sink, Progress(len(work), "steering cells", "cell", len(work) - len(todo)) as shown:
+        for artifact, concept, factor in todo:
+            shown.note(f"{concept}, factor {factor}")
+            cell = _run_cell(plan, model, tokenizer, artifact, concept, factor)
+            sink.write("".join(json.dumps(r) + "\n" for r in cell))
+            sink.flush()
+            rows += cell
+            shown.update()
+    return rows
+
+
+# --- report: resume from generations.jsonl; factors.csv, summary.csv, steering.png ----------------
+def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(summary rows, factor rows) from judged generations of one method.
+
+    Per concept: mean scores per (factor, half); the factor with the best mean overall on the
+    "select" half (ties: the smaller factor) is chosen, and its "report" half is the summary."""
+    cells = defaultdict(list)
+    for row in rows:
+        cells[(row["method"], row["concept"], float(row["factor"]), row["half"])].append(row)
+    factor_rows = []
+    for (method, concept, factor, half), group in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])):
+        means = {s: float(np.mean([float(r[s]) for r in group])) for s in SCORES}
+        factor_rows.append(
+            {"method": method, "concept": concept, "factor": factor, "half": half, **means, "n": len(group)}
+        )
+    summary = []
+    by_concept = defaultdict(dict)
+    for row in factor_rows:
+        by_concept[(row["method"], row["concept"])][(row["factor"], row["half"])] = row
+    for (method, concept), table in by_concept.items():
+        selectable = sorted(f for f, h in table if h == "select")
+        if not selectable:
+            continue
+        best = max(selectable, key=lambda f: (table[(f, "select")]["overall"], -f))
+        report = table.get((best, "report"))
+        if report is not None:
+            summary.append({"method": method, "concept": concept, "factor": best, **{s: report[s] for s in SCORES}})
+    return summary, factor_rows
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    """The rows as CSV with these columns (other keys are left out), written whole."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomically(path, text.getvalue())
+
+
+def plot_factors(factor_rows: list[dict], path: Path) -> Path:
+    """Mean over concepts of each score against the factor, one line per half; written whole, or
+    `plots.FigureNotWritten`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), sharex=True)
+    for ax, score in zip(axes, SCORES):
+        for half, style in (("select", "o-"), ("report", "s--")):
+            by_factor = defaultdict(list)
+            for row in factor_rows:
+                if row["half"] == half:
+                    by_factor[row["factor"]].append(row[score])
+            factors = sorted(by_factor)
+            ax.plot(factors, [np.mean(by_factor[f]) for f in factors], style, label=half)
+        ax.set_title(score)
+        ax.set_xlabel("steering factor")
+        ax.set_ylim(-0.05, 2.05)
+    axes[0].set_ylabel("judge score (0-2), mean over concepts")
+    axes[-1].legend()
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=110)
+
+
+def read_generations(path: Path) -> list[dict]:
+    """The whole lines of DIR/generations.jsonl. A line cut by an interruption (and whatever follows
+    it) is reported and cut off the file, so the redone cell is appended after a whole line."""
+    if not path.is_file():
+        return []
+    rows, kept = [], 0
+    data = path.read_bytes()
+    for number, line in enumerate(data.splitlines(keepends=True), start=1):
+        try:
+            if not line.endswith(b"\n"):
+                raise ValueError("no newline")
+            rows.append(json.loads(line))
+        except ValueError:
+            warnings.warn(
+                f"{path}: line {number} is incomplete or damaged; it and what follows are dropped and their "
+                "cells redone",
+                stacklevel=2,
+            )
+            with path.open("r+b") as f:
+                f.truncate(kept)
+            break
+        kept += len(line)
+    return rows
+
+
+def keep_whole_cells(path: Path, rows: list[dict], instructions: int) -> list[dict]:
+    """The rows of the (concept, factor) cells that have all `instructions` rows. A cell with fewer
+    (its last lines cut by an interruption) is redone whole, so its rows are dropped here and the
+    file rewritten (atomically) without them: no row is ever written twice."""
+    count = Counter((row["concept"], float(row["factor"])) for row in rows)
+    kept = [row for row in rows if count[(row["concept"], float(row["factor"]))] >= instructions]
+    if len(kept) < len(rows):
+        warnings.warn(
+            f"{path}: {len(rows) - len(kept)} rows of cells cut short are dropped; those cells are redone",
+            stacklevel=2,
+        )
+        write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
+    return kept
+
+
+def write_report(out: Path, rows: list[dict], cells: set[tuple[str, float]]) -> list[dict]:
+    """Choose and report from the rows of the (concept, factor) `cells` of this run (others in the
+    file are left out): DIR/factors.csv and DIR/summary.csv, then DIR/steering.png (a figure not
+    written is `plots.FigureNotWritten`, the CSVs kept); the summary rows."""
+    rows = [r for r in rows if (r["concept"], float(r["factor"])) in cells]
+    summary, factor_rows = choose_and_report(rows)
+    write_csv(out / "factors.csv", factor_rows, FACTOR_COLUMNS)
+    write_csv(out / "summary.csv", summary, SUMMARY_COLUMNS)
+    plot_factors(factor_rows, out / "steering.png")
+    return summary
+
+
+# --- the evaluation: plan, run, report ------------------------------------------------------------
+def run_steer_eval(
+    artifact: str | list[str] | None = None,
+    dictionary: str | list[str] | None = None,
+    checkpoint: str | list[str] | None = None,
+    lm: str | None = None,
+    concepts: str | list[str | int] | None = "all",
+    factors: list[float] | None = None,
+    instructions: int = 10,
+    instruction_file: str | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 50,
+    batch_size: int = 10,
+    judge: dict | Judge | None = None,
+    out: str = "runs/steer_eval",
+    seed: int = 0,
+    device_map: str | int | dict | None = None,
+    quantization: str | None = None,
+    trust_remote_code: bool = False,
+) -> list[dict]:
+    """Run (or resume) the steering evaluation; returns the summary rows.
+
+    Args:
+        artifact: what steers, one or a list: any artifact `lit-interventions generate` applies (a
+            concept dictionary, an intervention that edits the LM alone, a LoReFT / LoRA run
+            directory or .ckpt, a hub id). A dictionary is evaluated on its concepts, any other
+            artifact on the one concept its config names.
+        dictionary, checkpoint: other spellings of `artifact` (give exactly one of the three).
+        lm: the LM to steer (default: the model the artifacts were trained on; must match it).
+        concepts: names or ids among the artifacts' concepts, or 'all'.
+        factors: steering factors (default the paper's 14), each run for every artifact: a
+            dictionary's α = factor × max activation; any other edit f* is scaled, h + factor·(f* − h).
+        instructions: N instructions per concept: the first N//2 choose the factor, the rest report.
+        instruction_file: a JSON list or a text file of instructions (default: the AxBench data module's).
+        max_new_tokens, temperature, top_k: generation (AxBench: 128, 1.0 and transformers' default
+            top_k 50; top_k 0 samples from every token).
+        batch_size: generation batch size.
+        judge: the judge config, {backend: openai|local, ...options} (see metrics/judge.py).
+        out: output directory. seed: instruction sampling and generation seed.
+        device_map, quantization: a steered LM larger than one device (`lit_interventions.core.sharding`):
+            e.g. "auto" and "4bit".
+        trust_remote_code: import a class path an artifact names that is not registered (only for
+            artifacts whose source you trust: importing runs its code).
+    """
+    plan = plan_steer_eval(
+        artifact=artifact,
+        dictionary=dictionary,
+        checkpoint=checkpoint,
+        lm=lm,
+        concepts=concepts,
+        factors=factors,
+        instructions=instructions,
+        instruction_file=instruction_file,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        batch_size=batch_size,
+        judge=judge,
+        out=out,
+        seed=seed,
+        device_map=device_map,
+        quantization=quantization,
+        trust_remote_code=trust_remote_code,
+    )
+    rows = run_cells(plan)
+    cells = {(c, float(f)) for names in plan.cells_of.values() for c in names for f in plan.factors}
+    return write_report(plan.out, rows, cells)
+
+
+def main(args=None) -> None:
+    """`lit-interventions steer`: the evaluation from the command line (a --judge dict), then the mean overall."""
+
+    def customize(parser):
+        parser.add_function_arguments(run_steer_eval, as_positional=False, skip={"judge"})
+        parser.add_argument(
+            "--judge",
+            type=dict,
+            default={"backend": "openai"},
+            help="judge backend and options, e.g. {backend: openai, base_url: ..., model: ..., api_key_env: ...}",
+        )
+
+    with report_figures():  # steering.png not written: one line, the CSVs kept
+        summary = run_cli(
+            run_steer_eval, __doc__, args, customize, errors=(ValueError, FileNotFoundError, ConnectionError)
+        )
+    if summary:
+        print(f"mean overall over {len(summary)} concepts: {np.mean([r['overall'] for r in summary]):.3f}")
