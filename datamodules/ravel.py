@@ -9,21 +9,16 @@ import random
 from functools import partial
 
 from lit_interventions.datamodules.base import BenchmarkDataModule
-
-# _first_token (ravel_answers.py) and RavelData (ravel_files.py) are kept here only until
-# studies/calm_data.py and calm_plan.py import them from their own modules
-from lit_interventions.datamodules.ravel_answers import (  # noqa: F401  (see above)
+from lit_interventions.datamodules.ravel_answers import (
     AnswerCache,
-    _first_token,
     _value_tokens,
     answer_hit,
     greedy_tokens,
     named_value,
 )
 from lit_interventions.datamodules.ravel_examples import REGION, Query, RavelExample
-from lit_interventions.datamodules.ravel_files import (  # noqa: F401  (see above)
+from lit_interventions.datamodules.ravel_files import (
     SPLITS,
-    RavelData,
     encode_prompt,
     load_ravel,
     value_separator,

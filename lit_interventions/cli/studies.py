@@ -13,8 +13,6 @@ from pathlib import Path
 
 from jsonargparse import ActionConfigFile
 
-# kept here only until studies/steer_eval.py imports it from artifacts/results.py
-from lit_interventions.artifacts.results import claim_out_dir  # noqa: F401
 from lit_interventions.cli.parsing import Parser, fail, resolve_configs
 from lit_interventions.core.quiet import quiet_lightning
 

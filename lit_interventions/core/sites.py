@@ -27,25 +27,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Kept only until studies/causalgym_components.py, calm_batch.py, calm_data.py, calm_plan.py and
-# stacked_scoring.py import them from their own modules: HEAD_COMPONENTS, KEY, VALUE, head_counts,
-# site_layer (blocks.py), final_logits, logits_at, read_layers (forward.py), stacked_hidden (stacked.py).
-from lit_interventions.core.blocks import (  # noqa: F401  (see above)
+from lit_interventions.core.blocks import (
     BLOCK_OUTPUT,
     COMPONENTS,
-    HEAD_COMPONENTS,
-    KEY,
     POSITIONS,
-    VALUE,
     check_head,
     check_layer_component,
-    head_counts,
     one_of,
-    site_layer,
     site_width,
 )
-from lit_interventions.core.forward import final_logits, logits_at, read_layers  # noqa: F401  (see above)
-from lit_interventions.core.stacked import stacked_hidden  # noqa: F401  (see above)
 
 
 @dataclass(frozen=True)

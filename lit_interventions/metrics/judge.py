@@ -28,12 +28,10 @@ This module picks the backend (`make_judge`); the parts live in
 
 from __future__ import annotations
 
-# ASPECTS, chat_prompt and generate_replies are kept here only until studies/steer_eval.py imports
-# them from judge_prompts.py and judge_local.py
 from lit_interventions.metrics.judge_base import Judge
-from lit_interventions.metrics.judge_local import LocalJudge, chat_prompt, generate_replies  # noqa: F401  (see above)
+from lit_interventions.metrics.judge_local import LocalJudge
 from lit_interventions.metrics.judge_openai import OpenAIJudge
-from lit_interventions.metrics.judge_prompts import ASPECTS, PARSINGS, PROMPT_STYLES  # noqa: F401  (see above)
+from lit_interventions.metrics.judge_prompts import PARSINGS, PROMPT_STYLES
 
 __all__ = ["JUDGES", "make_judge"]
 

@@ -46,14 +46,16 @@ import torch
 
 from lit_interventions.callbacks.progress import LoopProgress
 from lit_interventions.cli.studies import run_cli
+from lit_interventions.core.blocks import site_layer
 from lit_interventions.core.files import write_atomically
+from lit_interventions.core.forward import logits_at, read_layers
 from lit_interventions.core.lm import DEFAULT_LM, check_device, hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, current, line_seconds
 from lit_interventions.core.sharding import LoadOptions, is_dispatched
-from lit_interventions.core.sites import logits_at, read_layers, site_layer
 from lit_interventions.core.surprisal import bos_prefix
 from lit_interventions.core.tokens import pad_batch, token_covering
-from lit_interventions.datamodules.ravel import RavelData, _first_token, load_ravel, value_separator
+from lit_interventions.datamodules.ravel_answers import _first_token
+from lit_interventions.datamodules.ravel_files import RavelData, load_ravel, value_separator
 from lit_interventions.interventions.attacks import (
     Attack,
     add,

@@ -38,12 +38,13 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lit_interventions.core.batch import PairBatch, Side
 from lit_interventions.core.cache import ActivationCache
+from lit_interventions.core.forward import final_logits
 from lit_interventions.core.progress import stage
-from lit_interventions.core.sites import final_logits, stacked_hidden
+from lit_interventions.core.stacked import stacked_hidden
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.interventions import FixedSubspaceIntervention
 from lit_interventions.interventions.capabilities import intervene
 from lit_interventions.interventions.registry import FITTED, MethodSpec, kind
+from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 from lit_interventions.metrics.odds import InterchangeOdds, label_ids
 from lit_interventions.modules.interchange import InterchangeModule, fit_closed_form, fit_states
 

@@ -90,13 +90,13 @@ import torch
 from lit_interventions.artifacts.plots import DPI, heatmap_figure, report_figures, save_figures
 from lit_interventions.artifacts.results import Table
 from lit_interventions.cli.studies import choose_layers, choose_names, run_cli
+from lit_interventions.core.blocks import BLOCK_OUTPUT, COMPONENTS, HEAD_COMPONENTS, KEY, VALUE, head_counts
 from lit_interventions.core.cache import ActivationCache
 from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import DEFAULT_LM, DTYPES, hidden_size, load_config, load_lm, num_layers
 from lit_interventions.core.parts import site_tap
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
-from lit_interventions.core.sites import BLOCK_OUTPUT, COMPONENTS, HEAD_COMPONENTS, KEY, VALUE, head_counts
 from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
 from lit_interventions.modules.multisite import grid_objective
 from lit_interventions.objectives import build_objective

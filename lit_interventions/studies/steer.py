@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from lit_interventions.artifacts.plots import report_figures, save_figure
-from lit_interventions.cli.studies import claim_out_dir, run_cli
+from lit_interventions.artifacts.results import claim_out_dir
+from lit_interventions.cli.studies import run_cli
 from lit_interventions.core.files import write_atomically
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
@@ -51,7 +52,10 @@ from lit_interventions.core.sharding import LoadOptions
 from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
 from lit_interventions.interventions.capabilities import is_source_free
-from lit_interventions.metrics.judge import ASPECTS, Judge, chat_prompt, generate_replies, make_judge
+from lit_interventions.metrics.judge import make_judge
+from lit_interventions.metrics.judge_base import Judge
+from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
+from lit_interventions.metrics.judge_prompts import ASPECTS
 
 FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]  # AxBench's steering factors
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
