@@ -10,7 +10,8 @@ what its spec builds (`kind`): fitted in closed form, trained, or fixed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -19,6 +20,8 @@ from lit_interventions.interventions.base import import_class
 from lit_interventions.interventions.capabilities import Fitted, is_trained
 
 FITTED, TRAINED, FIXED = "fitted", "trained", "fixed"  # what `kind` says of a built method
+INTERCHANGE_MODULE = "lit_interventions.modules.interchange.InterchangeModule"
+_DAS = "lit_interventions.interventions.rotation.RotatedSpaceIntervention"
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,39 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r}: init_args={self.init_args!r} must be a mapping")
 
     @classmethod
-    def from_config(cls, config: dict) -> MethodSpec:
-        """The spec a config gives: {name, class_path, init_args, [lr, warmup_ratio, objective]}."""
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(config) - set(allowed))
-        if unknown or "name" not in config or "class_path" not in config:
+    def from_model(cls, name: str, model: dict) -> MethodSpec:
+        """The spec of `{name, model}`: `model` is what train.py's `model:` section holds,
+        {class_path, init_args}. A module that takes an `intervention` (InterchangeModule) gives
+        its intervention ({class_path, init_args}; none: DAS of its `k`), `lr`, `warmup_ratio` and
+        `objective`; its site and LM (lm, layer, region, dtype, ...) are the study's to set. Any
+        other class is the method itself (a direction estimator, an attack): {class_path, init_args}."""
+        if not isinstance(model, dict) or "class_path" not in model or set(model) - {"class_path", "init_args"}:
+            got = sorted(model) if isinstance(model, dict) else repr(model)
+            raise ValueError(f"method {name!r}: model is {{class_path, init_args}} (train.py's model section); got {got}")
+        init_args = model.get("init_args") or {}
+        if not isinstance(init_args, dict):
+            raise ValueError(f"method {name!r}: model.init_args={init_args!r} must be a mapping")
+        if "intervention" not in _parameters(model["class_path"], name):
+            return cls(name, model["class_path"], dict(init_args))
+        intervention = init_args.get("intervention") or {"class_path": _DAS, "init_args": {"k": init_args.get("k", 1)}}
+        if not isinstance(intervention, dict) or "class_path" not in intervention:
             raise ValueError(
-                f"a method config needs name and class_path and may have {', '.join(allowed[2:])}; got {sorted(config)}"
+                f"method {name!r}: model.init_args.intervention={intervention!r} must be {{class_path, init_args}}"
             )
-        return cls(**{**config, "init_args": dict(config.get("init_args") or {})})
+        options = {k: init_args[k] for k in ("lr", "warmup_ratio", "objective") if init_args.get(k) is not None}
+        return cls(name, intervention["class_path"], dict(intervention.get("init_args") or {}), **options)
+
+    def model(self, module: str = INTERCHANGE_MODULE) -> dict:
+        """train.py's `model:` section that trains or fits this method at one site: `module`
+        (InterchangeModule) with the method as its intervention and its loop's options."""
+        init_args = {
+            "intervention": {"class_path": self.class_path, "init_args": dict(self.init_args)},
+            "lr": self.lr,
+            "warmup_ratio": self.warmup_ratio,
+        }
+        if self.objective is not None:
+            init_args["objective"] = self.objective
+        return {"class_path": module, "init_args": init_args}
 
     def build(self, hidden_size: int, seed: int = 0) -> Any:
         """A fresh instance: an `nn.Module` class as cls(hidden_size, **init_args); any other (a
@@ -98,6 +125,31 @@ def register_method(name: str, class_path: str, init_args: dict | None = None, *
     return spec
 
 
+def method_entry(entry: str | dict | MethodSpec) -> MethodSpec:
+    """The spec of one entry of a study's method list: a registered name, or `{name: NAME,
+    model: <train.py's model section>}` (`MethodSpec.from_model`); a spec is returned as it is."""
+    if isinstance(entry, MethodSpec):
+        return entry
+    if isinstance(entry, str):
+        return method_spec(entry)
+    if not isinstance(entry, dict) or set(entry) != {"name", "model"} or not isinstance(entry["name"], str):
+        got = sorted(entry) if isinstance(entry, dict) else repr(entry)
+        raise ValueError(
+            f"a method is a registered name ({', '.join(_REGISTRY)}) or {{name: NAME, model: {{class_path, "
+            f"init_args}}}} (train.py's model section); got {got}"
+        )
+    return MethodSpec.from_model(entry["name"], entry["model"])
+
+
+def _parameters(path: str, name: str) -> set[str]:
+    """The parameter names of the class at `path` (imported: the user's own config names it)."""
+    cls = import_class(path)
+    try:
+        return set(inspect.signature(cls).parameters)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"method {name!r}: class_path={path!r} is not a class: {error}") from error
+
+
 def method_spec(name: str) -> MethodSpec:
     """The registered spec of `name`."""
     if name not in _REGISTRY:
@@ -111,7 +163,7 @@ def registered_methods() -> list[str]:
 
 
 _DIRECTIONS = "lit_interventions.interventions.directions"
-register_method("das", "lit_interventions.interventions.rotation.RotatedSpaceIntervention", {"k": 1})
+register_method("das", _DAS, {"k": 1})
 for _name, _cls in [
     ("probe", "ProbeDirection"),
     ("diffmean", "DiffMeanDirection"),
