@@ -508,7 +508,7 @@ def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
         trainer.fit(module, datamodule=data)
     assert module.concepts == data.concepts[:2]
     assert_detection_by_hand(trainer, module, data.val_dataloader(), limit_batches=2)  # the same two batches
-    exported = Dictionary.load(tmp_path / "lightning_logs" / "version_0" / "dictionary.json")
+    exported = Dictionary.load(tmp_path / "lightning_logs" / "version_0" / "dictionary.safetensors")
     assert exported.concepts == data.concepts and exported.training_data == "builtin"
 
 

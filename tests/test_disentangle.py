@@ -303,6 +303,6 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
             r["selected"].tolist() for r in intervention.sweep if r["C"] == intervention.C
         )
     elif subcommand == "fit":
-        card = json.loads((Path(cli.trainer.log_dir) / "intervention.json").read_text())
+        card = json.loads((Path(cli.trainer.log_dir) / "config.json").read_text())
         expected = "RotatedSpaceIntervention" if "das" in config else "SigmoidMaskIntervention"
         assert card["class_path"].endswith(expected) and card["data"]["target_attribute"] == "Country"

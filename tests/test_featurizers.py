@@ -342,7 +342,7 @@ def test_exported_sae_acts_on_raw_activations(tmp_path):
         loaded.decode(loaded.encode(x)), module.sae.decode(module.sae.encode(x)), atol=1e-4, rtol=1e-4
     )
     torch.testing.assert_close(direct.W1, loaded.W1)
-    card = json.loads((tmp_path / CARD).read_text())
+    card = json.loads((tmp_path / "config.json").read_text())  # the run's one card
     assert card["latent_size"] == 32 and card["method"] == "sae"
     assert "val/fvu" in card["metrics"]
     assert set(load_file(tmp_path / WEIGHTS)) == {"W1", "b1", "W2", "b2"}  # the SAE only, no LM weights
@@ -409,9 +409,9 @@ def test_sae_cli_writes_weights(tiny_lm_dir, tmp_path):
     (weights,) = tmp_path.rglob(WEIGHTS)
     featurizer = SAEFeaturizer.load(weights)
     assert featurizer.W1.shape == (128, 32)
-    card = json.loads((weights.parent / CARD).read_text())
-    assert card["model"] == lm and card["layer"] == 1
-    config = json.loads((weights.parent / "config.json").read_text())  # the one artifact format
+    assert not (weights.parent / CARD).exists()
+    config = json.loads((weights.parent / "config.json").read_text())  # the run's one card
+    assert config["model"] == lm and config["layer"] == 1
     assert config["kind"] == "sae" and config["weights"] == WEIGHTS and config["site"] == {"layer": 1}
     assert config["class_path"] == "lit_interventions.modules.sae.SparseAutoencoder"
     assert (weights.parent / "README.md").read_text().count("sparse autoencoder") >= 1

@@ -229,8 +229,8 @@ def test_base_model_ids(tmp_path):
 
 
 def test_export_dictionary_callback_writes_the_hub_layout(tmp_path, monkeypatch):
-    """ExportDictionary writes dictionary.safetensors + dictionary.json as before, plus config.json
-    and README.md with the command that ran (here: a fit started from Python)."""
+    """ExportDictionary writes dictionary.safetensors and one card, config.json, with README.md and
+    the command that ran (here: a fit started from Python)."""
     from types import SimpleNamespace
 
     from lit_interventions.callbacks.dictionary import ExportDictionary
@@ -251,14 +251,12 @@ def test_export_dictionary_callback_writes_the_hub_layout(tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "README.md",
         "config.json",
-        "dictionary.json",
         "dictionary.safetensors",
     ]
     command = f"lit-interventions fit --config {tmp_path / 'config.yaml'}"
     assert json.loads((tmp_path / "config.json").read_text())["command"] == command
-    assert json.loads((tmp_path / "dictionary.json").read_text())["command"] == command
     assert command in (tmp_path / "README.md").read_text()
-    loaded = Dictionary.from_pretrained(tmp_path)  # dictionary.json is read first when both exist
+    loaded = Dictionary.from_pretrained(tmp_path)
     assert torch.equal(loaded.vectors, d.vectors) and loaded.card["command"] == command
     monkeypatch.setattr("sys.argv", ["/usr/bin/lit-interventions", "fit", "--config", "configs/diffmean.yaml"])
     assert hub.trainer_command(trainer, tmp_path) == "lit-interventions fit --config configs/diffmean.yaml"

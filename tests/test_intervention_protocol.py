@@ -13,7 +13,14 @@ import torch
 from lightning.pytorch.utilities.parsing import AttributeDict
 from safetensors.torch import save_file
 
-from lit_interventions.artifacts.intervention_files import CARD, WEIGHTS, load_intervention, save_intervention
+from lit_interventions.artifacts.hub import read_config
+from lit_interventions.artifacts.intervention_files import (
+    CARD,
+    WEIGHTS,
+    load_intervention,
+    load_pretrained,
+    save_intervention,
+)
 from lit_interventions.callbacks.export import ExportIntervention
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.interventions.attacks import GradientAttack, RandomSignIntervention, fgsm, pgd
@@ -223,9 +230,23 @@ def test_export_callback_writes_a_loadable_intervention(name, tmp_path):
     build, context, interchange = CASES[name]
     module = build()
     _fake_fit(tmp_path, module, name)
-    loaded, card = load_intervention(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "intervention.safetensors"]
+    loaded, card = load_pretrained(tmp_path), read_config(tmp_path)
     assert card["method"] == name and card["model"] == "tiny" and card["layer"] == 1 and card["hidden_size"] == D
     assert card["k"] == (3 if name == "das" else None) and card["metrics"] == {"val/odds": 2.5}
+    base, source = _inputs(False)
+    torch.testing.assert_close(loaded(base, source), module(base, source))
+
+
+def test_a_run_beside_someone_elses_config_json_keeps_it_and_writes_its_card_as_intervention_json(tmp_path):
+    foreign = '{"_name_or_path": "someone/model"}\n'
+    (tmp_path / "config.json").write_text(foreign)
+    module = CASES["das"][0]()
+    with pytest.warns(UserWarning, match="the run's card is intervention.json, not config.json"):
+        _fake_fit(tmp_path, module, "das")
+    assert (tmp_path / "config.json").read_text() == foreign and not (tmp_path / "README.md").exists()
+    loaded, card = load_intervention(tmp_path)
+    assert card["method"] == "das" and card["metrics"] == {"val/odds": 2.5}
     base, source = _inputs(False)
     torch.testing.assert_close(loaded(base, source), module(base, source))
 

@@ -59,8 +59,9 @@ def test_csv_logger_writes_metrics_csv_and_the_artifact(tmp_path, tiny_lm_dir):
     assert train_loss and len(val_odds) == 2 and all(float(v) == float(v) for v in train_loss + val_odds)
     # the exported artifact sits beside metrics.csv, in the hub layout, and loads back
     assert cli.trainer.log_dir == str(log_dir)
-    for name in ("hparams.yaml", "intervention.safetensors", "intervention.json", "config.json", "README.md"):
+    for name in ("hparams.yaml", "intervention.safetensors", "config.json", "README.md"):
         assert (log_dir / name).is_file(), name
+    assert not (log_dir / "intervention.json").exists()  # one card per run
     config = json.loads((log_dir / "config.json").read_text())
     assert config["layer"] == 1 and config["metrics"]["val/odds"] == pytest.approx(float(val_odds[-1]), rel=1e-4)
     assert config["command"].startswith("lit-interventions fit --config ") and config["command"].endswith("config.yaml")
@@ -109,6 +110,6 @@ def test_wandb_logger_offline(tmp_path, tiny_lm_dir, monkeypatch):
     # the save_dir every W&B run shares (Lightning's trainer.log_dir), in the hub layout
     run_dir = save_dir / "lit-interventions" / run.id
     assert list((run_dir / "checkpoints").glob("*.ckpt"))
-    for name in ("intervention.safetensors", "intervention.json", "config.json", "README.md"):
+    for name in ("intervention.safetensors", "config.json", "README.md"):
         assert (run_dir / name).is_file(), name
     assert not (save_dir / "config.json").exists() and not (save_dir / "README.md").exists()

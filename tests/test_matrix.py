@@ -214,7 +214,7 @@ def test_das_at_a_sub_block_component(tmp_path, tiny_lm_dir):
 def test_two_sites_composed(tmp_path, tiny_lm_dir):
     """configs/das_two_sites.yaml: DAS on the subject (layer 0 here) and on the object (layer 1) in
     one forward; each part trains; the composition equals both edits applied by hand."""
-    from lit_interventions.artifacts.intervention_files import load_intervention
+    from lit_interventions.artifacts.intervention_files import load_pretrained
 
     cli = _fit(
         "configs/das_two_sites.yaml",
@@ -237,7 +237,7 @@ def test_two_sites_composed(tmp_path, tiny_lm_dir):
     torch.testing.assert_close(module.intervened_logits(batch), subject_only)  # then the composition is the one site
     assert (both - subject_only).abs().max() > 1e-4  # and the object's trained part adds its own edit
     module.intervention.parts[1] = second
-    loaded, card = load_intervention(cli.trainer.log_dir)  # exported through the protocol
+    loaded = load_pretrained(cli.trainer.log_dir)  # exported through the protocol, one card: config.json
     assert [p.basis.shape for p in loaded.parts] == [(1, 32), (1, 32)]
     torch.testing.assert_close(loaded.parts[1].basis, second.basis.detach())
     assert Path(cli.trainer.log_dir).parent.name == "layers0+1"

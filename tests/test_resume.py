@@ -96,7 +96,7 @@ def test_the_console_script_resumes_a_killed_fit_exactly(tmp_path, tiny_lm_dir):
     resumed_dir = tmp_path / "resumed" / "agr_sv_num_pp" / "layer1" / "version_0"
     whole_basis = load_file(whole_dir / "intervention.safetensors")["basis"]
     assert torch.equal(load_file(resumed_dir / "intervention.safetensors")["basis"], whole_basis)
-    odds = [(d / "intervention.json").read_text() for d in (whole_dir, resumed_dir)]
+    odds = [(d / "config.json").read_text() for d in (whole_dir, resumed_dir)]
     assert '"val/odds"' in odds[0] and odds[0].split('"val/odds"')[1][:40] == odds[1].split('"val/odds"')[1][:40]
 
 

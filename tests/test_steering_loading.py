@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lit_interventions.artifacts.intervention_files import save_intervention, write_tensors
 from lit_interventions.artifacts.pretrained import artifact_kind, from_pretrained
 from lit_interventions.interventions.base import import_class, trusting_remote_code
 from lit_interventions.modules.steering_baselines import LoRAModule
@@ -138,13 +139,15 @@ def test_an_old_layout_directory_loads_to_the_same_weights(tiny_lm_dir, tmp_path
     for p in lora.adapter.values():  # B = 0 at init: give the adapter weights of its own
         torch.nn.init.normal_(p)
     for module in (loreft, lora):
-        new, old, config_only = (tmp_path / f"{module.method}-{kind}" for kind in ("new", "old", "config"))
-        for directory in (new, old, config_only):
-            module.save(directory)
-        for name in ("config.json", "README.md"):  # as written before config.json existed
-            (old / name).unlink()
-        (config_only / "intervention.json").unlink()  # the one format: config.json and the weights
-        for directory in (new, old, config_only):
+        new, old = (tmp_path / f"{module.method}-{kind}" for kind in ("new", "old"))
+        module.save(new)  # one card: config.json and the weights
+        assert sorted(p.name for p in new.iterdir()) == ["README.md", "config.json", "intervention.safetensors"]
+        tensors, card = module.export()  # the layout without config.json: intervention.json
+        if module.method == "loreft":
+            save_intervention(old, module.intervention, card)
+        else:
+            write_tensors(old, tensors, card)
+        for directory in (new, old):
             loaded = load_steering_checkpoint(directory)
             _same_weights(loaded, module)
             assert (loaded.hparams.concept, loaded.method) == (module.hparams.concept, module.method)

@@ -54,7 +54,8 @@ def test_fit_exports_a_unit_norm_direction_with_a_card(fitted):
     basis = load_file(log_dir / "intervention.safetensors")["basis"]
     assert basis.shape == (1, 32)
     assert basis.norm().item() == pytest.approx(1.0, abs=1e-5)
-    card = json.loads((log_dir / "intervention.json").read_text())
+    assert not (log_dir / "intervention.json").exists()  # one card per run: config.json
+    card = json.loads((log_dir / "config.json").read_text())
     assert card["layer"] == 1 and card["region"] == "subject" and card["task"] == "agr_sv_num_pp" and card["k"] == 1
     assert card["metrics"]["val/odds"] == pytest.approx(cli.trainer.callback_metrics["val/odds"].item())
     torch.testing.assert_close(basis, cli.model.intervention.basis.detach())

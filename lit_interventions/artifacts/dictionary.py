@@ -40,7 +40,13 @@ from lit_interventions.artifacts.dictionary_files import (
     read_dictionary,
     write_weights,
 )
-from lit_interventions.artifacts.hub import dictionary_config, local_directory, push_object, write_hub_files
+from lit_interventions.artifacts.hub import (
+    dictionary_config,
+    local_directory,
+    push_object,
+    write_hub_files,
+    write_run_card,
+)
 from lit_interventions.core.blocks import BLOCK_OUTPUT, check_layer
 from lit_interventions.core.edits import STEERING_RULE, ApplyRequest, Edit, check_site, check_width, concept_rows
 from lit_interventions.core.files import write_atomically
@@ -144,6 +150,16 @@ class Dictionary:
         self._write_weights(directory / WEIGHTS_NAME)
         write_hub_files(directory, config)
         return directory
+
+    def save_run(self, directory: str | Path) -> Path:
+        """A run's artifact: `dictionary.safetensors` and one card, config.json with the README.md
+        model card (`hub.write_run_card`; dictionary.json where a foreign config.json is in the
+        way). Returns the card's path."""
+        directory = Path(directory)
+        config = dictionary_config(self, WEIGHTS_NAME)
+        json.dumps(config)  # not JSON-able: fails before anything is written
+        self._write_weights(directory / WEIGHTS_NAME)
+        return write_run_card(directory, config, dictionary_paths(directory / WEIGHTS_NAME)[1].name, self.card_dict())
 
     @classmethod
     def from_pretrained(cls, directory_or_hub_id: str | Path, **download) -> Dictionary:

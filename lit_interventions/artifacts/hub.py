@@ -202,13 +202,19 @@ def write_hub_files(directory: str | Path, config: dict) -> Path:
     return directory / CONFIG
 
 
-def write_hub_files_beside(directory: str | Path, config: dict, written: str) -> None:
-    """`write_hub_files` after a run's export wrote its tensors (`written` names them): a
-    README.md or config.json of someone else's already in `directory` is kept, with a warning."""
+def write_run_card(directory: str | Path, config: dict, card_name: str, card: dict) -> Path:
+    """A run's one card: config.json and the README.md model card (`write_hub_files`). Where a
+    config.json or README.md that lit-interventions did not write is already in `directory` (a
+    log directory inside someone's model repository), they are kept and the card goes to
+    `card_name` instead (the layout without config.json, which every loader reads), with a
+    warning. Returns the card's path."""
+    directory = Path(directory)
     try:
-        write_hub_files(directory, config)
+        return write_hub_files(directory, config)
     except FileExistsError as err:
-        warnings.warn(f"{written} written, but not the model card: {err}", stacklevel=2)
+        warnings.warn(f"the run's card is {card_name}, not {CONFIG}: {err}", stacklevel=2)
+        write_atomically(directory / card_name, json.dumps(card, indent=2) + "\n")
+        return directory / card_name
 
 
 def read_config(directory: str | Path) -> dict:

@@ -5,9 +5,11 @@
     pretrained_intervention(cls, directory_or_hub_id)  the same from a directory or a hub id, checked to be a `cls`
     push_intervention(intervention, repo_id, card)   save_pretrained to a temporary directory, then upload
 
-`save_intervention` / `load_intervention` write and read the older layout: ``intervention.safetensors``
-plus an ``intervention.json`` card holding ``class_path`` and ``config`` (a run's log directory
-still holds it beside config.json). A class path read from a file is resolved by
+A run's log directory holds `save_run_intervention`'s files: the weights and one card,
+config.json. `save_intervention` / `load_intervention` write and read the layout without
+config.json: ``intervention.safetensors`` plus an ``intervention.json`` card holding
+``class_path`` and ``config`` (older run directories; a run whose directory holds someone
+else's config.json). A class path read from a file is resolved by
 `lit_interventions.interventions.base.loadable_class`: refused before it is imported unless it is
 registered or the caller passes `trust_remote_code=True`; a refusal happens before any weights
 are read. Weights are safetensors only (never a pickle), checked to be finite.
@@ -29,6 +31,7 @@ from lit_interventions.artifacts.hub import (
     push_to_hub,
     read_config,
     write_hub_files,
+    write_run_card,
 )
 from lit_interventions.core.files import check_finite, read_weights, write_atomically
 from lit_interventions.interventions.base import InterventionProtocol, class_path, loadable_class, trusting_remote_code
@@ -44,19 +47,26 @@ def weights_path(directory: Path, name: object, where: str | Path) -> Path:
     return directory / name
 
 
-def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card: dict) -> Path:
-    """`intervention.safetensors` (float32, CPU) plus `intervention.json`, each written atomically.
-    Refuses non-finite tensors. Returns the safetensors path."""
+def write_weights(directory: str | Path, tensors: dict[str, torch.Tensor], name: str = WEIGHTS) -> Path:
+    """`name` (intervention.safetensors) in `directory`: the tensors as float32 on the CPU, written
+    atomically. Refuses non-finite tensors. Returns its path."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    weights = directory / WEIGHTS
+    weights = directory / name
     tensors = {k: v.detach().cpu().contiguous().float() for k, v in tensors.items()}
     check_finite(tensors, weights, "write")
-    text = json.dumps(card, indent=2) + "\n"  # fails before anything is written if not JSON-able
     write_atomically(weights, lambda tmp: save_file(tensors, tmp))
-    write_atomically(directory / CARD, text)
+    return weights
+
+
+def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card: dict) -> Path:
+    """`intervention.safetensors` plus `intervention.json` (the layout without config.json), each
+    written atomically. Refuses non-finite tensors. Returns the safetensors path."""
+    text = json.dumps(card, indent=2) + "\n"  # fails before anything is written if not JSON-able
+    weights = write_weights(directory, tensors)
+    write_atomically(Path(directory) / CARD, text)
     return weights
 
 
@@ -85,9 +95,24 @@ def read_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def save_intervention(directory: str | Path, intervention: InterventionProtocol, card: dict) -> Path:
-    """Write `intervention.export()` and the card, with `class_path` and `config` added."""
-    card = {**card, "class_path": class_path(intervention), "config": intervention.config()}
-    return write_tensors(directory, intervention.export(), card)
+    """Write `intervention.export()` and the card, with `class_path` and `config` added, in the
+    layout without config.json (intervention.json)."""
+    return write_tensors(directory, intervention.export(), intervention_card(intervention, card))
+
+
+def intervention_card(intervention: InterventionProtocol, card: dict) -> dict:
+    """`card` with the intervention's `class_path` and `config` added: what intervention.json holds."""
+    return {**card, "class_path": class_path(intervention), "config": intervention.config()}
+
+
+def save_run_intervention(directory: str | Path, intervention: InterventionProtocol, card: dict) -> Path:
+    """A run's artifact: `intervention.safetensors` and one card, config.json with the README.md
+    model card (`hub.write_run_card`; intervention.json where a foreign config.json is in the
+    way). Returns the card's path."""
+    config = intervention_config(intervention, card)
+    json.dumps(config)  # not JSON-able: fails before anything is written
+    write_weights(directory, intervention.export())
+    return write_run_card(directory, config, CARD, intervention_card(intervention, card))
 
 
 def _rebuild(cls_path: object, tensors: dict[str, torch.Tensor], config: object, where: Path, trust: bool):

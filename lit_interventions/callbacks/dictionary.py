@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from lightning import Callback
 
-from lit_interventions.artifacts.hub import dictionary_config, export_dir, trainer_command, write_hub_files_beside
-
-WEIGHTS = "dictionary.safetensors"  # + dictionary.json, the card
+from lit_interventions.artifacts.hub import export_dir, trainer_command
 
 
 def _training_data(trainer) -> str:
@@ -18,10 +16,10 @@ def _training_data(trainer) -> str:
 
 
 class ExportDictionary(Callback):
-    """After fit, rank 0 writes `<log_dir>/dictionary.safetensors` (vectors, max activations) and
-    `dictionary.json` (model, layer, the method's name and latent, concepts, hidden size, training
-    data, val AUROC, command), plus `config.json` and a `README.md` model card (the Hugging Face
-    layout: the log directory loads with `Dictionary.from_pretrained` and uploads with `push_to_hub`).
+    """After fit, rank 0 writes `<log_dir>/dictionary.safetensors` (vectors, max activations) and one
+    card, `config.json` (model, layer, the method's name and latent, concepts, hidden size, training
+    data, val AUROC, command), with a `README.md` model card (`Dictionary.save_run`; the Hugging
+    Face layout: the log directory loads with `Dictionary.from_pretrained` and uploads with `push_to_hub`).
     A module without `to_dictionary` (not a SteeringModule) is skipped, so the callback can sit in
     the CLI's defaults beside the DAS export."""
 
@@ -34,7 +32,4 @@ class ExportDictionary(Callback):
         dictionary = pl_module.to_dictionary(training_data=_training_data(trainer))
         dictionary.card.setdefault("command", trainer_command(trainer, log_dir))
         directory = export_dir(trainer, log_dir)
-        dictionary.save(directory / WEIGHTS)
-        write_hub_files_beside(
-            directory, dictionary_config(dictionary, WEIGHTS), f"ExportDictionary: {WEIGHTS} and dictionary.json"
-        )
+        dictionary.save_run(directory)

@@ -1,17 +1,13 @@
 """Write the trained intervention next to the TensorBoard logs when fit ends: intervention.safetensors
-with intervention.json (the card), plus config.json and a README.md model card (the Hugging Face
-layout: the log directory loads with `from_pretrained` and uploads with `push_to_hub`)."""
+and one card, config.json, with a README.md model card (the Hugging Face layout: the log directory
+loads with `from_pretrained` and uploads with `push_to_hub`)."""
 
 from __future__ import annotations
 
 from lightning import Callback
 
-from lit_interventions.artifacts.hub import export_dir, intervention_config, trainer_command, write_hub_files_beside
-from lit_interventions.artifacts.intervention_files import (
-    CARD,
-    WEIGHTS,
-    save_intervention,
-)
+from lit_interventions.artifacts.hub import export_dir, trainer_command
+from lit_interventions.artifacts.intervention_files import save_run_intervention
 from lit_interventions.core.files import finite_values
 from lit_interventions.core.lm import num_layers
 from lit_interventions.datamodules.base import BenchmarkDataModule
@@ -35,8 +31,8 @@ def _metrics(trainer) -> dict[str, float]:
 
 class ExportIntervention(Callback):
     """After fit, rank 0 writes `pl_module.intervention` through the intervention protocol
-    (`save_intervention`: its tensors, class path and config) with a card (model, site, data,
-    metrics, command), and the same as config.json + a README.md model card. Skipped when the
+    (`save_run_intervention`: its tensors, and config.json with its class path and config and the
+    run's model, site, data, metrics and command) and a README.md model card. Skipped when the
     module has no intervention, or one that exports no tensors."""
 
     def on_fit_end(self, trainer, pl_module):
@@ -80,7 +76,4 @@ class ExportIntervention(Callback):
         if example is not None:  # the model card's "Use" runs on it
             card["example"] = example
         directory = export_dir(trainer, log_dir)
-        save_intervention(directory, intervention, card)
-        write_hub_files_beside(
-            directory, intervention_config(intervention, card), f"ExportIntervention: {WEIGHTS} and {CARD}"
-        )
+        save_run_intervention(directory, intervention, card)

@@ -55,7 +55,9 @@ class MethodSpec:
         other class is the method itself (a direction estimator, an attack): {class_path, init_args}."""
         if not isinstance(model, dict) or "class_path" not in model or set(model) - {"class_path", "init_args"}:
             got = sorted(model) if isinstance(model, dict) else repr(model)
-            raise ValueError(f"method {name!r}: model is {{class_path, init_args}} (train.py's model section); got {got}")
+            raise ValueError(
+                f"method {name!r}: model is {{class_path, init_args}} (train.py's model section); got {got}"
+            )
         init_args = model.get("init_args") or {}
         if not isinstance(init_args, dict):
             raise ValueError(f"method {name!r}: model.init_args={init_args!r} must be a mapping")

@@ -11,13 +11,12 @@ Choices the paper leaves open (common practice, e.g. Bricken et al. 2023):
   mean, b1 at 0; Adam.
 
 Train it: `lit-interventions fit --config configs/sae.yaml`. After fit,
-`sae.safetensors` (W1, b1, W2, b2 on raw activations; no LM weights) and `sae.json` (a card) are
-written to the run's log directory; `SAEFeaturizer.load(path)` reads them.
+`sae.safetensors` (W1, b1, W2, b2 on raw activations; no LM weights) and one card, config.json
+(kind "sae"), are written to the run's log directory; `SAEFeaturizer.load(path)` reads the weights.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torchmetrics import Metric
 
-from lit_interventions.artifacts.hub import artifact_config, trainer_command, write_hub_files_beside
+from lit_interventions.artifacts.hub import artifact_config, trainer_command, write_run_card
 from lit_interventions.core.files import finite_values, write_atomically
 
 WEIGHTS, CARD = "sae.safetensors", "sae.json"
@@ -191,8 +190,8 @@ class SAEModule(LightningModule):
 
 
 class ExportSAE(Callback):
-    """After fit, rank 0 writes `sae.safetensors` (W1, b1, W2, b2 on raw activations) and `sae.json`,
-    and the same as config.json + a README.md model card (loads with `from_pretrained`)."""
+    """After fit, rank 0 writes `sae.safetensors` (W1, b1, W2, b2 on raw activations) and one card,
+    config.json, with a README.md model card (`hub.write_run_card`; loads with `from_pretrained`)."""
 
     def on_fit_end(self, trainer, pl_module):
         directory = Path(trainer.log_dir or trainer.default_root_dir)
@@ -214,6 +213,4 @@ class ExportSAE(Callback):
             "metrics": dict(sorted(finite_values(trainer.callback_metrics).items())),
             "command": trainer_command(trainer, directory),
         }
-        write_atomically(directory / CARD, json.dumps(card, indent=2) + "\n")
-        config = artifact_config("sae", SparseAutoencoder, card, WEIGHTS)
-        write_hub_files_beside(directory, config, f"ExportSAE: {WEIGHTS} and {CARD}")
+        write_run_card(directory, artifact_config("sae", SparseAutoencoder, card, WEIGHTS), CARD, card)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lit_interventions.artifacts.hub import artifact_config, write_hub_files
-from lit_interventions.artifacts.intervention_files import WEIGHTS, write_tensors
+from lit_interventions.artifacts.hub import artifact_config, write_run_card
+from lit_interventions.artifacts.intervention_files import CARD, WEIGHTS, write_weights
 from lit_interventions.core.lm import check_dtype
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.modules.site import FrozenLMModule
@@ -122,12 +122,12 @@ class FinetunedSteeringModule(FrozenLMModule):
         raise NotImplementedError
 
     def save(self, directory: str | Path) -> Path:
-        """Write intervention.safetensors (trainable weights only) and intervention.json, and the
-        same as config.json (kind "steering") + a README.md model card."""
+        """Write intervention.safetensors (trainable weights only) and one card, config.json (kind
+        "steering"), with a README.md model card (`hub.write_run_card`). Returns the card's path."""
         tensors, card = self.export()
-        path = write_tensors(directory, tensors, card)
-        write_hub_files(directory, artifact_config("steering", self, card, WEIGHTS, site=self.site_text()))
-        return path
+        config = artifact_config("steering", self, card, WEIGHTS, site=self.site_text())
+        write_weights(directory, tensors)
+        return write_run_card(directory, config, CARD, card)
 
     def on_fit_end(self):
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lit_interventions.artifacts.hub import intervention_config, write_hub_files
-from lit_interventions.artifacts.intervention_files import save_intervention
+from lit_interventions.artifacts.intervention_files import save_run_intervention
 from lit_interventions.artifacts.loreft_artifact import (
     check_card,
     check_layers,
@@ -215,10 +214,7 @@ class LoReFTModule(FinetunedSteeringModule):
         loads with `from_pretrained`). Otherwise a steering artifact (`FinetunedSteeringModule.save`)."""
         if not self.single_site:
             return super().save(directory)
-        _, card = self.export()
-        path = save_intervention(directory, self.intervention, card)
-        write_hub_files(directory, intervention_config(self.intervention, card))
-        return path
+        return save_run_intervention(directory, self.intervention, self.export()[1])
 
     def to_pyvene_layers(self) -> dict[int, dict]:
         """{layer: its intervention's `to_pyvene()`} (`lit-interventions export --to pyvene`)."""
