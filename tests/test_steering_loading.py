@@ -19,12 +19,12 @@ from safetensors.torch import save_file
 from lit_interventions.artifacts.intervention_files import save_intervention, write_tensors
 from lit_interventions.artifacts.pretrained import artifact_kind, from_pretrained
 from lit_interventions.interventions.base import import_class, trusting_remote_code
+from lit_interventions.interventions.registry import register_method
 from lit_interventions.modules.steering_baselines import LoRAModule
 from lit_interventions.modules.steering_loreft import LoReFTModule
 from lit_interventions.modules.steering_registry import (
     CHECKPOINT_KEY,
     load_steering_checkpoint,
-    register_steering_module,
     registered_steering_modules,
 )
 from tests.helpers import run_command
@@ -93,7 +93,7 @@ def test_a_config_naming_an_unregistered_class_is_refused_and_nothing_is_importe
             load_steering_checkpoint(directory)
         assert str(error.value) == (
             f"{directory / 'config.json'}: {class_path!r} is not a registered steering module, "
-            f"so nothing was imported; {REGISTERED}; register yours (register_steering_module) or pass "
+            f"so nothing was imported; {REGISTERED}; register yours (register_method(name, class_path)) or pass "
             "--trust_remote_code if you trust where it came from"
         )
         with pytest.raises(ValueError) as error:
@@ -183,10 +183,10 @@ def test_the_registry_refuses_a_name_twice_and_a_bad_path():
         "loreft": "lit_interventions.modules.steering_loreft.LoReFTModule",
         "lora": "lit_interventions.modules.steering_baselines.LoRAModule",
     }
-    with pytest.raises(ValueError, match="steering module 'lora' is already registered"):
-        register_steering_module("lora", LoRAModule)
+    with pytest.raises(ValueError, match="method 'lora' is already registered"):
+        register_method("lora", "lit_interventions.modules.steering_baselines.LoRAModule")
     with pytest.raises(ValueError, match="class_path='Evil' must be 'package.module.Class'"):
-        register_steering_module("evil", "Evil")
+        register_method("evil", "Evil")
 
 
 def test_trusting_remote_code_imports_the_class_a_checkpoint_names(tmp_path, planted):
@@ -219,7 +219,7 @@ def test_steer_takes_trust_remote_code_on_the_command_line(tmp_path, planted, tr
         assert done.returncode == 2 and not marker.exists()
         assert done.stderr.strip().splitlines() == [
             f"error: {directory / 'config.json'}: '{name}.Evil' is not a registered steering module, so nothing "
-            f"was imported; {REGISTERED}; register yours (register_steering_module) or pass --trust_remote_code "
+            f"was imported; {REGISTERED}; register yours (register_method(name, class_path)) or pass --trust_remote_code "
             "if you trust where it came from"
         ]
 

@@ -30,12 +30,11 @@ from lit_interventions.core.lm import load_config
 from lit_interventions.core.lora import lora_edits
 from lit_interventions.core.positions import Positions
 from lit_interventions.interventions.loreft import LoReFTIntervention
+from lit_interventions.interventions.registry import method_spec
 
-# {method: the class path of the module that trains it}: the steering artifacts loaded here
-STEERING_METHODS = {
-    "loreft": "lit_interventions.modules.steering_loreft.LoReFTModule",
-    "lora": "lit_interventions.modules.steering_baselines.LoRAModule",
-}
+# {method: the class path of the module that trains it (the registered method)}: the steering
+# artifacts whose weights load here
+STEERING_METHODS = {name: method_spec(name).class_path for name in ("loreft", "lora")}
 
 
 class LoRAAdapter:

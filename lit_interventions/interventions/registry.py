@@ -184,3 +184,6 @@ register_method(  # as configs/dbm.yaml: T annealed 1e-2 -> 1e-7, λ = 1e-3, lr 
     lr=0.01,
     objective={"class_path": "lit_interventions.objectives.CounterfactualLoss", "init_args": {"sparsity": 0.001}},
 )
+# steering modules: LightningModules that train on steering data and rebuild with from_export
+register_method("loreft", "lit_interventions.modules.steering_loreft.LoReFTModule")
+register_method("lora", "lit_interventions.modules.steering_baselines.LoRAModule")

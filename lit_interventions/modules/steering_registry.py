@@ -1,9 +1,11 @@
-"""Steering modules by name (LoReFT, LoRA, ...), and loading a trained one from what it saved.
+"""Loading a trained steering module (LoReFT, LoRA, ...) from what it saved.
 
-SAELens' `register_sae_class` is the model: `register_steering_module(name, class_path)` adds a
-class, a saved artifact records which one it is, and the loader takes the registered class that
-record names. A class path read from a file is compared with the registered ones as a string and
-never imported; only the registry's own paths are imported, when a module is rebuilt.
+The steering modules are the registered methods (`interventions.registry.register_method`, the one
+table of method names; SAELens' `register_sae_class` is the model) whose class has
+`from_export(tensors, card, lm)`: `loreft` and `lora`, and a user's own once registered. A saved
+artifact records which one it is, and the loader takes the registered class that record names. A
+class path read from a file is compared with the registered ones as a string and never
+imported; only the registry's own paths are imported, when a module is rebuilt.
 
 What records the class:
 
@@ -33,43 +35,41 @@ from lit_interventions.artifacts.hub import CONFIG, read_config
 from lit_interventions.artifacts.intervention_files import CARD, read_tensors, weights_path
 from lit_interventions.core.files import read_weights
 from lit_interventions.interventions.base import class_path, import_class, remote_code_trusted
+from lit_interventions.interventions.registry import method_spec, registered_methods
 
 CHECKPOINT_KEY = "steering_module"  # the registered name a Lightning checkpoint records
-_REGISTRY: dict[str, str] = {}  # name -> class path
-
-
-def register_steering_module(name: str, cls: str | type) -> None:
-    """Register `name` (the class's `method`, which its saved cards record) for a steering module
-    class or its class path. The class needs `from_export(tensors, card, lm)`. Refuses a name twice."""
-    path = class_path(cls) if isinstance(cls, type) else cls
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"steering module name={name!r} must be a non-empty string")
-    if not isinstance(path, str) or "." not in path:
-        raise ValueError(f"steering module {name!r}: class_path={path!r} must be 'package.module.Class'")
-    if name in _REGISTRY:
-        raise ValueError(f"steering module {name!r} is already registered (as {_REGISTRY[name]})")
-    _REGISTRY[name] = path
 
 
 def registered_steering_modules() -> dict[str, str]:
-    """{name: class path} of the registered steering modules, in registration order."""
-    return dict(_REGISTRY)
+    """{name: class path} of the steering modules among the registered methods (`register_method`;
+    a class with `from_export(tensors, card, lm)`), in registration order."""
+    found = {}
+    for name in registered_methods():
+        path = method_spec(name).class_path
+        try:
+            cls = import_class(path)
+        except ValueError:  # a user's registration whose class does not import: not a steering module here
+            continue
+        if callable(getattr(cls, "from_export", None)):
+            found[name] = path
+    return found
 
 
 def steering_module_class(key: object, where: str | Path) -> type:
-    """The registered class `key` names (a registered name or class path, compared as a string);
-    `where` is the file that recorded it, for the message. Any other key is refused, unimported,
-    unless inside `trusting_remote_code()` (`steer --trust_remote_code`), where a class path is
-    imported as it is."""
-    for name, path in _REGISTRY.items():
+    """The registered steering module `key` names (a registered name or class path, compared as
+    a string); `where` is the file that recorded it, for the message. Any other key is refused,
+    unimported, unless inside `trusting_remote_code()` (`steer --trust_remote_code`), where a
+    class path is imported as it is."""
+    registered = registered_steering_modules()
+    for name, path in registered.items():
         if isinstance(key, str) and key in (name, path):
-            return _with_from_export(import_class(path), name)
+            return import_class(path)
     if remote_code_trusted() and isinstance(key, str) and "." in key:
         return _with_from_export(import_class(key), key)
-    known = ", ".join(f"{name} ({path})" for name, path in _REGISTRY.items())
+    known = ", ".join(f"{name} ({path})" for name, path in registered.items())
     raise ValueError(
         f"{where}: {key!r} is not a registered steering module, so nothing was imported; registered: {known}; "
-        "register yours (register_steering_module) or pass --trust_remote_code if you trust where it came from"
+        "register yours (register_method(name, class_path)) or pass --trust_remote_code if you trust where it came from"
     )
 
 
@@ -123,14 +123,11 @@ def _init_parameters(cls: type) -> set[str]:
 def _name_taking(hparams: dict, path: Path) -> str:
     """The one registered name whose class's __init__ takes every hyper-parameter in `hparams`
     (a checkpoint that records no name)."""
-    names = [name for name in _REGISTRY if set(hparams) <= _init_parameters(steering_module_class(name, path))]
+    registered = registered_steering_modules()
+    names = [name for name, cls in registered.items() if set(hparams) <= _init_parameters(import_class(cls))]
     if len(names) != 1:
         raise ValueError(
             f"{path} records no {CHECKPOINT_KEY!r} and its hyper-parameters {sorted(hparams)} fit "
-            f"{names or 'none'} of the registered steering modules {sorted(_REGISTRY)}"
+            f"{names or 'none'} of the registered steering modules {sorted(registered)}"
         )
     return names[0]
-
-
-register_steering_module("loreft", "lit_interventions.modules.steering_loreft.LoReFTModule")
-register_steering_module("lora", "lit_interventions.modules.steering_baselines.LoRAModule")
