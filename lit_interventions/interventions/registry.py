@@ -182,3 +182,9 @@ register_method(  # as configs/dbm.yaml: T annealed 1e-2 -> 1e-7, λ = 1e-3, lr 
     lr=0.01,
     objective={"class_path": "lit_interventions.objectives.CounterfactualLoss", "init_args": {"sparsity": 0.001}},
 )
+
+# CALM: the attacks against a probe and the random ±ε control (interventions/attacks.py)
+_ATTACKS = "lit_interventions.interventions.attacks"
+register_method("fgsm", f"{_ATTACKS}.FGSM")
+register_method("pgd", f"{_ATTACKS}.PGD")
+register_method("random_sign", f"{_ATTACKS}.RandomSign")
