@@ -10,17 +10,12 @@ import torch
 from torch import nn
 
 from lit_interventions.core.forward import logits_at, read_layers
-from lit_interventions.interventions.attacks import (
-    add,
-    attack_spec,
-    build_attack,
-    epsilon_scale,
-    fgsm,
-    pgd,
-    random_sign,
-)
+from lit_interventions.interventions.attacks import epsilon_scale, fgsm, pgd, random_sign
+from lit_interventions.interventions.capabilities import intervene
+from lit_interventions.interventions.registry import method_entry
 from lit_interventions.metrics.competence import Competence, competence_scores, topk_overlaps
 from lit_interventions.modules.probe import ProbeModule, probe_predict, train_probe
+from lit_interventions.studies.calm import _written, build_attack
 from tests.helpers import CALM_SMALL
 
 
@@ -41,8 +36,8 @@ class Window(nn.Module):
 
 
 def attack(name, probe, h, target, epsilon):
-    """δ of the registered attack `name`, built as a CALM run builds it."""
-    return build_attack(attack_spec(name)).delta(probe, h, target, epsilon)
+    """h′ of the registered attack `name`, built and called as a CALM run builds and calls it."""
+    return intervene(build_attack(method_entry(name)), h, probe=probe, target=target, epsilon=epsilon)
 
 
 def _mlp_probe_on_blobs(seed=0):
@@ -58,8 +53,9 @@ def _mlp_probe_on_blobs(seed=0):
 def test_attack_stays_in_the_epsilon_ball(method):
     probe, x, y = _mlp_probe_on_blobs()
     eps = 0.3
-    delta = attack(method, probe, x, (y + 1) % 3, eps)
+    delta = {"fgsm": fgsm, "pgd": pgd}[method](probe, x, (y + 1) % 3, eps)
     assert delta.shape == x.shape
+    torch.testing.assert_close(attack(method, probe, x, (y + 1) % 3, eps), x + delta, rtol=0, atol=0)  # h′ = h + δ
     assert (delta.abs() <= torch.tensor(eps)).all()  # every coordinate, exactly (ε as float32, the states' dtype)
     assert ((x + delta) - x).abs().max().item() <= eps * (1 + 1e-6)
     if method == "fgsm":  # FGSM moves every coordinate with a gradient by exactly ε
@@ -84,8 +80,7 @@ def test_pgd_flips_a_trained_mlp_probe_more_often_than_fgsm():
     target = (y + 1) % 3
     eps = 1.5 * epsilon_scale(x)  # measured: FGSM 0.65, PGD 1.0 (seed 1: 0.72 / 1.0)
     success = {
-        m: (probe.predict(x + attack(m, probe, x, target, eps)) == target).float().mean().item()
-        for m in ("fgsm", "pgd")
+        m: (probe.predict(attack(m, probe, x, target, eps)) == target).float().mean().item() for m in ("fgsm", "pgd")
     }
     assert success["pgd"] > success["fgsm"] + 0.1
     assert success["pgd"] > 0.9
@@ -128,8 +123,8 @@ def test_attacks_refuse_a_non_positive_epsilon(eps):
 
 def test_attack_bad_inputs():
     probe, x, y = _mlp_probe_on_blobs()
-    with pytest.raises(ValueError, match="Unknown attack 'cw'"):
-        attack_spec("cw")
+    with pytest.raises(ValueError, match="Unknown method 'cw'"):
+        method_entry("cw")
     with pytest.raises(ValueError, match="steps"):
         pgd(probe, x, y, steps=0)
     with pytest.raises(ValueError, match=r"\(batch,\)"):
@@ -145,13 +140,13 @@ def test_edited_state_changes_the_lm_output(tiny_lm, tokenizer):
     clean = logits_at(model, ids, mask, last)
     states = read_layers(model, [1], ids, mask)[1]
     h = states[0, 2:3]  # (1, 32)
-    zero = logits_at(model, ids, mask, last, layer=1, site_positions=site, intervention=add(torch.zeros_like(h)))
-    assert torch.allclose(zero, clean, atol=1e-5)  # h + 0 is the clean forward
-    delta = random_sign(h, 1.0 * epsilon_scale(states[0]), torch.Generator().manual_seed(0))
-    edited = logits_at(model, ids, mask, last, layer=1, site_positions=site, intervention=add(delta))
+    zero = logits_at(model, ids, mask, last, layer=1, site_positions=site, intervention=_written(h))
+    assert torch.allclose(zero, clean, atol=1e-5)  # writing h itself is the clean forward
+    moved = h + random_sign(h, 1.0 * epsilon_scale(states[0]), torch.Generator().manual_seed(0))
+    edited = logits_at(model, ids, mask, last, layer=1, site_positions=site, intervention=_written(moved))
     assert (edited - clean).abs().max() > 1e-3
     cached = logits_at(
-        model, ids, mask, last, layer=1, site_positions=site, intervention=add(delta), start_states=states
+        model, ids, mask, last, layer=1, site_positions=site, intervention=_written(moved), start_states=states
     )
     assert torch.allclose(cached, edited, atol=1e-5)  # same edit when the forward starts at the layer
 
@@ -240,7 +235,7 @@ def test_study_on_a_tiny_model(tiny_lm_dir, tmp_path):
     from lit_interventions.studies.calm import run_calm
 
     summary = run_calm(lm=tiny_lm_dir("llama"), tasks=["Country"], out=str(tmp_path), **SMALL)
-    assert [row["method"] for row in summary] == ["fgsm", "pgd", "random"]
+    assert [row["method"] for row in summary] == ["fgsm", "pgd", "random_sign"]
     for row in summary:
         assert 0.0 <= row["competence"] <= 1.0
         assert row["random_model"] == pytest.approx(1 / 3) and row["do_nothing"] == pytest.approx(2 / 3)
@@ -285,7 +280,7 @@ def test_study_ranks_within_each_task_answer_vocabulary(tiny_lm_dir, tmp_path, m
     summary = calm.run_calm(lm=lm, tasks=["Country", "Continent"], methods=["fgsm"], out=str(tmp_path), **SMALL)
     tokenizer, data = load_tokenizer(lm), load_ravel(None, "city")
     templates = json.loads((tmp_path / "summary.json").read_text())["config"]["templates"]
-    for task, candidates in zip(["Country", "Country", "Continent", "Continent"], seen):  # fgsm, random per task
+    for task, candidates in zip(["Country", "Country", "Continent", "Continent"], seen):  # fgsm, random_sign per task
         seps = {value_separator(t) for t in templates[task]}
         expected = sorted(
             {
@@ -340,8 +335,8 @@ def test_study_on_gemma(tmp_path):
         out=str(tmp_path),
     )
     rows = {row["method"]: row for row in summary}
-    assert set(rows) == {"fgsm", "pgd", "random"}
-    assert rows["pgd"]["target_success"] > rows["random"]["target_success"]
+    assert set(rows) == {"fgsm", "pgd", "random_sign"}
+    assert rows["pgd"]["target_success"] > rows["random_sign"]["target_success"]
     assert all(0.0 <= row["competence"] <= 1.0 for row in summary)
     probes = json.loads((tmp_path / "summary.json").read_text())["probes"]
     assert probes["Continent"]["test_acc"] > probes["Continent"]["test_majority"]

@@ -288,13 +288,13 @@ def test_damaged_intervention_files_name_their_path(tmp_path):
 
 def test_source_free_interventions_declare_it():
     from lit_interventions.interventions.additive import ConceptDictionary
-    from lit_interventions.interventions.attacks import GradientAttack, RandomSignIntervention
+    from lit_interventions.interventions.attacks import FGSM, PGD, GradientAttack, RandomSign, RandomSignIntervention
     from lit_interventions.interventions.capabilities import is_source_free
     from lit_interventions.interventions.loreft import LoReFTIntervention
     from lit_interventions.interventions.mask import SigmoidMaskIntervention
     from lit_interventions.interventions.rotation import RotatedSpaceIntervention
 
-    for cls in (ConceptDictionary, LoReFTIntervention, GradientAttack, RandomSignIntervention):
+    for cls in (ConceptDictionary, LoReFTIntervention, GradientAttack, RandomSignIntervention, FGSM, PGD, RandomSign):
         assert cls.edits_base_alone is True and is_source_free(cls), cls
     for cls in (RotatedSpaceIntervention, SigmoidMaskIntervention):
         assert not is_source_free(cls), cls

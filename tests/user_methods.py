@@ -6,11 +6,14 @@ class path (`tests.user_methods.Line`, `tests.user_methods.Reflection`) and ever
   f* = f(b) − 2(u·f(b)) u (`edits_base_alone`: it is given no source).
 - `AwayFromBase`: an objective of their own, per row −log(1 − p*(y_b | b, s)): push the answer
   off the base's label rather than onto the source's.
+- `ScaledFGSM`: an attack of their own for CALM, taking the attack's context (probe, target, ε):
+  h′ = h + s·δ_FGSM (s = 1: FGSM exactly; s = 0: h itself).
 """
 
 import torch
 from torch import nn
 
+from lit_interventions.interventions.attacks import fgsm
 from lit_interventions.interventions.base import Intervention, register_intervention
 from lit_interventions.objectives import Objective
 
@@ -65,3 +68,17 @@ class AwayFromBase(Objective):
     def row_losses(self, logits, batch):
         log_p = torch.log_softmax(logits.float(), dim=-1).gather(1, batch.base.label[:, None])[:, 0]
         return -torch.log1p(-log_p.exp().clamp(max=1 - 1e-6))
+
+
+class ScaledFGSM(Intervention):
+    """h′ = h + s·δ, δ = −ε·sign(∇_h L(g_Z(h), z′)) (FGSM), with no source."""
+
+    edits_base_alone = True
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, base, source=None, *, probe, target, epsilon):
+        self._refuse_source(source)
+        return base + self.scale * fgsm(probe, base, target, epsilon)

@@ -12,21 +12,20 @@ Defaults are the paper's: ε = 0.1, α = ε/10, T = 40 (chosen there by grid sea
 BERT's raw final-layer space (no normalisation is mentioned). Residual streams of other models
 have other scales (Gemma's reach the hundreds), so `epsilon_scale` gives a scale-relative ε.
 
-An attack is a class with `delta(probe, h, target, epsilon) -> δ`, the perturbation
-δ = h′ − h, (batch, d), with |δ_i| ≤ ε in every coordinate: `FGSM`, `PGD` (α, T) and the control
-`RandomSign` (±ε per coordinate, from its own seeded generator). A study names one by a short
-name (`register_attack`: fgsm, pgd, random) or by {name, class_path, init_args}; `fgsm`, `pgd`
-and `random_sign` are the same computations as functions. `add(δ)` is the intervention that writes
-h + δ back into the LM's forward, for `forward.logits_at(..., intervention=add(δ))`.
+The attacks are interventions (the protocol of `base.py`) whose context is the attack's:
+`forward(h, probe=g_Z, target=z′, epsilon=ε) -> h′ = h + δ` with |δ_i| ≤ ε in every coordinate,
+source-free (`edits_base_alone`) and never trained; a study calls them through
+`capabilities.intervene(attack, h, probe=..., target=..., epsilon=...)`. `FGSM`, `PGD` (α, T) and
+the control `RandomSign` (±ε per coordinate, from its own seeded generator) are registered as
+`fgsm`, `pgd` and `random_sign` (`registry.py`). The functions `fgsm`, `pgd` and `random_sign`
+compute their δ.
 
-As interventions (the protocol of `base.py`), bound to one probe and one ε so that they save and
-serve: `GradientAttack` (PGD, or FGSM with one step of size ε) and `RandomSignIntervention`
-return h + δ themselves; neither trains.
+Bound to one probe and one ε, so that they save and serve: `GradientAttack` (PGD, or FGSM as one
+step of size ε; its forward takes `target` alone) and `RandomSignIntervention` (no context).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -36,11 +35,9 @@ from torch import nn
 from lit_interventions.interventions.base import (
     Intervention,
     class_path,
-    import_class,
     loadable_class,
     register_intervention,
 )
-from lit_interventions.interventions.registry import MethodSpec
 
 Probe = Callable[[torch.Tensor], torch.Tensor]  # h (batch, d) -> logits (batch, 1 | classes)
 
@@ -96,71 +93,102 @@ class _EvalMode:
             self.probe.train()
 
 
-class Attack:
-    """A CALM method: `delta(probe, h, target, epsilon)` is the perturbation δ, (batch, d), that the
-    study writes back as h + δ, for a probe g_Z (h (batch, d) -> logits), the states h (batch, d),
-    the class ids z′ to aim at (batch,) and the L∞ radius ε (absolute). Any class with such a
-    `delta` serves; this base only names the interface."""
-
-    def delta(self, probe: Probe, h: torch.Tensor, target: torch.Tensor, epsilon: float) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define delta(probe, h, target, epsilon)")
+def _positions(base: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, d) as is; (batch, seq, d) flattened to (batch·seq, d), each example's target repeated."""
+    target = torch.as_tensor(target, device=base.device).reshape(-1)
+    if base.dim() == 3:
+        return base.reshape(-1, base.shape[-1]), target.repeat_interleave(base.shape[1])
+    return base, target
 
 
-class FGSM(Attack):
-    """The fast gradient sign method, one full step (CALM §3, App. B.4). `targeted=False` gives the
-    paper's untargeted form, δ = +ε·sign(∇_h L(g_Z(h), z)), with `target` the true class z."""
+class _ProbeAttack(Intervention):
+    """h′ = h + δ for a probe g_Z (h (batch, d) -> logits), the class ids z′ to aim at (batch,)
+    and the L∞ radius ε (absolute); `base` (batch, d), or (batch, seq, d) with one z′ per example.
+    A subclass gives δ (`_delta`)."""
+
+    edits_base_alone = True  # f* = forward(f(b)): a source state is refused
+
+    def forward(
+        self,
+        base: torch.Tensor,
+        source: torch.Tensor | None = None,
+        *,
+        probe: Probe,
+        target: torch.Tensor,
+        epsilon: float,
+    ) -> torch.Tensor:
+        self._refuse_source(source)
+        h, z = _positions(base, target)
+        return base + self._delta(probe, h, z, epsilon).reshape(base.shape).to(base.dtype)
+
+    def _delta(self, probe: Probe, h: torch.Tensor, target: torch.Tensor, epsilon: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FGSM(_ProbeAttack):
+    """The fast gradient sign method, one full step (CALM §3, App. B.4):
+    h′ = h − ε·sign(∇_h L(g_Z(h), z′)) toward `target` z′. `targeted=False` gives the paper's
+    untargeted form, h′ = h + ε·sign(∇_h L(g_Z(h), z)), with `target` the true class z."""
 
     def __init__(self, targeted: bool = True):
+        super().__init__()
         self.targeted = targeted
 
-    def delta(self, probe: Probe, h: torch.Tensor, target: torch.Tensor, epsilon: float) -> torch.Tensor:
-        """δ = −ε·sign(∇_h L(g_Z(h), z′)) toward `target` z′ (class ids, (batch,)), (batch, d)."""
-        _check(h, target, epsilon)
-        with _EvalMode(probe):
-            return epsilon * _signed_gradient(probe, h, target, self.targeted)
+    def _delta(self, probe, h, target, epsilon):
+        return fgsm(probe, h, target, epsilon, self.targeted)
+
+    def config(self) -> dict:
+        return {"targeted": self.targeted}
 
 
-class PGD(Attack):
-    """Projected gradient descent (CALM App. B.4): `steps` T sign steps of size `alpha` α (None: ε/10),
-    each projected back onto the L∞ ball of radius ε around h."""
+class PGD(_ProbeAttack):
+    """Projected gradient descent (CALM App. B.4): `steps` T sign steps of size `alpha` α (None:
+    ε/10), each projected back onto the L∞ ball of radius ε around h,
+    h^{t+1} = Π_{‖h′−h‖∞≤ε}(h^t − α·sign(∇_h L(g_Z(h^t), z′))), h⁰ = h, h′ = h^T."""
 
     def __init__(self, alpha: float | None = None, steps: int = 40, targeted: bool = True):
+        super().__init__()
         check_pgd(alpha, steps)
         self.alpha, self.steps, self.targeted = alpha, steps, targeted
 
-    def delta(self, probe: Probe, h: torch.Tensor, target: torch.Tensor, epsilon: float) -> torch.Tensor:
-        """h^{t+1} = Π_{‖h′−h‖∞≤ε}(h^t − α·sign(∇_h L(g_Z(h^t), z′))), h⁰ = h; returns δ = h^T − h,
-        (batch, d). The projection Π clamps every coordinate of δ to [−ε, ε]."""
-        _check(h, target, epsilon)
-        alpha = epsilon / 10 if self.alpha is None else self.alpha
-        h = h.detach().float()
-        delta = torch.zeros_like(h)
-        with _EvalMode(probe):
-            for _ in range(self.steps):
-                step = alpha * _signed_gradient(probe, h + delta, target, self.targeted)
-                delta = (delta + step).clamp(-epsilon, epsilon)  # Π onto {‖δ‖∞ ≤ ε}
-        return delta
+    def _delta(self, probe, h, target, epsilon):
+        return pgd(probe, h, target, epsilon, self.alpha, self.steps, self.targeted)
+
+    def config(self) -> dict:
+        return {"alpha": self.alpha, "steps": self.steps, "targeted": self.targeted}
 
 
-class RandomSign(Attack):
-    """The control of the same size: δ = ε·s, s uniform in {−1, +1}^d per row, whatever the probe
-    and target. The draws follow each other from one generator seeded with `seed` when the attack
-    is built (None: torch's global RNG)."""
+class RandomSign(Intervention):
+    """The control of the same size: h′ = h + ε·s, s uniform in {−1, +1}^d per row, whatever the
+    probe and target (the context it ignores). The draws follow each other from one generator
+    seeded with `seed` when it is built (None: torch's global RNG)."""
+
+    edits_base_alone = True  # f* = forward(f(b)): a source state is refused
 
     def __init__(self, seed: int | None = None):
+        super().__init__()
         self.seed = seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
 
-    def delta(self, probe: Probe, h: torch.Tensor, target: torch.Tensor, epsilon: float) -> torch.Tensor:
-        """δ = ε·s, (batch, d), the next draw of this attack's generator."""
-        return random_sign(h, epsilon, self.generator)
+    def forward(
+        self, base: torch.Tensor, source: torch.Tensor | None = None, *, epsilon: float, **context
+    ) -> torch.Tensor:
+        """h + ε·s, the next draw of this control's generator, shaped like `base`."""
+        self._refuse_source(source)
+        return base + random_sign(base, epsilon, self.generator).to(base.dtype)
+
+    def config(self) -> dict:
+        return {"seed": self.seed}
 
 
 def fgsm(
     probe: Probe, h: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1, targeted: bool = True
 ) -> torch.Tensor:
-    """`FGSM(targeted).delta(probe, h, target, epsilon)`: δ = −ε·sign(∇_h L(g_Z(h), z′)), (batch, d)."""
-    return FGSM(targeted).delta(probe, h, target, epsilon)
+    """FGSM's δ = −ε·sign(∇_h L(g_Z(h), z′)) toward `target` z′ (class ids, (batch,)), (batch, d);
+    `targeted=False`: δ = +ε·sign(∇_h L(g_Z(h), z)) away from the true class z."""
+    _check(h, target, epsilon)
+    with _EvalMode(probe):
+        return epsilon * _signed_gradient(probe, h, target, targeted)
 
 
 def pgd(
@@ -172,13 +200,23 @@ def pgd(
     steps: int = 40,
     targeted: bool = True,
 ) -> torch.Tensor:
-    """`PGD(alpha, steps, targeted).delta(probe, h, target, epsilon)`: T steps of size α (default
-    ε/10), each projected onto the ε ball (CALM App. B.4). Returns δ = h^T − h, (batch, d)."""
-    return PGD(alpha, steps, targeted).delta(probe, h, target, epsilon)
+    """PGD's δ = h^T − h, (batch, d): h^{t+1} = Π_{‖h′−h‖∞≤ε}(h^t − α·sign(∇_h L(g_Z(h^t), z′))),
+    h⁰ = h, T steps of size α (None: ε/10) (CALM App. B.4). The projection Π clamps every
+    coordinate of δ to [−ε, ε]."""
+    check_pgd(alpha, steps)
+    _check(h, target, epsilon)
+    alpha = epsilon / 10 if alpha is None else alpha
+    h = h.detach().float()
+    delta = torch.zeros_like(h)
+    with _EvalMode(probe):
+        for _ in range(steps):
+            step = alpha * _signed_gradient(probe, h + delta, target, targeted)
+            delta = (delta + step).clamp(-epsilon, epsilon)  # Π onto {‖δ‖∞ ≤ ε}
+    return delta
 
 
 def random_sign(h: torch.Tensor, epsilon: float = 0.1, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The control of the same size: δ = ε·s with s uniform in {−1, +1}^d, (batch, d)."""
+    """The control of the same size: δ = ε·s with s uniform in {−1, +1}^d, shaped like h."""
     _check_epsilon(epsilon, "perturbation")
     signs = torch.randint(0, 2, h.shape, generator=generator, device="cpu").to(h.device, torch.float32)
     return epsilon * (2 * signs - 1)
@@ -192,23 +230,11 @@ def epsilon_scale(features: torch.Tensor) -> float:
     return float(features.float().std(0).median())
 
 
-def add(delta: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The intervention h ↦ h + δ at the site, for `forward.logits_at(intervention=...)`."""
-    return lambda h: h + delta.to(h.device, h.dtype)
-
-
-def _positions(base: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, d) as is; (batch, seq, d) flattened to (batch·seq, d), each example's target repeated."""
-    target = torch.as_tensor(target, device=base.device).reshape(-1)
-    if base.dim() == 3:
-        return base.reshape(-1, base.shape[-1]), target.repeat_interleave(base.shape[1])
-    return base, target
-
-
 @register_intervention
 class GradientAttack(Intervention):
-    """f* = h + δ, δ from PGD toward `target` in the L∞ ball of radius ε (CALM App. B.4):
-    h^{t+1} = Π_ε(h^t − α·sign(∇_h L(g_Z(h^t), z′))). steps=1 with step_size=ε is FGSM exactly.
+    """`PGD` bound to one probe and one ε: f* = h + δ, δ from PGD toward `target` in the L∞ ball
+    of radius ε (CALM App. B.4), h^{t+1} = Π_ε(h^t − α·sign(∇_h L(g_Z(h^t), z′))). steps=1 with
+    step_size=ε is FGSM exactly.
 
     The probe is attacked, never trained (trains=False). Export holds the probe's state
     (`probe.<name>`); config its class path and, for a `ProbeModule`, its hyperparameters, so
@@ -229,7 +255,7 @@ class GradientAttack(Intervention):
         _check_epsilon(epsilon)
         if step_size is not None and not step_size > 0:
             raise ValueError(f"step_size={step_size!r} must be > 0 or None (ε/10)")
-        self.attack = PGD(step_size, steps, targeted)  # what computes δ
+        self.attack = PGD(step_size, steps, targeted)  # what computes h′
         self.probe, self.epsilon, self.steps, self.step_size, self.targeted = probe, epsilon, steps, step_size, targeted
 
     @classmethod
@@ -238,10 +264,9 @@ class GradientAttack(Intervention):
         return cls(probe, epsilon, steps=1, step_size=epsilon, targeted=targeted)
 
     def forward(self, base: torch.Tensor, source: torch.Tensor | None = None, *, target: torch.Tensor) -> torch.Tensor:
+        """`PGD` with this probe and ε bound: h′ = h + δ toward `target`, (batch,)."""
         self._refuse_source(source)
-        h, z = _positions(base, target)
-        delta = self.attack.delta(self.probe, h, z, self.epsilon)
-        return base + delta.reshape(base.shape).to(base.dtype)
+        return self.attack(base, probe=self.probe, target=target, epsilon=self.epsilon)
 
     def export(self) -> dict[str, torch.Tensor]:
         return {f"probe.{k}": v.detach() for k, v in self.probe.state_dict().items()}
@@ -273,8 +298,9 @@ class GradientAttack(Intervention):
 
 @register_intervention
 class RandomSignIntervention(Intervention):
-    """The control: f* = h + ε·s, s uniform in {−1, +1}^d per row. With a `seed`, every call draws
-    from a generator seeded afresh (the same signs for the same shape); None: torch's global RNG."""
+    """The control bound to one ε: f* = h + ε·s, s uniform in {−1, +1}^d per row (`random_sign`).
+    With a `seed`, every call draws from a generator seeded afresh (the same signs for the same
+    shape), where `RandomSign`'s draws follow each other; None: torch's global RNG."""
 
     edits_base_alone = True  # f* = forward(f(b)): a source state is refused
 
@@ -290,68 +316,3 @@ class RandomSignIntervention(Intervention):
 
     def config(self) -> dict:
         return {"epsilon": self.epsilon, "seed": self.seed}
-
-
-# --- short names -----------------------------------------------------------------------------------
-_ATTACKS: dict[str, MethodSpec] = {}
-_SPEC_KEYS = ("name", "class_path", "init_args")
-
-
-def register_attack(name: str, class_path: str, init_args: dict | None = None) -> MethodSpec:
-    """Register a short name for an attack: the class at `class_path` (a class with
-    `delta(probe, h, target, epsilon)`) built with `init_args`. Refuses a name twice."""
-    if name in _ATTACKS:
-        raise ValueError(f"attack {name!r} is already registered (as {_ATTACKS[name].class_path})")
-    _ATTACKS[name] = spec = MethodSpec(name, class_path, dict(init_args or {}))
-    return spec
-
-
-def registered_attacks() -> list[str]:
-    """The registered short names, in registration order."""
-    return list(_ATTACKS)
-
-
-def attack_spec(entry: str | dict | MethodSpec) -> MethodSpec:
-    """The spec of a registered short name, of a config {name, class_path[, init_args]}, or the spec given."""
-    if isinstance(entry, MethodSpec):
-        return entry
-    if isinstance(entry, str):
-        if entry not in _ATTACKS:
-            raise ValueError(f"Unknown attack {entry!r}; registered: {', '.join(_ATTACKS)}")
-        return _ATTACKS[entry]
-    if not isinstance(entry, dict) or not set(entry) <= set(_SPEC_KEYS):
-        got = sorted(entry) if isinstance(entry, dict) else repr(entry)
-        raise ValueError(
-            f"an attack is a registered name ({', '.join(_ATTACKS)}) or {{name, class_path, init_args}}; got {got}"
-        )
-    return MethodSpec.from_config(entry)
-
-
-def with_defaults(spec: MethodSpec, defaults: dict) -> MethodSpec:
-    """`spec` with each of `defaults` added to its init_args where its class takes a parameter of
-    that name and init_args leave it unset (a study's `alpha`, `steps` and `seed`)."""
-    cls = import_class(spec.class_path)
-    try:
-        accepted = inspect.signature(cls).parameters
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"attack {spec.name!r}: class_path={spec.class_path!r} is not a class: {error}") from error
-    filled = {k: v for k, v in defaults.items() if k in accepted and k not in spec.init_args}
-    return MethodSpec(spec.name, spec.class_path, {**filled, **spec.init_args})
-
-
-def build_attack(spec: MethodSpec) -> Attack:
-    """A fresh instance of `spec`'s class, cls(**init_args), checked to have a `delta`."""
-    cls = import_class(spec.class_path)
-    try:
-        built = cls(**spec.init_args)
-    except TypeError as error:
-        raise ValueError(f"attack {spec.name!r}: {spec.class_path}(**{spec.init_args}) failed: {error}") from error
-    if not callable(getattr(built, "delta", None)):
-        raise ValueError(f"attack {spec.name!r}: {spec.class_path} has no delta(probe, h, target, epsilon)")
-    return built
-
-
-_HERE = "lit_interventions.interventions.attacks"
-register_attack("fgsm", f"{_HERE}.FGSM")
-register_attack("pgd", f"{_HERE}.PGD")
-register_attack("random", f"{_HERE}.RandomSign")

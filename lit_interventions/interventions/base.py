@@ -6,7 +6,8 @@ An intervention is a torch module with
   ``base``, (batch, d) or (batch, seq, d). Interchange interventions (DAS, DBM, featurizers, swaps)
   need ``source``; additive ones (steering, LoReFT, attacks) refuse it. Per-batch context is
   keyword-only and drawn from one small vocabulary: ``concept_id`` ((batch,) dictionary rows),
-  ``factor`` (steering strength α, a number or (batch,)) and ``target`` ((batch,) attack classes).
+  ``factor`` (steering strength α, a number or (batch,)), and an attack's ``probe`` (the probe
+  g_Z it attacks), ``target`` ((batch,) the classes z′ it aims at) and ``epsilon`` (the L∞ radius).
 - ``trains: bool``: whether its parameters are learned by gradient descent.
 - optional capabilities, declared as types in `capabilities` (fitted in closed form, annealed,
   penalised, source-free).

@@ -125,8 +125,8 @@ def intervene(intervention: Any, base: torch.Tensor, source: torch.Tensor | None
         f* = intervention(f(b), **context)          source-free (`edits_base_alone`): no source given
         f* = intervention(f(b), f(s), **context)    an interchange: f(s) is required
 
-    `context`: the per-batch keywords its forward takes (`concept_id`, `factor`, `target`). An
-    interchange given no source is one ValueError naming it."""
+    `context`: the per-batch keywords its forward takes (`concept_id`, `factor`; an attack's
+    `probe`, `target` and `epsilon`). An interchange given no source is one ValueError naming it."""
     if is_source_free(intervention):
         return intervention(base, None, **context)
     if source is None:

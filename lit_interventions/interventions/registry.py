@@ -187,3 +187,9 @@ register_method(  # as configs/dbm.yaml: T annealed 1e-2 -> 1e-7, λ = 1e-3, lr 
 # steering modules: LightningModules that train on steering data and rebuild with from_export
 register_method("loreft", "lit_interventions.modules.steering_loreft.LoReFTModule")
 register_method("lora", "lit_interventions.modules.steering_baselines.LoRAModule")
+
+# CALM: the attacks against a probe and the random ±ε control (interventions/attacks.py)
+_ATTACKS = "lit_interventions.interventions.attacks"
+register_method("fgsm", f"{_ATTACKS}.FGSM")
+register_method("pgd", f"{_ATTACKS}.PGD")
+register_method("random_sign", f"{_ATTACKS}.RandomSign")

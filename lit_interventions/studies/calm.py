@@ -15,8 +15,10 @@ Steps:
    prompts of every property;
 2. train a probe g_Z per property on train entities, keep its best val epoch, score it on test;
 3. per task, per test example and per property Z: attack g_Z toward another kept value z′ (PGD,
-   FGSM, or any class with delta(probe, h, target, epsilon) named in `methods` by class_path)
-   and, as the control, add a random ±ε perturbation; write h + δ back into the forward;
+   FGSM, or any source-free intervention whose forward takes the attack's context,
+   forward(h, probe=g_Z, target=z′, epsilon=ε) -> h′, named in `methods` by {name, model})
+   and, as the control (`random_sign`), add a random ±ε perturbation; write h′ = h + δ back into
+   the forward;
 4. score competence (top-k overlap with the causal graph's prediction, k = 1..k_max, ranked
    within the task's answer vocabulary: the first tokens of the queried attribute's values, as
    the paper ranks within the task's answer vocabulary, App. B.2), the
@@ -33,6 +35,7 @@ data, probes, run, report, then `run_calm` and `main`.
 from __future__ import annotations
 
 import csv
+import inspect
 import io
 import json
 import math
@@ -43,6 +46,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
+import yaml
 
 from lit_interventions.callbacks.progress import LoopProgress
 from lit_interventions.cli.studies import run_cli
@@ -56,17 +60,10 @@ from lit_interventions.core.surprisal import bos_prefix
 from lit_interventions.core.tokens import pad_batch, token_covering
 from lit_interventions.datamodules.ravel_answers import _first_token
 from lit_interventions.datamodules.ravel_files import RavelData, load_ravel, value_separator
-from lit_interventions.interventions.attacks import (
-    Attack,
-    add,
-    attack_spec,
-    build_attack,
-    check_pgd,
-    epsilon_scale,
-    registered_attacks,
-    with_defaults,
-)
-from lit_interventions.interventions.registry import MethodSpec
+from lit_interventions.interventions.attacks import check_pgd, epsilon_scale
+from lit_interventions.interventions.base import import_class
+from lit_interventions.interventions.capabilities import intervene, is_source_free
+from lit_interventions.interventions.registry import FIXED, MethodSpec, kind, method_entry
 from lit_interventions.metrics.competence import Competence, competence_scores
 from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
 
@@ -76,7 +73,7 @@ POSITION = "entity_last"  # the site's position: the entity's last token
 
 
 METHODS = ("fgsm", "pgd")  # the attacks of a run that names none
-RANDOM = "random"  # the control: ±ε per coordinate, same size as the attacks (always run, last)
+RANDOM = "random_sign"  # the control: ±ε per coordinate, same size as the attacks (always run, last)
 
 
 @dataclass
@@ -104,9 +101,10 @@ class CalmArgs:
         probe_batch_size: the probes' training batch size.
         probes: a directory of probes saved by an earlier run (PROPERTY.ckpt) to reuse; each must
             have been trained at this site of this model.
-        methods: the attacks (default: fgsm, pgd), each a registered short name (fgsm, pgd) or
-            {name, class_path, init_args} of a class with delta(probe, h, target, epsilon); the
-            random ±ε control always runs besides.
+        methods: the attacks (default: fgsm, pgd), each a registered name (fgsm, pgd) or
+            {name: NAME, model: {class_path, init_args}} of a source-free intervention whose
+            forward(h, probe=g_Z, target=z′, epsilon=ε) returns h′; the random ±ε control
+            (random_sign) always runs besides, last.
         epsilon: the L∞ radius, > 0.
         epsilon_relative: multiply epsilon by the site's coordinate scale (the median
             per-coordinate std of the train states); false = absolute, as in the paper.
@@ -192,24 +190,67 @@ def _check_settings(args: CalmArgs) -> tuple[list[str], LoadOptions, dict[str, i
 
 
 def choose_attacks(methods: list[str | dict] | None, defaults: dict) -> list[MethodSpec]:
-    """The attacks `methods` names (None: `METHODS`), then the random control, each with `defaults`
-    filled in (`with_defaults`) and built once, so that a bad entry fails before any work."""
+    """The attacks `methods` names (None: `METHODS`), each a registered name or {name, model}
+    (`registry.method_entry`), then the random control, each with `defaults` filled in
+    (`with_defaults`) and built once, so that a bad entry fails before any work."""
     items = list(METHODS) if methods is None else [methods] if isinstance(methods, (str, dict)) else list(methods)
     if not items:
         raise ValueError(
-            f"methods=[] names no attack; give registered names ({', '.join(registered_attacks())}) "
-            "or {name, class_path, init_args}"
+            f"methods=[] names no attack; give registered names ({', '.join(METHODS)}) or "
+            "{name: NAME, model: {class_path, init_args}}"
         )
-    specs = [attack_spec(m) for m in items]
+    specs = [method_entry(_new_form(m)) for m in items]
     names = [spec.name for spec in specs]
     if RANDOM in names:
         raise ValueError(f"methods {names}: {RANDOM!r} is the control, which always runs; give the attacks only")
     if len(set(names)) != len(names):
         raise ValueError(f"methods {names} name a method twice: give each name once")
-    specs = [with_defaults(spec, defaults) for spec in [*specs, attack_spec(RANDOM)]]
+    specs = [with_defaults(spec, defaults) for spec in [*specs, method_entry(RANDOM)]]
     for spec in specs:
         build_attack(spec)
     return specs
+
+
+def _new_form(entry):
+    """`entry`, refused in the form {name, class_path, init_args} with the form it is written in."""
+    if isinstance(entry, dict) and "class_path" in entry:
+        model = {k: entry[k] for k in ("class_path", "init_args") if k in entry}
+        written = {"name": entry.get("name"), "model": model}
+        flow = yaml.safe_dump(written, default_flow_style=True, sort_keys=False, width=math.inf).strip()
+        raise ValueError(f"method {entry.get('name')!r}: {{name, class_path, init_args}} is written {flow}")
+    return entry
+
+
+def with_defaults(spec: MethodSpec, defaults: dict) -> MethodSpec:
+    """`spec` with each of `defaults` added to its init_args where its class takes a parameter of
+    that name and init_args leave it unset (the run's `alpha`, `steps` and `seed`)."""
+    accepted = _parameters(spec)
+    filled = {k: v for k, v in defaults.items() if k in accepted and k not in spec.init_args}
+    return replace(spec, init_args={**filled, **spec.init_args})
+
+
+def _parameters(spec: MethodSpec) -> set[str]:
+    """The parameter names of `spec`'s class."""
+    try:
+        return set(inspect.signature(import_class(spec.class_path)).parameters)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"method {spec.name!r}: class_path={spec.class_path!r} is not a class: {error}") from error
+
+
+def build_attack(spec: MethodSpec):
+    """A fresh instance of `spec`'s class, cls(**init_args), checked to be a fixed source-free
+    intervention (`kind` FIXED, `edits_base_alone`): what CALM calls with the attack's context."""
+    try:
+        built = import_class(spec.class_path)(**spec.init_args)
+    except TypeError as error:
+        raise ValueError(f"method {spec.name!r}: {spec.class_path}(**{spec.init_args}) failed: {error}") from error
+    if not (isinstance(built, torch.nn.Module) and kind(built) == FIXED and is_source_free(built)):
+        hint = f" (CALM's random control is {RANDOM!r}, which always runs)" if spec.name == "random" else ""
+        raise ValueError(
+            f"method {spec.name!r}: {spec.class_path} is not an attack{hint}: CALM runs a fixed source-free "
+            "intervention (edits_base_alone) whose forward(h, probe=, target=, epsilon=) returns h′"
+        )
+    return built
 
 
 def plan_calm(args: CalmArgs) -> CalmPlan:
@@ -484,7 +525,7 @@ class _Run:
     inputs: SiteInputs
     probes: dict  # property -> g_Z
     rng: random.Random
-    attacks: dict[str, Attack]  # name -> the attack, the random control last
+    attacks: dict[str, torch.nn.Module]  # name -> the attack, the random control last
 
     @property
     def names(self) -> list[str]:
@@ -523,9 +564,10 @@ class TaskBatch:
     before: dict[str, torch.Tensor]  # property -> the probe's prediction on h (batch,)
 
     @torch.no_grad()
-    def logits(self, model, layer: int, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits (batch, vocab) of the LM, with h + δ written at the site if δ is given."""
-        edit = None if delta is None else add(delta.to(self.ids.device))
+    def logits(self, model, layer: int, edited: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (batch, vocab) of the LM, with the state `edited` h′ (batch, d)
+        written at the site if it is given."""
+        edit = None if edited is None else _written(edited)
         return (
             logits_at(
                 model,
@@ -540,6 +582,11 @@ class TaskBatch:
             .float()
             .cpu()
         )
+
+
+def _written(state: torch.Tensor):
+    """The intervention at the site that writes `state` there, h ↦ h′, in the LM's dtype."""
+    return lambda h: state.to(h.device, h.dtype)
 
 
 @torch.no_grad()
@@ -569,14 +616,15 @@ def record(
     probes,
     prop: str,
     target,
-    delta,
+    moved,
     clean,
     edited,
     k_max: int,
     candidates: torch.Tensor | None = None,
 ) -> None:
-    """Add one batch of do(prop = target) to the counts of a (method, property); the top-k overlap
-    and the top-1 change are taken within `candidates` (the task's answer vocabulary) if given."""
+    """Add one batch of do(prop = target) to the counts of a (method, property): `moved` is h′,
+    `clean` and `edited` the LM's logits without and with it; the top-k overlap and the top-1
+    change are taken within `candidates` (the task's answer vocabulary) if given."""
     t["n"] += len(target)
     t["overlap"] += (
         competence_scores(clean, edited, torch.zeros(len(target), dtype=torch.bool), k_max, candidates).sum().item()
@@ -584,7 +632,6 @@ def record(
     if candidates is not None:
         clean, edited = clean[:, candidates], edited[:, candidates]
     t["top1_changed"] += (edited.argmax(-1) != clean.argmax(-1)).sum().item()
-    moved = batch.h + delta
     for other, probe in probes.items():
         truth, after = batch.truth[other], probe.predict(moved)
         known = truth >= 0
@@ -600,8 +647,8 @@ def record(
 
 
 def _intervene(run: _Run, task: str, chunk: list[int], vocabulary, metric: dict, tally: dict) -> int:
-    """One batch of the task's test prompts: per property Z, a target z′ ≠ z per example, δ of
-    each attack toward it and of the random control, h + δ written into the forward; updates the
+    """One batch of the task's test prompts: per property Z, a target z′ ≠ z per example, h′ of
+    each attack toward it and of the random control, h′ written into the forward; updates the
     Competence `metric` and the (method, property) `tally`; returns how many clean top-1
     predictions are a first token of the right answer."""
     args, plan, inputs, g = run.args, run.plan, run.inputs, run.probes
@@ -621,23 +668,26 @@ def _intervene(run: _Run, task: str, chunk: list[int], vocabulary, metric: dict,
     for prop in plan.properties:
         n_classes = len(plan.classes[prop])
         target = torch.tensor([_other_class(int(y), n_classes, run.rng) for y in batch.truth[prop]])  # z′ ≠ z
-        deltas = {m: _delta(m, a, g[prop], batch.h, target, inputs.eps) for m, a in run.attacks.items()}
+        moved = {m: _attacked(m, a, g[prop], batch.h, target, inputs.eps) for m, a in run.attacks.items()}
         causal = torch.full((len(chunk),), prop == task)
-        for m, delta in deltas.items():
-            edited = batch.logits(inputs.model, plan.layer, delta)
+        for m, state in moved.items():
+            edited = batch.logits(inputs.model, plan.layer, state)
             metric[m].update(clean, edited, causal)
-            record(tally[(m, prop)], batch, g, prop, target, delta, clean, edited, args.k_max, vocabulary)
+            record(tally[(m, prop)], batch, g, prop, target, state, clean, edited, args.k_max, vocabulary)
         current().update()  # the study's progress: one batch × property
     return correct
 
 
-def _delta(name: str, attack: Attack, probe, h: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
-    """The attack's δ toward `target`, checked to be (batch, d) as h is."""
-    delta = attack.delta(probe, h, target, eps)
-    if not isinstance(delta, torch.Tensor) or delta.shape != h.shape:
-        got = tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__
-        raise ValueError(f"method {name!r}: delta(probe, h, target, epsilon) returned {got}; expected {tuple(h.shape)}")
-    return delta
+def _attacked(name: str, attack, probe, h: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
+    """h′ = `attack`(h) toward `target` with the attack's context (`intervene`), checked to be
+    (batch, d) as h is."""
+    moved = intervene(attack, h, probe=probe, target=target, epsilon=eps)
+    if not isinstance(moved, torch.Tensor) or moved.shape != h.shape:
+        got = tuple(moved.shape) if isinstance(moved, torch.Tensor) else type(moved).__name__
+        raise ValueError(
+            f"method {name!r}: forward(h, probe=, target=, epsilon=) returned {got}; expected h's {tuple(h.shape)}"
+        )
+    return moved
 
 
 def _run_task(run: _Run, task: str) -> tuple[list[dict], list[dict]]:
