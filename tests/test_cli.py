@@ -2,6 +2,7 @@
 checkpoint evaluated with the checkpoint's settings, the run directory's name, the final summary,
 line progress when stdout is a file, no Lightning adverts, configs by short name, the short help."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -113,6 +114,23 @@ def test_leafspec_deprecation_is_filtered():
         quiet_lightning()
         _tree_flatten(torch.zeros(2))
     assert not [w for w in caught if "LeafSpec" in str(w.message)]
+
+
+def test_lightning_lines_about_absent_accelerators_are_dropped_and_a_present_ones_kept(caplog):
+    """Lightning logs its accelerator lines through its rank-zero logger; with `quiet_lightning`
+    those naming an absent GPU/TPU/HPU (they read as a fault on a CPU machine) do not appear."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    quiet_lightning()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        for line in ("GPU available: False, used: False", "TPU available: False, using: 0 TPU cores"):
+            rank_zero_info(line)
+        rank_zero_info("GPU available: True (cuda), used: True")
+        rank_zero_info("Restoring states from the checkpoint path at x.ckpt")
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU available: True (cuda), used: True",
+        "Restoring states from the checkpoint path at x.ckpt",
+    ]
 
 
 # ----------------------------------------------------------------------------- a tiny-model run

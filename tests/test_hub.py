@@ -143,7 +143,8 @@ def uploads(monkeypatch):
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
         files = sorted(p.name for p in Path(folder_path).iterdir())
-        calls.append(("upload_folder", repo_id, {"folder_path": folder_path, "files": files, **kwargs}))
+        texts = {p.name: p.read_text() for p in Path(folder_path).iterdir() if p.suffix in (".json", ".yaml", ".md")}
+        calls.append(("upload_folder", repo_id, {"folder_path": folder_path, "files": files, "texts": texts, **kwargs}))
         return "commit-info"
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
@@ -157,7 +158,8 @@ def test_push_to_hub_uploads_the_directory(tmp_path, uploads):
     assert hub.push_to_hub(out, "someone/das-agr", private=True) == "commit-info"
     (_, repo, created), (_, repo2, upload) = uploads
     assert repo == repo2 == "someone/das-agr" and created["exist_ok"] and created["private"]
-    assert Path(upload["folder_path"]) == out and upload["repo_type"] == "model"
+    assert upload["files"] == ["README.md", "config.json", "intervention.safetensors"]  # no logs
+    assert upload["repo_type"] == "model"
     assert {"config.json", "README.md", "intervention.safetensors"} <= set(upload["allow_patterns"])
     assert not any("tfevents" in pattern or "ckpt" in pattern for pattern in upload["allow_patterns"])
     # from the object: saved to a temporary directory first
@@ -253,7 +255,7 @@ def test_export_dictionary_callback_writes_the_hub_layout(tmp_path, monkeypatch)
         "config.json",
         "dictionary.safetensors",
     ]
-    command = f"lit-interventions fit --config {tmp_path / 'config.yaml'}"
+    command = "lit-interventions fit --config config.yaml"  # the run's own config.yaml, beside the card
     assert json.loads((tmp_path / "config.json").read_text())["command"] == command
     assert command in (tmp_path / "README.md").read_text()
     loaded = Dictionary.from_pretrained(tmp_path)
@@ -311,3 +313,43 @@ def test_from_pretrained_refuses_an_unknown_kind_and_an_empty_directory(tmp_path
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="holds no lit-interventions artifact"):
         from_pretrained(empty)
+
+
+# --- no absolute local path in what is shared ------------------------------------------------------
+
+
+def test_a_run_shares_no_absolute_local_path(tmp_path, tiny_lm_dir, uploads):
+    """A pairs run from a data file and into a root given as absolute paths: its card (config.json,
+    README.md) names the file by its name and sha256 and the rest by name, and what `push_to_hub`
+    sends (config.yaml too) holds no absolute path of the run's."""
+    import hashlib
+    import shutil
+
+    from tests.helpers import ROOT, run_command
+
+    lm = tiny_lm_dir("gpt2")
+    assert not str(lm).startswith(str(tmp_path))  # the LM's directory is recorded as it is (apply checks it)
+    data = tmp_path / "mine" / "tense.jsonl"
+    data.parent.mkdir()
+    shutil.copy(ROOT / "examples" / "data" / "pairs.jsonl", data)
+    fit = run_command(
+        "train.py", "fit", "--config", "configs/das_pairs.yaml", f"--data.path={data}", f"--model.lm={lm}",
+        "--model.layer=1", "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
+        "--trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    (card,) = (tmp_path / "runs").rglob("config.json")
+    run = card.parent
+    config = json.loads(card.read_text())
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()
+    assert config["data"]["path"] == f"tense.jsonl (sha256 {digest})"
+    assert "--data.path=tense.jsonl" in config["command"] and "--trainer.default_root_dir=runs" in config["command"]
+    for name in ("config.json", "README.md"):
+        assert str(tmp_path) not in (run / name).read_text(), name
+    assert str(tmp_path) in (run / "config.yaml").read_text()  # the local config keeps them: it reruns here
+    hub.push_to_hub(run, "someone/tense")
+    sent = uploads[-1][2]
+    assert "config.yaml" in sent["files"] and not any(f.endswith(".ckpt") or "tfevents" in f for f in sent["files"])
+    for name, text in sent["texts"].items():
+        assert str(tmp_path) not in text, name
+    assert "path: tense.jsonl" in sent["texts"]["config.yaml"]

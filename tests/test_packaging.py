@@ -3,6 +3,7 @@ build, an import graph without circles and without project imports inside functi
 public API a notebook imports."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -158,3 +159,19 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     assert {name.split("/")[0] for name in names} == {"lit_interventions", "lit_interventions-0.1.0.dist-info"}
     assert "lit_interventions/datamodules/causalgym.py" in names
     assert "lit_interventions/datamodules/data/causalgym.json" in names
+
+
+def test_the_docs_home_page_takes_its_quickstart_from_the_readme():
+    """docs/index.md includes the README's quickstart (pymdownx.snippets), so the install
+    commands cannot drift apart; the conversion time it states is the README's."""
+    readme = (ROOT / "README.md").read_text()
+    index = (ROOT / "docs" / "index.md").read_text()
+    start, end = "<!-- --8<-- [start:quickstart] -->", "<!-- --8<-- [end:quickstart] -->"
+    assert readme.count(start) == readme.count(end) == 1 and readme.index(start) < readme.index(end)
+    quickstart = readme[readme.index(start) : readme.index(end)]
+    assert "python train.py fit --config configs/das.yaml" in quickstart and "python -m pytest" in quickstart
+    assert '--8<-- "README.md:quickstart"' in index and "pip install" not in index  # the commands: the README's only
+    assert "snippets" in (ROOT / "mkdocs.yml").read_text()
+    conversion = "dequantises every weight on the CPU: 30–100 s, depending on the CPU's speed and load"
+    assert conversion in " ".join(readme.split()) and conversion in " ".join(index.split())
+    assert not re.search(r"about \d+ s\)", index)

@@ -5,7 +5,6 @@ the console script."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import nbformat
@@ -31,14 +30,19 @@ def test_the_tutorial_notebook_runs(tmp_path, monkeypatch):
     for name in ("train.py", "configs", "examples", "checkpoints"):
         (tmp_path / name).symlink_to(ROOT / name)
     (tmp_path / "docs").mkdir()
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    decoys = tmp_path / "decoys"  # a `python` and a `lit-interventions` on PATH that are not the kernel's
+    decoys.mkdir()
+    for name in ("python", "python3", "lit-interventions"):
+        (decoys / name).write_text("#!/bin/sh\necho 'a command ran from PATH, not the kernel' >&2\nexit 3\n")
+        (decoys / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{decoys}{os.pathsep}{os.environ['PATH']}")
     nb = nbformat.read(ROOT / "docs" / "tutorial.ipynb", as_version=4)
     client = NotebookClient(
         nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(tmp_path / "docs")}}
     )
     client.execute()
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
-    assert _text(code[0]).strip() == str(tmp_path)
+    assert _text(code[0]).strip() == "working in the repository root: True"
     assert _text(code[1]).startswith("48 pairs")
     fit = _text(code[2])
     assert "val/iia" in fit and "val/odds" in fit and "runs/tutorial/das/layer9/version_0" in fit

@@ -47,6 +47,7 @@ from lit_interventions.artifacts.hub import (
     write_hub_files,
     write_run_card,
 )
+from lit_interventions.artifacts.shareable import shareable
 from lit_interventions.core.blocks import BLOCK_OUTPUT, check_layer
 from lit_interventions.core.edits import STEERING_RULE, ApplyRequest, Edit, check_site, check_width, concept_rows
 from lit_interventions.core.files import write_atomically
@@ -114,7 +115,7 @@ class Dictionary:
         (.json), each atomically (a temporary file renamed over it: a killed write leaves the old
         file or none, never half of one). NaN/inf vectors are refused. Returns the .safetensors path."""
         weights, card_path = dictionary_paths(path)
-        card = self.card_dict()
+        card = shareable(self.card_dict())  # no absolute local path leaves the machine
         self._write_weights(weights)
         write_atomically(card_path, json.dumps(card, indent=2) + "\n")
         return weights

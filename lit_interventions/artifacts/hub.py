@@ -20,8 +20,11 @@ holding `intervention.json` / `dictionary.json` (and no config.json) still load.
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
 import shlex
+import shutil
 import sys
 import tempfile
 import warnings
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_interventions.artifacts.card import LIBRARY, model_card
+from lit_interventions.artifacts.shareable import shareable, shareable_yaml
 from lit_interventions.core.files import finite_values, write_atomically
 from lit_interventions.core.model_cache import hub_offline_reason
 from lit_interventions.interventions.base import class_path
@@ -195,6 +199,7 @@ def write_hub_files(directory: str | Path, config: dict) -> Path:
             "refusing to replace them (save into a directory of its own)"
         )
     directory.mkdir(parents=True, exist_ok=True)
+    config = shareable(config)  # no absolute local path leaves the machine
     text = json.dumps(config, indent=2) + "\n"  # fails before anything is written if not JSON-able
     card = str(model_card(config))
     write_atomically(directory / CONFIG, text)
@@ -213,7 +218,7 @@ def write_run_card(directory: str | Path, config: dict, card_name: str, card: di
         return write_hub_files(directory, config)
     except FileExistsError as err:
         warnings.warn(f"the run's card is {card_name}, not {CONFIG}: {err}", stacklevel=2)
-        write_atomically(directory / card_name, json.dumps(card, indent=2) + "\n")
+        write_atomically(directory / card_name, json.dumps(shareable(card), indent=2) + "\n")
         return directory / card_name
 
 
@@ -293,24 +298,42 @@ def push_to_hub(
     create_pr: bool | None = None,
 ):
     """Upload a saved artifact directory (a `save_pretrained` directory or a run's log directory:
-    only the weights, config.json, README.md, the old JSON card and config.yaml go) to the model
-    repository `repo_id`, created if missing. Returns huggingface_hub's CommitInfo."""
+    only the weights, config.json, README.md, the old JSON card and config.yaml, its absolute
+    paths replaced by their names, go) to the model repository `repo_id`, created if missing. Returns huggingface_hub's CommitInfo."""
     from huggingface_hub import HfApi
 
     directory = Path(directory)
     config = read_config(directory)
     api = HfApi(token=token, library_name=LIBRARY)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    return api.upload_folder(
-        repo_id=repo_id,
-        folder_path=directory,
-        repo_type="model",
-        revision=revision,
-        commit_message=commit_message
-        or f"Upload {config.get('method') or 'artifact'} ({config.get('kind', 'intervention')}) with lit-interventions",
-        allow_patterns=upload_files(config),
-        create_pr=create_pr,
-    )
+    with tempfile.TemporaryDirectory(prefix="lit-interventions-upload-") as staged:
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=_staged(directory, Path(staged), upload_files(config)),
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message
+            or f"Upload {config.get('method') or 'artifact'} ({config.get('kind', 'intervention')}) with lit-interventions",
+            allow_patterns=upload_files(config),
+            create_pr=create_pr,
+        )
+
+
+def _staged(directory: Path, staged: Path, patterns: list[str]) -> Path:
+    """The files of `directory` that match `patterns`, as they are uploaded, in `staged`:
+    config.yaml with its absolute paths replaced by their names (`shareable_yaml`), every other
+    file linked (or copied) as it is."""
+    for path in directory.iterdir():
+        if not path.is_file() or not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
+            continue
+        if path.name == "config.yaml":
+            (staged / path.name).write_text(shareable_yaml(path.read_text(encoding="utf-8")), encoding="utf-8")
+            continue
+        try:
+            os.link(path, staged / path.name)
+        except OSError:  # another file system, or links not allowed
+            shutil.copy2(path, staged / path.name)
+    return staged
 
 
 def push_object(obj, repo_id: str, **kwargs: Any):

@@ -33,6 +33,7 @@ from lit_interventions.artifacts.hub import (
     write_hub_files,
     write_run_card,
 )
+from lit_interventions.artifacts.shareable import shareable
 from lit_interventions.core.files import check_finite, read_weights, write_atomically
 from lit_interventions.interventions.base import InterventionProtocol, class_path, loadable_class, trusting_remote_code
 
@@ -64,7 +65,7 @@ def write_weights(directory: str | Path, tensors: dict[str, torch.Tensor], name:
 def write_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], card: dict) -> Path:
     """`intervention.safetensors` plus `intervention.json` (the layout without config.json), each
     written atomically. Refuses non-finite tensors. Returns the safetensors path."""
-    text = json.dumps(card, indent=2) + "\n"  # fails before anything is written if not JSON-able
+    text = json.dumps(shareable(card), indent=2) + "\n"  # no absolute local path; not JSON-able: nothing written
     weights = write_weights(directory, tensors)
     write_atomically(Path(directory) / CARD, text)
     return weights

@@ -4,6 +4,7 @@ warnings a user acts on (`OneLineWarning`) shown as one line."""
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 
@@ -26,10 +27,14 @@ def _one_line(format_warning):
 
 
 class _NoAdverts(logging.Filter):
-    """Lightning's "💡 Tip: ... litlogger / litmodels" lines (rank_zero_info, no switch to turn off)."""
+    """Lightning's "💡 Tip: ... litlogger / litmodels" lines (rank_zero_info, no switch to turn off),
+    and its accelerator lines for hardware that is absent ("GPU available: False, used: False",
+    "TPU available: False, using: 0 TPU cores"): on a CPU-only machine they read as a fault. A
+    present accelerator's line ("GPU available: True (cuda), used: True") is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
+        message = str(record.msg) % record.args if record.args else str(record.msg)
+        return not message.startswith("💡 Tip") and not re.match(r"[A-Z]PU available: False\b", message)
 
 
 def quiet_lightning() -> None:

@@ -1,0 +1,83 @@
+"""What a card may carry off this machine: no absolute local path.
+
+A card (config.json, the README.md model card, an older intervention.json / dictionary.json /
+sae.json) is written to be shared, e.g. by `push_to_hub`. Before it is written, `shareable`
+replaces every absolute local path in its `data`, `training_data` and `command` fields:
+
+    a file that exists          its name and the sha256 of its bytes: "tense.jsonl (sha256 3f2a…)"
+    anything else (a directory) its name: "/home/me/ravel" -> "ravel"
+    a path inside `command`     its name: "--data.path /home/me/tense.jsonl" -> "--data.path tense.jsonl"
+
+The run's resolved `config.yaml`, uploaded beside the card, gets every absolute path replaced by
+its name (`shareable_yaml`), so that it still runs with the files put beside it.
+
+Relative paths (`configs/das.yaml`, `examples/data/pairs.jsonl`) are kept as they are: they name
+a file of the project, not of the machine. The LM (`model`) is kept: `apply` checks an LM
+against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+import yaml
+
+FIELDS = ("data", "training_data", "command")  # the card fields that may name the user's files
+# an absolute path inside a command line: /… or C:\… up to a quote, space or '=' (after --x=)
+_IN_COMMAND = re.compile(r"(?<![\w./\\-])(/[^\s'\"=]+|[A-Za-z]:\\[^\s'\"=]+)")
+
+
+def shareable(card: dict) -> dict:
+    """`card` with the absolute local paths of its `FIELDS` replaced (see the module doc)."""
+    shared = dict(card)
+    for key in FIELDS:
+        if key in shared:
+            shared[key] = _value(shared[key], command=key == "command")
+    return shared
+
+
+def _value(value: Any, command: bool = False) -> Any:
+    if isinstance(value, dict):
+        return {k: _value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_value(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    if command:
+        return _IN_COMMAND.sub(lambda m: Path(m.group(0)).name or m.group(0), value)
+    return _path_text(value) if _is_absolute(value) else value
+
+
+def _is_absolute(text: str) -> bool:
+    return PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute()
+
+
+def _path_text(text: str) -> str:
+    """An absolute path as a card shows it: a file's name and sha256, anything else its name."""
+    path = Path(text)
+    name = path.name or text
+    try:
+        if path.is_file():
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            return f"{name} (sha256 {digest})"
+    except OSError:
+        pass
+    return name
+
+
+def shareable_yaml(text: str) -> str:
+    """A YAML config (Lightning's resolved config.yaml) with every absolute path replaced by its name."""
+    return yaml.safe_dump(_names(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
+
+
+def _names(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _names(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_names(v) for v in value]
+    if isinstance(value, str) and _is_absolute(value):
+        return Path(value).name or value
+    return value
