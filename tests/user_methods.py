@@ -6,6 +6,9 @@ class path (`tests.user_methods.Line`, `tests.user_methods.Reflection`) and ever
   f* = f(b) − 2(u·f(b)) u (`edits_base_alone`: it is given no source).
 - `AwayFromBase`: an objective of their own, per row −log(1 − p*(y_b | b, s)): push the answer
   off the base's label rather than onto the source's.
+- `PositiveMean`: a direction estimator of their own (scikit-learn style, `fit(X)` sets
+  `direction_`), the normalised mean of the rows; unsupervised, so AxBench fits it per concept on
+  the concept's positive tokens alone: w_c = mean(H⁺_c)/‖mean(H⁺_c)‖.
 """
 
 import torch
@@ -65,3 +68,14 @@ class AwayFromBase(Objective):
     def row_losses(self, logits, batch):
         log_p = torch.log_softmax(logits.float(), dim=-1).gather(1, batch.base.label[:, None])[:, 0]
         return -torch.log1p(-log_p.exp().clamp(max=1 - 1e-6))
+
+
+class PositiveMean:
+    """a = mean(X)/‖mean(X)‖; unsupervised (`_supervised = False`: y, if given, is not used)."""
+
+    _supervised = False
+
+    def fit(self, X, y=None):
+        a = torch.as_tensor(X, dtype=torch.float64).mean(0)
+        self.direction_ = (a / a.norm()).float()
+        return self

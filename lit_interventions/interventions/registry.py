@@ -182,3 +182,8 @@ register_method(  # as configs/dbm.yaml: T annealed 1e-2 -> 1e-7, λ = 1e-3, lr 
     lr=0.01,
     objective={"class_path": "lit_interventions.objectives.CounterfactualLoss", "init_args": {"sparsity": 0.001}},
 )
+# AxBench: the trained concept methods (SteeringModule; its own lr, AxBench's 1e-2 with no warmup).
+# AxBench's closed forms are the direction estimators above, fitted once per concept.
+_CONCEPT_METHODS = "lit_interventions.interventions.concept_methods"
+register_method("reft_r1", f"{_CONCEPT_METHODS}.ReFTR1Method", lr=0.01, warmup_ratio=0.0)
+register_method("ssv", f"{_CONCEPT_METHODS}.SSVMethod", lr=0.01, warmup_ratio=0.0)
