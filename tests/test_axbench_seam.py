@@ -4,8 +4,9 @@ capability.
 A direction estimator that exists only in this file runs as an AxBench dictionary from a YAML alone
 (`python -m lit_interventions fit`) and gives exactly the dictionary the built-in DiffMean gives; a
 trained concept method written here gives exactly what the built-in SSV gives; registered names,
-configs and instances build the same methods, through the CLI too; the class paths of old run
-configs still build their estimators and `validate` such a run; a method's option given to
+configs and instances build the same methods, through the CLI too; the class paths that run
+configs of the closed forms name (concept_methods.DiffMeanMethod, ...) build their estimators and
+`validate` such a run; a method's option given to
 `SteeringModule` itself names the init_args it belongs in; a dictionary reads its latent from its
 card (a card without one, by the method's name)."""
 
