@@ -67,7 +67,7 @@ from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import DTYPES, check_device, hidden_size, load_config, num_layers
 from lit_interventions.interventions.additive import ConceptDictionary
 from lit_interventions.metrics.detection import ConceptAUROC, per_concept_shapes
-from lit_interventions.modules.steering_closed_form import response_tokens
+from lit_interventions.modules.steering_closed_form import fit_concept_rows, response_tokens
 from lit_interventions.modules.steering_objective import intervention_mask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,9 +117,7 @@ class Setting:
 
 def initial_rows(module, n: int) -> torch.Tensor:
     """The (n, d) rows the module's dictionary starts from (`_build`: seeded, whatever the global RNG)."""
-    return ConceptDictionary(
-        n, hidden_size(module.lm.config), module.method.unit_norm, module.hparams.direction_seed
-    ).weight
+    return ConceptDictionary(n, hidden_size(module.lm.config), module.unit_norm, module.hparams.direction_seed).weight
 
 
 def ours(setting: Setting) -> tuple[float, dict]:
@@ -222,11 +220,11 @@ def layer_states(lm, layer: int, batch: dict) -> torch.Tensor:
 def fit_diffmean(module, data, device: str) -> torch.Tensor:
     """One concept's row from full forwards over its positives and the negative pool: (d,)."""
     pieces = [
-        response_tokens(layer_states(module.lm, module.hparams.layer, batch), batch, module.method.name)
+        response_tokens(layer_states(module.lm, module.hparams.layer, batch), batch, module.method_name)
         for batch in (on_device(b, device) for b in data.train_dataloader())
     ]
     hidden, labels = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
-    return module.method.fit(hidden, labels, data.concepts, seed=module.hparams.direction_seed)[0]
+    return fit_concept_rows(module.method, hidden, labels, data.concepts, module.unsupervised_on)[0]
 
 
 @torch.no_grad()
@@ -237,7 +235,7 @@ def detect(module, data, w: torch.Tensor, concept: int, metric: ConceptAUROC, de
         batch = on_device(batch, device)
         hidden = layer_states(module.lm, module.hparams.layer, batch)
         scores = latent_values(
-            torch.einsum("btd,bd->bt", hidden.float(), w.expand(len(hidden), -1).float()), module.method.latent
+            torch.einsum("btd,bd->bt", hidden.float(), w.expand(len(hidden), -1).float()), module.latent
         )
         metric.update(
             scores, module.detection_mask(batch), torch.full_like(batch["concept_id"], concept), batch["label"]
@@ -261,7 +259,7 @@ def reference(setting: Setting) -> tuple[float, dict]:
     setup = time.perf_counter() - start
     rows = []
     for index, data in enumerate(per_concept):
-        if module.method.trains:
+        if module.automatic_optimization:
             row = train_reft_r1(
                 module, data, initial[index], cli.trainer.max_epochs, cli.trainer.gradient_clip_val, setting.device
             )

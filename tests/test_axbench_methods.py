@@ -23,6 +23,7 @@ from lit_interventions.interventions.additive import (
     topk_mean,
 )
 from lit_interventions.interventions.concept_methods import ReFTR1Method, SSVMethod
+from lit_interventions.interventions.directions import DiffMeanDirection, LATDirection, PCADirection, ProbeDirection
 from lit_interventions.metrics.detection import ConceptAUROC, min_max_normalise, sequence_scores
 from lit_interventions.modules.steering import SteeringModule
 from lit_interventions.modules.steering_closed_form import fit_concept_direction
@@ -245,7 +246,7 @@ def test_diffmean_is_the_normalised_difference_of_token_means():
     positives = torch.tensor([[1.0, 2.0], [3.0, 2.0]])
     negatives = torch.tensor([[0.0, 0.0], [0.0, 2.0], [0.0, 1.0]])
     # mean(H+) - mean(H-) = (2, 2) - (0, 1) = (2, 1)
-    w = fit_concept_direction("diffmean", positives, negatives)
+    w = fit_concept_direction(DiffMeanDirection(), positives, negatives)
     torch.testing.assert_close(w, torch.tensor([2.0, 1.0]) / 5**0.5)
 
 
@@ -254,15 +255,15 @@ def test_supervised_directions_find_the_planted_axis(method):
     """(LAT with pairs across positives and negatives; AxBench's positives-only pairs cannot see a
     mean shift between the classes: see test_lat_pairs_are_drawn_from_the_positives_as_axbench.)"""
     positives, negatives, axis = _planted()
-    options = {"lat": {"pairs": "all"}, "probe": {"bias": True}}.get(method, {})  # the probe with a bias
-    w = fit_concept_direction(method, positives, negatives, **options)
+    estimator = {"diffmean": DiffMeanDirection(), "probe": ProbeDirection(l2=1e-3), "lat": LATDirection()}[method]
+    w = fit_concept_direction(estimator, positives, negatives, unsupervised_on="all")
     assert w.norm().item() == pytest.approx(1.0, abs=1e-5)
     assert torch.dot(w, axis).item() > 0.9
 
 
 def test_probe_separates_planted_tokens():
     positives, negatives, _ = _planted(shift=4.0)
-    w = fit_concept_direction("probe", positives, negatives)
+    w = fit_concept_direction(ProbeDirection(l2=1e-3, bias=False), positives, negatives)
     from sklearn.metrics import roc_auc_score
 
     scores = torch.cat([positives, negatives]) @ w
@@ -274,10 +275,12 @@ def test_pca_is_the_top_pc_of_the_positives_oriented_by_the_negatives():
     rng = np.random.default_rng(3)
     positives = torch.tensor(rng.standard_normal((300, 3)) * [5.0, 0.5, 0.5], dtype=torch.float32)
     negatives = positives.mean(0) - torch.tensor([[1.0, 0.0, 0.0]]) + torch.zeros(10, 3)
-    w = fit_concept_direction("pca", positives, negatives)
+    w = fit_concept_direction(PCADirection(), positives, negatives)
     assert abs(w[0].item()) > 0.99 and w[0].item() > 0  # variance axis, positives projecting higher
-    with pytest.raises(ValueError, match="unknown closed-form method 'kmeans'"):
-        fit_concept_direction("kmeans", positives, negatives)
+    flipped = fit_concept_direction(PCADirection(), positives, positives.mean(0) + torch.tensor([[1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(flipped, -w)  # the pool above the positives on that axis: −w
+    with pytest.raises(ValueError, match="unsupervised_on='some'; valid: positives, all"):
+        fit_concept_direction(PCADirection(), positives, negatives, unsupervised_on="some")
 
 
 # --- the detection metric ------------------------------------------------------------------------
@@ -489,8 +492,8 @@ def test_other_closed_form_methods_fit_in_one_pass(tmp_path, tiny_lm_dir, tokeni
 
 
 def test_bad_arguments_fail_before_loading(tiny_lm_dir):
-    with pytest.raises(ValueError, match="unknown method 'sae'.*reft_r1, ssv, diffmean, pca, lat, probe"):
-        SteeringModule(lm=tiny_lm_dir("llama"), method="sae")
+    with pytest.raises(ValueError, match="unknown method 'saee'; valid methods: probe, diffmean, lda, pca"):
+        SteeringModule(lm=tiny_lm_dir("llama"), method="saee")
     with pytest.raises(ValueError, match="layer=5 is out of range"):
         SteeringModule(lm=tiny_lm_dir("llama"), layer=5)
     with pytest.raises(ValueError, match="topk"):
@@ -649,11 +652,11 @@ def test_lat_pairs_are_drawn_from_the_positives_as_axbench():
     negatives = torch.tensor(
         rng.normal(size=(80, 5)) * np.array([1, 1, 1, 1, 9.0]) - np.array([0, 0, 0, 0, 0.5]), dtype=torch.float32
     )
-    w = fit_concept_direction("lat", positives, negatives, seed=3)
+    w = fit_concept_direction(LATDirection(random_state=3), positives, negatives)
     by_hand = LATDirection(random_state=3).fit(positives).direction_
     torch.testing.assert_close(w.abs(), by_hand.abs())
     assert w @ (positives.mean(0) - negatives.mean(0)) >= 0 and abs(w[0]) > 0.9
-    pooled = fit_concept_direction("lat", positives, negatives, seed=3, pairs="all")
+    pooled = fit_concept_direction(LATDirection(random_state=3), positives, negatives, unsupervised_on="all")
     assert abs(pooled[4]) > 0.9  # drawing pairs from the negatives too finds their spread instead
 
 
@@ -663,7 +666,7 @@ def test_probe_l2_is_on_the_mean_log_loss():
     negatives = torch.tensor(rng.normal(size=(60, 4)), dtype=torch.float32)
     from sklearn.linear_model import LogisticRegression
 
-    w = fit_concept_direction("probe", positives, negatives, l2=1e-3, bias=True)
+    w = fit_concept_direction(ProbeDirection(l2=1e-3), positives, negatives)
     X = torch.cat([positives, negatives]).numpy()
     y = np.r_[np.ones(40), np.zeros(60)]
     ref = LogisticRegression(C=1.0 / (1e-3 * 100), solver="lbfgs", max_iter=5000).fit(X, y).coef_[0]
@@ -681,14 +684,18 @@ def test_probe_has_no_bias_and_a_unit_norm_w_as_axbench():
     negatives = torch.tensor(rng.normal(size=(160, 4)) + offset, dtype=torch.float32)
     from sklearn.linear_model import LogisticRegression
 
-    w = fit_concept_direction("probe", positives, negatives, l2=1e-3)
+    w = fit_concept_direction(ProbeDirection(l2=1e-3, bias=False), positives, negatives)
     X = torch.cat([positives, negatives]).double().numpy()
     y = np.r_[np.ones(40), np.zeros(160)]
     ref = LogisticRegression(C=1.0 / (1e-3 * 200), fit_intercept=False, max_iter=5000, tol=1e-10).fit(X, y).coef_[0]
     torch.testing.assert_close(w, torch.tensor(ref / np.linalg.norm(ref), dtype=torch.float32), atol=1e-4, rtol=0)
     assert w.norm().item() == pytest.approx(1.0, abs=1e-6)
     assert w[1].item() < -0.6  # the offset, pushing every token's logit down: the bias's work
-    biased = fit_concept_direction("probe", positives, negatives, l2=1e-3, bias=True)
+    biased = fit_concept_direction(ProbeDirection(l2=1e-3), positives, negatives)
     assert abs(biased[1].item()) < 0.1 and biased[0].item() > 0.9  # with a bias, the offset is left to b
     with pytest.raises(ValueError, match="bias='yes' must be true or false"):
-        fit_concept_direction("probe", positives, negatives, bias="yes")
+        ProbeDirection(bias="yes")
+    with pytest.raises(ValueError, match="l2=-1.0 must be a finite number > 0 or None"):
+        ProbeDirection(l2=-1.0)
+    with pytest.raises(ValueError, match=r"strength=10.0 and l2=0.001: give one λ"):
+        ProbeDirection(strength=10.0, l2=1e-3)

@@ -1,10 +1,13 @@
-"""The AxBench concept-method seam: a concept method is a class_path config, asked by capability.
+"""The AxBench concept-method seam: a method is a registered name or a class_path config, asked by
+capability.
 
-A closed-form concept method that exists only in this file runs as an AxBench dictionary from a
-YAML alone (`python -m lit_interventions fit`) and gives exactly the dictionary the built-in
-DiffMean gives; a trained one written here gives exactly what the built-in SSV gives; short
-names, configs and instances build the same methods, through the CLI too; a method's option given
-to `SteeringModule` itself names the init_args it belongs in; a dictionary reads its latent from its
+A direction estimator that exists only in this file runs as an AxBench dictionary from a YAML alone
+(`python -m lit_interventions fit`) and gives exactly the dictionary the built-in DiffMean gives; a
+trained concept method written here gives exactly what the built-in SSV gives; registered names,
+configs and instances build the same methods, through the CLI too; the class paths that run
+configs of the closed forms name (concept_methods.DiffMeanMethod, ...) build their estimators and
+`validate` such a run; a method's option given to
+`SteeringModule` itself names the init_args it belongs in; a dictionary reads its latent from its
 card (a card without one, by the method's name)."""
 
 import json
@@ -24,32 +27,27 @@ from test_axbench_methods import CONCEPTS, SyntheticConcepts, _trainer
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.cli.lightning import train_main
-from lit_interventions.interventions.capabilities import Fitted, is_trained
-from lit_interventions.interventions.concept_methods import (
-    ClosedFormConceptMethod,
-    DiffMeanMethod,
-    LATMethod,
-    ProbeMethod,
-    ReFTR1Method,
-    SSVMethod,
-    TrainedConceptMethod,
-)
-from lit_interventions.interventions.concept_registry import concept_method, registered_concept_methods
-from lit_interventions.interventions.registry import FITTED, TRAINED, kind
-from lit_interventions.modules.steering import SteeringModule
+from lit_interventions.interventions.capabilities import is_trained
+from lit_interventions.interventions.concept_methods import ReFTR1Method, SSVMethod, TrainedConceptMethod
+from lit_interventions.interventions.directions import LATDirection, PCADirection, ProbeDirection
+from lit_interventions.interventions.registry import FITTED, TRAINED, kind, method_spec
+from lit_interventions.modules.steering import SteeringModule, build_method, steering_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 SEAM = "tests.test_axbench_seam"  # this file, as the subprocess imports it from the repository root
 
 
-class PlantedDiffMean(ClosedFormConceptMethod):
-    """w_c = mean(H⁺_c) − mean(H⁻), normalised: DiffMean written out here with the same float64 operations."""
+class PlantedDiffMean:
+    """A direction estimator: fit(X, y) sets direction_ = (mean of the y = 1 rows − mean of the y = 0
+    rows), normalised: DiffMean written out here with the same float64 operations."""
 
     name = "planted_diffmean"
 
-    def direction(self, positives, negatives, seed=0):
-        a = positives.double().numpy().mean(0) - negatives.double().numpy().mean(0)
-        return torch.as_tensor(a / np.linalg.norm(a), dtype=torch.float32)
+    def fit(self, X, y):
+        X, y = X.double().numpy(), np.asarray(y)
+        a = X[y == 1].mean(0) - X[y == 0].mean(0)
+        self.direction_ = torch.as_tensor(a / np.linalg.norm(a), dtype=torch.float32)
+        return self
 
 
 class PlantedSSV(TrainedConceptMethod):
@@ -158,43 +156,123 @@ def test_a_trained_method_written_here_trains_as_the_builtin_ssv(tmp_path, tiny_
 
 
 def test_names_configs_and_instances_build_the_same_methods(tiny_lm_dir):
-    assert registered_concept_methods() == ["reft_r1", "ssv", "diffmean", "pca", "lat", "probe"]
+    axbench = {"diffmean", "pca", "lat", "probe", "lda", "kmeans", "random", "reft_r1", "ssv"}
+    assert axbench <= set(steering_methods()) and not {"das", "vanilla", "dbm"} & set(steering_methods())
     path = "lit_interventions.interventions.concept_methods.ReFTR1Method"
+    assert method_spec("reft_r1").class_path == path and method_spec("ssv").lr == 0.01
     for given in ("reft_r1", {"class_path": path, "init_args": {"topk": 3}}, ReFTR1Method(topk=3)):
-        built = concept_method(given)
-        assert type(built) is ReFTR1Method and built.topk == (8 if given == "reft_r1" else 3)
+        built, name, options = build_method(given, 32, seed=0)
+        assert type(built) is ReFTR1Method and built.topk == (8 if given == "reft_r1" else 3) and name == "reft_r1"
         assert is_trained(built) and kind(built) == TRAINED and built.latent == "relu" and built.unit_norm
-    assert concept_method("lat", pairs="all").config() == {"pairs": "all"}
-    assert kind(concept_method("probe")) == FITTED and isinstance(DiffMeanMethod(), Fitted)
-    assert not SSVMethod().unit_norm and ProbeMethod().card() == {} and ReFTR1Method().card() == {"topk": 8, "l1": 5e-3}
+    lat, name, _ = build_method("lat", 32, seed=5)
+    assert type(lat) is LATDirection and lat.random_state == 5 and name == "lat" and kind(lat) == FITTED
+    mine = PCADirection(random_state=9)
+    pca, name, _ = build_method(mine, 32, seed=2)  # a copy seeded by direction_seed; the given one untouched
+    assert (pca.random_state, mine.random_state, name) == (2, 9, "pca")
+    directions = "lit_interventions.interventions.directions"
+    probe, name, _ = build_method({"class_path": f"{directions}.ProbeDirection", "init_args": {"l2": 1e-3}}, 32, 0)
+    assert (probe.l2, probe.bias, name) == (1e-3, True, "probe")
+    assert build_method(f"{SEAM}.PlantedDiffMean", 32, 0)[1] == "planted_diffmean"  # its own name
+    assert not SSVMethod().unit_norm and ReFTR1Method().card() == {"topk": 8, "l1": 5e-3}
     module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=3, l1=0.0))
     assert module.hparams.method == {
         "class_path": path,
         "init_args": {"topk": 3, "l1": 0.0, "l1_ramp": True, "negative_l1": False, "train_on_negative": True},
     }
     assert SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method="diffmean").hparams.method == "diffmean"
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ProbeDirection(l2=1e-3, bias=False))
+    assert module.hparams.method["init_args"] == {
+        "strength": None,
+        "max_iter": 1000,
+        "tol": 1e-6,
+        "random_state": 0,
+        "l2": 1e-3,
+        "bias": False,
+    }
+    assert (module.method_name, module.latent, module.automatic_optimization) == ("probe", "linear", False)
+
+
+def test_the_class_paths_of_old_run_configs_build_their_estimators(tiny_lm_dir):
+    """Run configs and checkpoints of closed-form runs name concept_methods.DiffMeanMethod, PCAMethod,
+    LATMethod (pairs) and ProbeMethod (l2, bias; AxBench's 1e-3 and no bias unless given): each
+    builds the registered estimator with those options, and the card keeps its name."""
+    old = "lit_interventions.interventions.concept_methods"
+    cases = [
+        ({"class_path": f"{old}.DiffMeanMethod"}, "DiffMeanDirection", {}, "positives"),
+        ({"class_path": f"{old}.PCAMethod", "init_args": {}}, "PCADirection", {}, "positives"),
+        ({"class_path": f"{old}.LATMethod", "init_args": {"pairs": "all"}}, "LATDirection", {}, "all"),
+        (
+            {"class_path": f"{old}.ProbeMethod", "init_args": {}},
+            "ProbeDirection",
+            {"l2": 1e-3, "bias": False},
+            "positives",
+        ),
+        (
+            {"class_path": f"{old}.ProbeMethod", "init_args": {"l2": None, "bias": True}},
+            "ProbeDirection",
+            {"l2": None, "bias": True},
+            "positives",
+        ),
+    ]
+    for config, cls, options, unsupervised_on in cases:
+        module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=config)
+        assert type(module.method).__name__ == cls and module.unsupervised_on == unsupervised_on
+        assert {k: getattr(module.method, k) for k in options} == options
+        assert module.method_name == cls.removesuffix("Direction").lower() and module.hparams.method == config
+
+
+def test_an_old_run_config_validates_its_checkpoint_and_fits_again(tmp_path, tiny_lm_dir):
+    """A run whose config.yaml names concept_methods.ProbeMethod: `train.py validate --config
+    RUN/config.yaml --ckpt_path ...` gives the AUROC its fit logged, and `fit --config` gives the same
+    dictionary again. (A closed form makes no optimizer step, so its checkpoint is one saved by hand.)"""
+    lm, concepts = tiny_lm_dir("llama"), _concept_dir(tmp_path)
+    directions = "lit_interventions.interventions.directions"
+    method = {"class_path": f"{directions}.ProbeDirection", "init_args": {"l2": 1e-3, "bias": False}}
+    fitted = train_main(["fit", "--config", str(_config(tmp_path, "run", lm, concepts, method))])
+    (run,) = (tmp_path / "run").glob("**/version_0")
+    fitted.trainer.save_checkpoint(run / "checkpoints" / "fitted.ckpt")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    old = {"class_path": "lit_interventions.interventions.concept_methods.ProbeMethod", "init_args": {}}
+    saved["model"]["init_args"]["method"] = old
+    saved["trainer"]["default_root_dir"] = str(tmp_path / "again")
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    ckpt = str(run / "checkpoints" / "fitted.ckpt")
+    checked = train_main(["validate", "--config", str(run / "config.yaml"), "--ckpt_path", ckpt])
+    assert type(checked.model.method) is ProbeDirection
+    assert (checked.model.method.l2, checked.model.method.bias) == (1e-3, False)
+    assert checked.trainer.callback_metrics["val/auroc"].item() == fitted.trainer.callback_metrics["val/auroc"].item()
+    assert torch.equal(checked.model.dictionary.weight, fitted.model.dictionary.weight)
+    train_main(["fit", "--config", str(run / "config.yaml")])
+    again, first = _dictionary(tmp_path / "again"), _dictionary(run)
+    assert torch.equal(again.vectors, first.vectors) and again.method == first.method == "probe"
+    assert again.auroc == first.auroc
 
 
 def test_bad_methods_and_moved_options_are_one_clear_error(tiny_lm_dir):
     lm = tiny_lm_dir("llama")
     with pytest.raises(ValueError, match=r"topk=2 is an option of the reft_r1 method.*init_args: \{topk: 2\}"):
         SteeringModule(lm=lm, topk=2)
-    with pytest.raises(ValueError, match=r"probe_l2=0\.1 is an option of the probe method.*l2: 0\.1"):
+    with pytest.raises(ValueError, match=r"probe_l2=0\.1 is an option of the probe method.*l2: 0\.1.*ProbeDirection"):
         SteeringModule(lm=lm, method="probe", probe_l2=0.1)
-    with pytest.raises(ValueError, match=r"lat_pairs='all' .*method=LATMethod\(pairs='all'\)"):
-        SteeringModule(lm=lm, method="lat", lat_pairs="all")
+    with pytest.raises(ValueError, match=r"bias=False is an option of the probe method.*--model.method.bias False"):
+        SteeringModule(lm=lm, method="diffmean", bias=False)
+    with pytest.raises(ValueError, match=r"init=0\.5 is an option of the ssv method.*method=SSVMethod\(init=0\.5\)"):
+        SteeringModule(lm=lm, method="ssv", init=0.5)
     with pytest.raises(TypeError, match="unexpected keyword argument 'tpok'"):
         SteeringModule(lm=lm, tpok=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lat_pairs'"):  # unsupervised_on instead
+        SteeringModule(lm=lm, method="lat", lat_pairs="all")
+    with pytest.raises(ValueError, match="unsupervised_on='some'; valid: positives, all"):
+        SteeringModule(lm=lm, method="lat", unsupervised_on="some")
     with pytest.raises(ValueError, match="topk=0 must be an integer >= 1"):
         ReFTR1Method(topk=0)
-    with pytest.raises(ValueError, match="pairs='some'; valid: positives, all"):
-        LATMethod(pairs="some")
-    with pytest.raises(ValueError, match="is not a concept method"):
-        concept_method({"class_path": "lit_interventions.interventions.directions.DiffMeanDirection"})
+    for das in ("das", {"class_path": "lit_interventions.interventions.rotation.RotatedSpaceIntervention"}):
+        with pytest.raises(ValueError, match="'RotatedSpaceIntervention' is neither a direction estimator.*diffmean"):
+            SteeringModule(lm=lm, method=das)
     with pytest.raises(ValueError, match=r"a method config is \{class_path, init_args\}"):
-        concept_method({"class_path": f"{SEAM}.PlantedDiffMean", "init_arg": {}})
+        SteeringModule(lm=lm, method={"class_path": f"{SEAM}.PlantedDiffMean", "init_arg": {}})
     with pytest.raises(ValueError, match="bad init_args"):
-        concept_method({"class_path": f"{SEAM}.PlantedDiffMean", "init_args": {"k": 1}})
+        SteeringModule(lm=lm, method={"class_path": f"{SEAM}.PlantedDiffMean", "init_args": {"k": 1}})
 
 
 def test_the_cli_takes_a_short_name_a_class_path_and_its_init_args(tiny_lm_dir):
@@ -208,6 +286,11 @@ def test_the_cli_takes_a_short_name_a_class_path_and_its_init_args(tiny_lm_dir):
         ["--config", "configs/diffmean.yaml", *common, f"--model.method={SEAM}.PlantedDiffMean"], run=False
     )
     assert type(cli.model.method).__name__ == "PlantedDiffMean" and not cli.model.automatic_optimization
+    cli = train_main(["--config", "configs/probe.yaml", *common, "--model.method.l2=0.01"], run=False)
+    assert type(cli.model.method) is ProbeDirection and (cli.model.method.l2, cli.model.method.bias) == (0.01, False)
+    assert cli.model.method_name == "probe"
+    cli = train_main(["--config", "configs/lat.yaml", *common, "--model.unsupervised_on=all"], run=False)
+    assert type(cli.model.method) is LATDirection and cli.model.unsupervised_on == "all"
 
 
 def test_a_dictionary_reads_its_latent_from_the_card_and_old_cards_by_name(tmp_path):

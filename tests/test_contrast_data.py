@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.cli.commands import run
-from lit_interventions.interventions.concept_methods import PCAMethod, ProbeMethod
+from lit_interventions.interventions.directions import PCADirection, ProbeDirection
+from lit_interventions.modules.steering_closed_form import fit_concept_direction
 from tests.helpers import run_command, write_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
@@ -250,7 +251,9 @@ def fitted(tmp_path, lm: str, config: str, *options: str):
     return cli, dictionary
 
 
-@pytest.mark.parametrize("config, method", [("pca.yaml", PCAMethod), ("probe.yaml", ProbeMethod)])
+@pytest.mark.parametrize(
+    "config, method", [("pca.yaml", PCADirection()), ("probe.yaml", ProbeDirection(l2=1e-3, bias=False))]
+)
 def test_pca_and_the_probe_from_a_file_are_their_fits_on_the_text_tokens_by_hand(
     tmp_path, tokenizer, tiny_lm_dir, config, method
 ):
@@ -260,7 +263,7 @@ def test_pca_and_the_probe_from_a_file_are_their_fits_on_the_text_tokens_by_hand
     model = AutoModelForCausalLM.from_pretrained(lm).eval()
     positives = states_by_hand(model, tokenizer, train, 1, "positive")
     negatives = states_by_hand(model, tokenizer, train, 1, "negative")
-    hand = method().direction(positives, negatives, seed=0)
+    hand = fit_concept_direction(method, positives, negatives)  # pca: on the positives, oriented
     torch.testing.assert_close(dictionary.vectors[0], torch.as_tensor(hand).float(), atol=1e-4, rtol=0)
 
 

@@ -1,6 +1,7 @@
 """A user's methods, in a file of their own (`tests/user_methods.py`), run from YAML alone: one
 interchange (`Line`) and one source-free edit (`Reflection`), in `train.py fit` on CausalGym
-(the console script) and RAVEL, and in both sweeps. Every module and study reaches an
+(the console script) and RAVEL, and in both sweeps; a direction estimator (`PositiveMean`) in
+AxBench detection. Every module and study reaches an
 intervention through one call, `capabilities.intervene`, which gives a source-free one no source
 and reads no source forward for it."""
 
@@ -10,12 +11,16 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from lit_interventions.datamodules.axbench import AxBenchDataModule
 from lit_interventions.datamodules.causalgym import CausalGymDataModule
 from lit_interventions.datamodules.ravel import RavelDataModule
 from safetensors.torch import load_file
 from torch import nn
 
+from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.cli.lightning import train_main
+from lit_interventions.core.forward import read_layers
+from lit_interventions.core.lm import load_lm
 from lit_interventions.interventions.capabilities import intervene, is_source_free, needs_source
 from lit_interventions.interventions.compose import Composition
 from lit_interventions.interventions.rotation import RotatedSpaceIntervention
@@ -25,6 +30,7 @@ from lit_interventions.objectives import Objective
 from lit_interventions.studies import causalgym_sweep, ravel_sweep
 from lit_interventions.studies.causalgym_tasks import _region_data
 from tests.helpers import ROOT, csv_rows, run_command
+from tests.test_axbench_seam import _concept_dir
 from tests.test_ravel_data import oracle
 from tests.user_methods import AwayFromBase, Line, Reflection
 
@@ -296,3 +302,37 @@ def test_the_users_source_free_method_trained_by_train_py_is_scored_by_steer(tmp
     assert sorted({(r["concept"], r["factor"]) for r in rows}) == [("rivers", 0.0), ("rivers", 1.0)]
     by_factor = {f: [r["response"] for r in rows if r["factor"] == f] for f in (0.0, 1.0)}
     assert by_factor[0.0] != by_factor[1.0]  # the reflection changes what is generated
+
+
+def test_train_py_fits_the_users_direction_estimator_per_concept_in_axbench(tmp_path, tiny_lm_dir):
+    """`PositiveMean` is unsupervised, so each concept's row is fitted on its positive response tokens
+    alone and oriented by the negative pool: w_c = ±mean(H⁺_c)/‖mean(H⁺_c)‖, the sign that makes
+    mean(H⁺_c)·w ≥ mean(H⁻)·w. The exported rows are recomputed here from the LM's states."""
+    lm, concepts = tiny_lm_dir("llama"), _concept_dir(tmp_path)
+    config = yaml.safe_load((ROOT / "configs/diffmean.yaml").read_text())
+    config["model"]["init_args"].update(lm=lm, layer=1, method={"class_path": "tests.user_methods.PositiveMean"})
+    config["data"]["init_args"].update(lm=lm, concept_dir=str(concepts), max_length=64, batch_size=4)
+    config["trainer"].update(default_root_dir=str(tmp_path / "run"), accelerator="cpu", enable_progress_bar=False)
+    (tmp_path / "positive_mean.yaml").write_text(yaml.safe_dump(config))
+    fit = run_command("train.py", "fit", "--config", str(tmp_path / "positive_mean.yaml"))
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    (weights,) = (tmp_path / "run").glob("**/dictionary.safetensors")
+    exported = Dictionary.load(weights)
+    assert (exported.method, exported.latent, exported.vectors.shape) == ("PositiveMean", "linear", (2, 32))
+    data = AxBenchDataModule(lm=lm, concept_dir=str(concepts), max_length=64, batch_size=4)
+    data.setup("fit")
+    model, states, labels = load_lm(lm), [], []
+    with torch.no_grad():
+        for batch in data.train_dataloader():
+            hidden = read_layers(model, [1], batch["input_ids"], batch["attention_mask"])[1]
+            text = batch["output_mask"].bool()
+            label = torch.where(batch["label"][:, None] == 0, -1, batch["token_labels"])  # a negative's tokens: -1
+            states.append(hidden[text].double()), labels.append(label[text])
+    states, labels = torch.cat(states), torch.cat(labels)
+    negatives = states[labels == -1].mean(0)
+    for c in range(2):
+        positives = states[labels == c].mean(0)
+        w = positives / positives.norm()
+        w = w if w @ (positives - negatives) >= 0 else -w
+        torch.testing.assert_close(exported.vectors[c], w.float(), atol=1e-5, rtol=0)
+    assert set(exported.auroc["per_concept"]) == set(exported.concepts)

@@ -8,6 +8,9 @@ class path (`tests.user_methods.Line`, `tests.user_methods.Reflection`) and ever
   off the base's label rather than onto the source's.
 - `ScaledFGSM`: an attack of their own for CALM, taking the attack's context (probe, target, ε):
   h′ = h + s·δ_FGSM (s = 1: FGSM exactly; s = 0: h itself).
+- `PositiveMean`: a direction estimator of their own (scikit-learn style, `fit(X)` sets
+  `direction_`), the normalised mean of the rows; unsupervised, so AxBench fits it per concept on
+  the concept's positive tokens alone: w_c = mean(H⁺_c)/‖mean(H⁺_c)‖.
 """
 
 import torch
@@ -82,3 +85,14 @@ class ScaledFGSM(Intervention):
     def forward(self, base, source=None, *, probe, target, epsilon):
         self._refuse_source(source)
         return base + self.scale * fgsm(probe, base, target, epsilon)
+
+
+class PositiveMean:
+    """a = mean(X)/‖mean(X)‖; unsupervised (`_supervised = False`: y, if given, is not used)."""
+
+    _supervised = False
+
+    def fit(self, X, y=None):
+        a = torch.as_tensor(X, dtype=torch.float64).mean(0)
+        self.direction_ = (a / a.norm()).float()
+        return self

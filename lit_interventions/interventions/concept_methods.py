@@ -1,20 +1,18 @@
-"""AxBench's concept methods (Wu et al. 2025, §4): how the rows w_c of a concept dictionary are learned.
+"""AxBench's trained concept methods (Wu et al. 2025, §4): how the rows w_c of a concept dictionary
+are learned by gradient, registered as `reft_r1` and `ssv` (`interventions.registry`).
 
-A concept method is a small object that `SteeringModule` asks by capability:
+A trained concept method is a small object that `SteeringModule` asks by capability (`trains =
+True`, `capabilities.Trained`): which rows train (`trained_rows`) and Φ written at the layer
+(`intervention`), plus, for a `L1Penalised` one, an L1 term and its weight: `ReFTR1Method`,
+`SSVMethod`. It also declares its detection latent Ψ(h_i) (`latent`: "relu", ReLU(h·w), or
+"linear", h·w), whether its rows stay unit norm (`unit_norm`) and where a free-norm row starts
+(`init`), the name its dictionary card carries (`name`) and further card fields (`card()`), and
+what it needs of the data module (`check_data`). Its options are its init args, kept as
+attributes of the same names (`config()`).
 
-- trained by gradient (`trains = True`, `capabilities.Trained`): which rows train (`trained_rows`)
-  and Φ written at the layer (`intervention`), plus, for a `L1Penalised` one, an L1 term and its
-  weight: `ReFTR1Method`, `SSVMethod`;
-- fitted in closed form (`capabilities.Fitted`): `fit(states, labels, concepts)` gives every row
-  from the kept response tokens, through `direction(H⁺_c, H⁻)`, one concept's unit direction:
-  `DiffMeanMethod`, `PCAMethod`, `LATMethod`, `ProbeMethod`.
-
-Every method also declares its detection latent Ψ(h_i) (`latent`: "relu", ReLU(h·w), or "linear",
-h·w), whether its rows stay unit norm (`unit_norm`) and where a free-norm row starts (`init`), the
-name its dictionary card carries (`name`) and further card fields (`card()`), and what it needs of
-the data module (`check_data`). Its options are its init args, kept as attributes of the same names (`config()`).
-
-Short names and building a method from a name or a config: `concept_registry`.
+AxBench's closed forms (DiffMean, PCA, LAT, probe) are the direction estimators of
+`interventions.directions`, fitted once per concept by `SteeringModule`
+(`modules.steering_closed_form`).
 """
 
 from __future__ import annotations
@@ -23,20 +21,9 @@ import inspect
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-import numpy as np
 import torch
-from sklearn.linear_model import LogisticRegression
 
 from lit_interventions.interventions.additive import masked_token_mean, non_topk_l1, reft_r1_intervention
-from lit_interventions.interventions.directions import (
-    DiffMeanDirection,
-    LATDirection,
-    PCADirection,
-    ProbeDirection,
-    default_probe_strength,
-)
-
-LAT_PAIRS = ("positives", "all")
 
 
 class ConceptMethod:
@@ -202,125 +189,3 @@ class SSVMethod(TrainedConceptMethod):
 
     def steer(self, hidden, w, where, seen):
         return hidden + w.to(hidden.dtype)[:, None, :]
-
-
-def _oriented(w: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
-    """w or −w, whichever has mean(H⁺_c)·w ≥ mean(H⁻)·w."""
-    return w if w @ (positives.float().mean(0) - negatives.float().mean(0)) >= 0 else -w
-
-
-def _labelled(positives: torch.Tensor, negatives: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-    """X = H⁺_c ∪ H⁻ (n, d) float32 and y (n,): 1 for a positive token, 0 for a negative."""
-    return torch.cat([positives, negatives]).float(), np.r_[np.ones(len(positives)), np.zeros(len(negatives))]
-
-
-class ClosedFormConceptMethod(ConceptMethod):
-    """Fitted in closed form, no optimizer: each concept's unit row from its positive tokens H⁺_c
-    against the shared negative pool H⁻ (`direction`); latent h·w."""
-
-    def direction(self, positives: torch.Tensor, negatives: torch.Tensor, seed: int = 0) -> torch.Tensor:
-        """One concept's unit direction, float32 (d,), from H⁺_c (n⁺, d) and H⁻ (n⁻, d), oriented so
-        that mean(H⁺_c)·w ≥ mean(H⁻)·w; `seed` seeds any random pairs or solver."""
-        raise NotImplementedError
-
-    def fit(self, states: torch.Tensor, labels: torch.Tensor, concepts: list[str], seed: int = 0) -> torch.Tensor:
-        """Every concept's row, (C, d) float32: `direction` of its positive tokens (label c) against the
-        negative pool (label −1). `states` (n, d), `labels` (n,). A concept with fewer than 2 positive
-        tokens, or no negatives at all, is a ValueError."""
-        negatives = states[labels == -1]
-        if len(negatives) == 0:
-            raise ValueError("the training data has no negative tokens: the closed-form methods need negatives")
-        rows = []
-        for c, name in enumerate(concepts):
-            positives = states[labels == c]
-            if len(positives) < 2:
-                raise ValueError(
-                    f"concept {name!r} has {len(positives)} positive response token(s) in the "
-                    "training data; at least 2 are needed"
-                )
-            rows.append(torch.as_tensor(self.direction(positives, negatives, seed=seed), dtype=torch.float32))
-        return torch.stack(rows)
-
-    def check_data(self, genre_negatives: bool | None) -> None:
-        if genre_negatives is True:
-            raise ValueError(
-                f"{self.name} is fitted against the shared negative pool: set the data module's genre_negatives: false"
-            )
-
-
-class DiffMeanMethod(ClosedFormConceptMethod):
-    """DiffMean (AxBench eq. 4): w_c = mean(H⁺_c) − mean(H⁻), unit norm (`DiffMeanDirection`)."""
-
-    name = "diffmean"
-
-    def direction(self, positives, negatives, seed=0):
-        return DiffMeanDirection().fit(*_labelled(positives, negatives)).direction_
-
-
-class PCAMethod(ClosedFormConceptMethod):
-    """PCA (AxBench §4): w_c = the top principal component of H⁺_c alone (`PCADirection`), oriented
-    by the negatives."""
-
-    name = "pca"
-
-    def direction(self, positives, negatives, seed=0):
-        return _oriented(PCADirection(random_state=seed).fit(positives.float()).direction_, positives, negatives)
-
-
-class LATMethod(ClosedFormConceptMethod):
-    """LAT (AxBench §4; Zou et al. 2023): w_c = the top principal component of the normalised
-    differences (h_i − h_j)/‖h_i − h_j‖ of random token pairs (`LATDirection`), oriented by the
-    negatives.
-
-    Args:
-        pairs: "positives" draws the pairs from H⁺_c (AxBench's code); "all" from H⁺_c ∪ H⁻.
-    """
-
-    name = "lat"
-
-    def __init__(self, pairs: str = "positives"):
-        if pairs not in LAT_PAIRS:
-            raise ValueError(f"pairs={pairs!r}; valid: {', '.join(LAT_PAIRS)}")
-        self.pairs = pairs
-
-    def direction(self, positives, negatives, seed=0):
-        if self.pairs == "all":
-            return LATDirection(random_state=seed).fit(*_labelled(positives, negatives)).direction_
-        return _oriented(LATDirection(random_state=seed).fit(positives.float()).direction_, positives, negatives)
-
-
-class UnbiasedProbeDirection(ProbeDirection):
-    """`ProbeDirection` without the bias: min_w Σ log-loss(σ(h·w)) + (λ/2)‖w‖² (scikit-learn L-BFGS,
-    `fit_intercept=False`; X not centred, its mean is part of the model), normalised and oriented."""
-
-    def _raw_direction(self, X, codes):
-        self.strength_ = default_probe_strength(X.shape[1]) if self.strength is None else float(self.strength)
-        probe = LogisticRegression(fit_intercept=False, C=1.0 / self.strength_, max_iter=self.max_iter, tol=self.tol)
-        self.estimator_ = probe.fit(X, codes)  # L-BFGS, scikit-learn's default solver
-        return self.estimator_.coef_[0]
-
-
-class ProbeMethod(ClosedFormConceptMethod):
-    """Probe (AxBench eq. 5): a token-level logistic regression of the concept label on h without a
-    bias, min_w mean log-loss(σ(h·w)) + (λ/2)‖w‖², as AxBench's `LinearProbe` (latent h·w, w kept at
-    unit norm), solved exactly by scikit-learn (`UnbiasedProbeDirection`); w_c the normalised w.
-
-    Args:
-        l2: λ on the *mean* token log-loss (AxBench trains its probe with AdamW weight decay 1e-3);
-            None: CausalGym's λ table by hidden size (`default_probe_strength`, on the summed loss).
-        bias: fit a bias b as well, σ(h·w + b) (`ProbeDirection`; the detection latent stays h·w).
-    """
-
-    name = "probe"
-
-    def __init__(self, l2: float | None = 1e-3, bias: bool = False):
-        if l2 is not None and not (isinstance(l2, (int, float)) and 0 < l2 < float("inf")):
-            raise ValueError(f"l2={l2!r} must be a finite number > 0 or None")
-        if not isinstance(bias, bool):
-            raise ValueError(f"bias={bias!r} must be true or false")
-        self.l2, self.bias = l2, bias
-
-    def direction(self, positives, negatives, seed=0):
-        strength = None if self.l2 is None else self.l2 * (len(positives) + len(negatives))  # the summed loss's λ
-        probe = ProbeDirection if self.bias else UnbiasedProbeDirection
-        return probe(random_state=seed, strength=strength).fit(*_labelled(positives, negatives)).direction_

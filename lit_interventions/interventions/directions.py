@@ -139,16 +139,50 @@ class ProbeDirection(_Direction):
     X is centred for the fit, which leaves the optimal w unchanged and conditions the problem;
     `estimator_` (the fitted LogisticRegression, intercept mapped back) classifies raw X.
     After fit, `strength_` is the λ used.
+
+    Args:
+        strength: λ on the summed log-loss; None: the table above (or `l2`).
+        l2: λ on the *mean* log-loss over the n rows, min_w mean log-loss + (l2/2)‖w‖², i.e.
+            strength = l2·n (AxBench's probe: AdamW weight decay 1e-3 on its mean token loss).
+            Give `strength` or `l2`, not both.
+        bias: False fits σ(X·w) with no intercept, min_w Σ log-loss(σ(X·w)) + (λ/2)‖w‖² (AxBench
+            eq. 5, its `LinearProbe`), on X as it is (no centring: its mean is part of the model).
     """
 
-    def __init__(self, strength: float | None = None, max_iter: int = 1000, tol: float = 1e-6, random_state=0):
+    def __init__(
+        self,
+        strength: float | None = None,
+        max_iter: int = 1000,
+        tol: float = 1e-6,
+        random_state=0,
+        l2: float | None = None,
+        bias: bool = True,
+    ):
+        if l2 is not None and (isinstance(l2, bool) or not isinstance(l2, (int, float)) or not 0 < l2 < float("inf")):
+            raise ValueError(f"l2={l2!r} must be a finite number > 0 or None")
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r} must be true or false")
+        if l2 is not None and strength is not None:
+            raise ValueError(
+                f"strength={strength!r} and l2={l2!r}: give one λ (strength on the summed loss, l2 on the mean)"
+            )
         self.strength, self.max_iter, self.tol, self.random_state = strength, max_iter, tol, random_state
+        self.l2, self.bias = l2, bias
 
-    def _raw_direction(self, X, codes):
+    def _strength(self, X: np.ndarray) -> float:
+        if self.l2 is not None:
+            return self.l2 * X.shape[0]  # λ of the summed loss
         strength = default_probe_strength(X.shape[1]) if self.strength is None else float(self.strength)
         if not np.isfinite(strength) or strength <= 0:
             raise ValueError(f"strength (λ) must be a finite number > 0; got {self.strength!r}")
-        self.strength_ = strength
+        return strength
+
+    def _raw_direction(self, X, codes):
+        self.strength_ = strength = self._strength(X)
+        if not self.bias:  # scikit-learn's default solver, L-BFGS
+            probe = LogisticRegression(fit_intercept=False, C=1.0 / strength, max_iter=self.max_iter, tol=self.tol)
+            self.estimator_ = probe.fit(X, codes)
+            return self.estimator_.coef_[0]
         # Pure L2 is the default penalty in every supported scikit-learn; `penalty="l2"` is
         # deprecated since 1.8 (in favour of l1_ratio=0, which older versions warn about).
         # Fit on centred X: the optimal w is the same (the unpenalised intercept absorbs the

@@ -193,3 +193,9 @@ _ATTACKS = "lit_interventions.interventions.attacks"
 register_method("fgsm", f"{_ATTACKS}.FGSM")
 register_method("pgd", f"{_ATTACKS}.PGD")
 register_method("random_sign", f"{_ATTACKS}.RandomSign")
+
+# AxBench: the trained concept methods (SteeringModule; its own lr, AxBench's 1e-2 with no warmup).
+# AxBench's closed forms are the direction estimators above, fitted once per concept.
+_CONCEPT_METHODS = "lit_interventions.interventions.concept_methods"
+register_method("reft_r1", f"{_CONCEPT_METHODS}.ReFTR1Method", lr=0.01, warmup_ratio=0.0)
+register_method("ssv", f"{_CONCEPT_METHODS}.SSVMethod", lr=0.01, warmup_ratio=0.0)

@@ -1,34 +1,37 @@
 """AxBench concept dictionaries on a frozen LM: one module for every concept method.
 
 Every concept of the dataset is a row of one `ConceptDictionary` (concepts × d), trained in one
-run; an example only updates the row of its own concept. The method is an object
-(`lit_interventions.interventions.concept_methods`; built by `concept_registry` from a short name,
-a {class_path, init_args} config or an instance) that holds its own options and formulas; the
-module asks it by capability.
+run; an example only updates the row of its own concept. The method is a name of the one method
+registry (`interventions.registry`: `diffmean`, `pca`, `lat`, `probe`, `lda`, `kmeans`, `random`,
+`reft_r1`, `ssv`), a {class_path, init_args} config or an instance, and the module asks it by
+capability.
 
-Trained by gradient (`trains`: automatic optimization, AdamW + linear schedule; `reft_r1`,
-`ssv`): the method gives the rows that train, Φ written at the layer and, if `L1Penalised`, the
-L1 term and its weight; the module runs the forward with Φ at every token after the chat prefix
-and takes −log p(response) (`steering_objective.py`). Unit-norm rows keep their norm: the
-gradient component parallel to w_c is removed before each step and the rows are renormalised
-after it.
+Trained by gradient (a `TrainedConceptMethod`, `trains`: automatic optimization, AdamW + linear
+schedule; `reft_r1`, `ssv`): the method gives the rows that train, Φ written at the layer and, if
+`L1Penalised`, the L1 term and its weight; the module runs the forward with Φ at every token after
+the chat prefix and takes −log p(response) (`steering_objective.py`). Unit-norm rows keep their
+norm: the gradient component parallel to w_c is removed before each step and the rows are
+renormalised after it.
 
-Fitted in closed form (`Fitted`, no optimizer; `diffmean`, `pca`, `lat`, `probe`): `trainer.fit`
-runs one pass over the training data, keeping the response tokens at the layer; the method's
-`fit` then gives every concept's row (`steering_closed_form.py` keeps the tokens). This is a
-Lightning-native fit because Lightning still owns the loop: DDP sharding of the data (the kept
+Fitted in closed form (a direction estimator: `fit(X, y)` setting `direction_`, the classes of
+`interventions.directions` or a user's own; no optimizer): `trainer.fit` runs one pass over the
+training data, keeping the response tokens at the layer; the estimator is then fitted once per
+concept (`steering_closed_form.py`): a supervised one on H⁺_c ∪ H⁻ (y = 1 for the concept's
+positive tokens, 0 for the shared negative pool), an unsupervised one (`_supervised = False`) on
+H⁺_c alone, oriented so that mean(H⁺_c)·w ≥ mean(H⁻)·w (`unsupervised_on="all"`: on H⁺_c ∪ H⁻).
+This is a Lightning-native fit because Lightning still owns the loop: DDP sharding of the data (the kept
 tokens of all ranks are gathered before the fit), device placement, validation, logging,
 checkpointing and the export callback are the same as for the trained methods, and
-`python train.py fit` serves all six. The fit happens when the collected data is first needed:
+`python train.py fit` serves all of them. The fit happens when the collected data is first needed:
 at the start of validation (Lightning validates *before* `on_train_epoch_end`) or at the end of
 the epoch; use `max_epochs: 1`.
 
 Validation scores every row of the eval set for the concept it is evaluated for: token latents
-Ψ(h_i) (the method's latent: h·w, or ReLU(h·w) for ReFT-r1 and SSV) max-pooled over every token
-after the chat prefix (instruction and response, as AxBench's code; `detect_on: response` pools
-the response text), never the end-of-turn token after the response (AxBench's eval texts end at
-the response), min-max normalised per concept, AUROC per concept (`val/auroc/<concept>`) and their
-mean (`val/auroc`).
+Ψ(h_i) (the method's latent: h·w for a direction estimator, ReLU(h·w) for ReFT-r1 and SSV)
+max-pooled over every token after the chat prefix (instruction and response, as AxBench's code;
+`detect_on: response` pools the response text), never the end-of-turn token after the response
+(AxBench's eval texts end at the response), min-max normalised per concept, AUROC per concept
+(`val/auroc/<concept>`) and their mean (`val/auroc`).
 The largest sequence score of each concept becomes its `max_activations` entry (the steering
 unit of the released dictionary); a concept whose largest score is ≤ 0 (a dead ReFT-r1 row) gets
 `DEAD_MAX_ACTIVATION`, as AxBench.
@@ -36,8 +39,14 @@ unit of the released dictionary); a concept whose largest score is ≤ 0 (a dead
 
 from __future__ import annotations
 
+import copy
+import inspect
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from sklearn.base import BaseEstimator
+from torch import nn
 
 from lit_interventions.artifacts.dictionary import LATENTS, Dictionary, latent_values
 from lit_interventions.callbacks.guard import NonFiniteError, likely_cause
@@ -48,41 +57,150 @@ from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load_config
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.interventions.additive import ConceptDictionary, steering_units
+from lit_interventions.interventions.base import class_path, import_class
 from lit_interventions.interventions.capabilities import is_trained
-from lit_interventions.interventions.concept_methods import ConceptMethod, L1Penalised
-from lit_interventions.interventions.concept_registry import concept_method, method_config
+from lit_interventions.interventions.concept_methods import L1Penalised, TrainedConceptMethod
+from lit_interventions.interventions.registry import MethodSpec, method_spec, registered_methods
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_closed_form import (
+    UNSUPERVISED_ON,
+    fit_concept_rows,
     gathered_tokens,
     response_tokens,
 )
 from lit_interventions.modules.steering_objective import intervention_mask
 
 DETECT_ON = ("content", "response")
-# A concept method's options by the names of SteeringModule arguments: (method, its init_args key).
-METHOD_OPTIONS = {
-    "topk": ("reft_r1", "topk"),
-    "l1": ("reft_r1", "l1"),
-    "l1_ramp": ("reft_r1", "l1_ramp"),
-    "negative_l1": ("reft_r1", "negative_l1"),
-    "train_on_negative": ("reft_r1", "train_on_negative"),
-    "lat_pairs": ("lat", "pairs"),
-    "probe_l2": ("probe", "l2"),
+_CONCEPT_METHODS = "lit_interventions.interventions.concept_methods"
+# The class paths that the run configs and checkpoints of closed-form AxBench runs name
+# (`train.py validate --config RUN/config.yaml`), none of them imported: the registered direction
+# estimator each stands for, with the init_args it defaults to (AxBench's probe options). LATMethod's
+# `pairs` is SteeringModule's `unsupervised_on`.
+RUN_CONFIG_METHODS = {
+    f"{_CONCEPT_METHODS}.DiffMeanMethod": ("diffmean", {}),
+    f"{_CONCEPT_METHODS}.PCAMethod": ("pca", {}),
+    f"{_CONCEPT_METHODS}.LATMethod": ("lat", {}),
+    f"{_CONCEPT_METHODS}.ProbeMethod": ("probe", {"l2": 1e-3, "bias": False}),
 }
 
 
-def method_option_error(name: str, value) -> Exception:
-    """The error for a concept method's option given to `SteeringModule` itself: a ValueError naming
-    the method and the init_args key it belongs in (a TypeError for a name no method has)."""
-    if name not in METHOD_OPTIONS:
-        return TypeError(f"SteeringModule got an unexpected keyword argument {name!r}")
-    method, key = METHOD_OPTIONS[name]
-    path = method_config(concept_method(method))["class_path"]
-    return ValueError(
-        f"{name}={value!r} is an option of the {method} method, not of SteeringModule: give it in the "
-        f"method's init_args (YAML: method: {{class_path: {path}, init_args: {{{key}: {value!r}}}}}; "
-        f"CLI: --model.method {path} --model.method.{key} {value!r}; Python: "
-        f"method={path.rpartition('.')[2]}({key}={value!r}))"
+def init_args(method: Any) -> dict:
+    """A method's init args, each read from the attribute of its name (scikit-learn's convention)."""
+    params = inspect.signature(type(method).__init__).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: getattr(method, p.name) for p in params if p.kind in kinds and hasattr(method, p.name)}
+
+
+def _steering_class(cls: Any) -> bool:
+    """Whether `SteeringModule` takes instances of `cls`: a trained concept method, or a direction
+    estimator (`fit`, not an `nn.Module`, which would be an interchange fitted on a site)."""
+    if not isinstance(cls, type):
+        return False
+    if issubclass(cls, TrainedConceptMethod):
+        return True
+    return callable(getattr(cls, "fit", None)) and not issubclass(cls, nn.Module) and not getattr(cls, "trains", False)
+
+
+def steering_methods() -> list[str]:
+    """The registered names `SteeringModule` takes (each class imported to ask it)."""
+    names = []
+    for name in registered_methods():
+        try:
+            cls = import_class(method_spec(name).class_path)
+        except ValueError:  # a registered class that cannot be imported here
+            continue
+        if _steering_class(cls):
+            names.append(name)
+    return names
+
+
+def registered_name(method: Any) -> str | None:
+    """The first registered name whose class is the class of `method`, if any."""
+    path = class_path(method)
+    return next((name for name in registered_methods() if method_spec(name).class_path == path), None)
+
+
+def method_option_error(option: str, value: Any, method: Any = None) -> Exception:
+    """The error for a method's option given to `SteeringModule` itself: a ValueError naming the
+    registered method whose class takes it (`option`, or `<name>_<key>` such as probe_l2) and the
+    init_args key it belongs in, the method given preferred; a TypeError for an option no method has."""
+    names = steering_methods()
+    if isinstance(method, str) and method in names:
+        names.remove(method)
+        names.insert(0, method)
+    for name in names:
+        path = method_spec(name).class_path
+        params = set(inspect.signature(import_class(path)).parameters)
+        key = option if option in params else option.removeprefix(f"{name}_") if option.startswith(f"{name}_") else None
+        if key in params:
+            return ValueError(
+                f"{option}={value!r} is an option of the {name} method, not of SteeringModule: give it in the "
+                f"method's init_args (YAML: method: {{class_path: {path}, init_args: {{{key}: {value!r}}}}}; "
+                f"CLI: --model.method {path} --model.method.{key} {value!r}; Python: "
+                f"method={path.rpartition('.')[2]}({key}={value!r}))"
+            )
+    return TypeError(f"SteeringModule got an unexpected keyword argument {option!r}")
+
+
+def method_of_config(method: str | dict) -> tuple[MethodSpec, str | None, dict]:
+    """(the spec a name or {class_path, init_args} config builds, the registered name it was given
+    by or None, SteeringModule options it sets). A name is a registered one or a class path; a
+    class path of `RUN_CONFIG_METHODS` stands for its registered estimator."""
+    if isinstance(method, str):
+        if method in registered_methods():
+            return method_spec(method), method, {}
+        if "." not in method:
+            raise ValueError(
+                f"unknown method {method!r}; valid methods: {', '.join(steering_methods())}, a class path or "
+                "a {class_path, init_args} config"
+            )
+        method = {"class_path": method}
+    if "class_path" not in method or set(method) - {"class_path", "init_args"}:
+        raise ValueError(f"a method config is {{class_path, init_args}}; got keys {sorted(method)}")
+    path, given = method["class_path"], method.get("init_args") or {}
+    if not isinstance(given, dict):
+        raise ValueError(f"method {path!r}: init_args={given!r} must be a mapping")
+    if path not in RUN_CONFIG_METHODS:
+        return MethodSpec(path.rpartition(".")[2] or path, path, dict(given)), None, {}
+    name, defaults = RUN_CONFIG_METHODS[path]
+    args = {**defaults, **given}
+    options = {"unsupervised_on": args.pop("pairs")} if "pairs" in args else {}
+    spec = method_spec(name)
+    return MethodSpec(name, spec.class_path, {**spec.init_args, **args}), name, options
+
+
+def build_method(method: Any, hidden: int, seed: int) -> tuple[Any, str, dict]:
+    """(the built method, the name its dictionary card carries, SteeringModule options its config
+    sets) of a registered name, a class path, a {class_path, init_args} config or an instance. A
+    direction estimator is a copy whose `random_state` (where it has one) is `seed`. The card's
+    name: the registered name it was given by, else its class's registered name, else its `name`
+    attribute, else its class name."""
+    name, options = None, {}
+    if isinstance(method, (str, dict)):
+        spec, name, options = method_of_config(method)
+        cls = import_class(spec.class_path)
+        if not _steering_class(cls):
+            raise ValueError(_not_a_steering_method(cls))
+        try:
+            built = spec.build(hidden, seed)
+        except TypeError as err:
+            raise ValueError(f"method {spec.class_path!r}: bad init_args {sorted(spec.init_args)}: {err}") from err
+    elif _steering_class(type(method)):
+        built = method if is_trained(method) else copy.deepcopy(method)
+    else:
+        raise ValueError(_not_a_steering_method(type(method)))
+    if not is_trained(built) and "random_state" in init_args(built):
+        built.random_state = seed
+    own = getattr(built, "name", None)
+    name = name or registered_name(built) or (own if isinstance(own, str) and own else type(built).__name__)
+    return built, name, options
+
+
+def _not_a_steering_method(cls: type) -> str:
+    return (
+        f"{getattr(cls, '__name__', cls)!r} is neither a direction estimator (fit(X, y) setting direction_, not an "
+        f"nn.Module) nor a trained concept method (a TrainedConceptMethod); registered methods SteeringModule "
+        f"takes: {', '.join(steering_methods())}"
     )
 
 
@@ -92,11 +210,14 @@ class SteeringModule(FrozenLMModule):
     Args:
         lm: embedded name, .gguf file, local directory or hub id (see `lit_interventions.core.lm`).
         layer: residual stream after this block (−1: embeddings). Default: the middle layer.
-        method: the concept method (`lit_interventions.interventions.concept_methods`), with its own
-            options: a short name, reft_r1, ssv (trained) or diffmean, pca, lat, probe (closed form),
-            built with its defaults; a {class_path, init_args} config (YAML: `method: {class_path:
-            lit_interventions.interventions.concept_methods.ReFTR1Method, init_args: {topk: 8}}`);
-            or an instance, e.g. `ReFTR1Method(topk=8)`.
+        method: the concept method, with its own options: a registered name (`interventions.registry`:
+            reft_r1, ssv trained; diffmean, pca, lat, probe, lda, kmeans, random direction
+            estimators, fitted per concept), built with its registered init_args; a class path or a
+            {class_path, init_args} config (YAML: `method: {class_path:
+            lit_interventions.interventions.directions.ProbeDirection, init_args: {l2: 0.001, bias:
+            false}}`); or an instance, e.g. `ReFTR1Method(topk=8)`. A direction estimator's
+            `random_state` is `direction_seed`. `probe` is `ProbeDirection`'s defaults (a bias,
+            CausalGym's λ table); AxBench's probe is `{l2: 0.001, bias: false}` (configs/probe.yaml).
         concept_names: the concept names, one per row (concept_id indexes them). None: taken from
             the data module's `.concepts` when fit/validate starts (`configure_model`). Not called
             `concepts`, which the data module uses for concept ids (Lightning merges both hparams).
@@ -105,26 +226,29 @@ class SteeringModule(FrozenLMModule):
         detect_on: the tokens detection max-pools over: "content" (every token after the chat
             prefix, instruction included: AxBench's code) or "response" (the response text);
             neither includes the end-of-turn token after the response.
+        unsupervised_on: the tokens an unsupervised direction estimator (pca, lat, kmeans, random)
+            is fitted on: "positives", H⁺_c (AxBench's code; H⁻ only orients it), or "all", H⁺_c ∪ H⁻.
         lr, weight_decay: AdamW of a trained method; warmup_ratio: linear warmup share, then linear
             decay to 0.
         dtype: the LM's dtype (float32, bfloat16, float16).
-        direction_seed: initial directions (ReFT-r1) and the random pairs / solvers of the closed
-            forms (not `seed`, the data module's shuffling seed).
+        direction_seed: initial directions (ReFT-r1) and the `random_state` of a direction
+            estimator (random pairs, solvers) (not `seed`, the data module's shuffling seed).
         device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
             one larger than a GPU (`lit_interventions.core.sharding`): e.g. device_map "auto" spreads
             it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
-        kwargs: a method's option given here (topk, l1, l1_ramp, negative_l1, train_on_negative,
-            lat_pairs, probe_l2) is a ValueError naming the method's init_args it belongs in.
+        kwargs: a method's option given here (e.g. topk, l1, train_on_negative, probe_l2) is a
+            ValueError naming the registered method and the init_args key it belongs in.
     """
 
     def __init__(
         self,
         lm: str = DEFAULT_LM,
         layer: int | None = None,
-        method: ConceptMethod | str = "reft_r1",
+        method: TrainedConceptMethod | BaseEstimator | str | dict = "reft_r1",
         concept_names: list[str] | None = None,
         exclude_prefix: bool = True,
         detect_on: str = "content",
+        unsupervised_on: str = "positives",
         lr: float = 1e-2,
         weight_decay: float = 0.0,
         warmup_ratio: float = 0.0,
@@ -138,29 +262,43 @@ class SteeringModule(FrozenLMModule):
     ):
         super().__init__()
         if kwargs:
-            raise method_option_error(*next(iter(kwargs.items())))
+            raise method_option_error(*next(iter(kwargs.items())), method)
         check_dtype(dtype)  # before anything is loaded
         self.check_lm_options(device_map, quantization, max_memory, offload_folder)
         if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
             raise ValueError(f"lr={lr!r} must be a finite number > 0")
-        self.method = concept_method(method)
-        if self.method.latent not in LATENTS:
-            raise ValueError(f"{self.method!r} declares latent={self.method.latent!r}; valid: {', '.join(LATENTS)}")
         if detect_on not in DETECT_ON:
             raise ValueError(f"detect_on={detect_on!r}; valid: {', '.join(DETECT_ON)}")
+        if unsupervised_on not in UNSUPERVISED_ON:
+            raise ValueError(f"unsupervised_on={unsupervised_on!r}; valid: {', '.join(UNSUPERVISED_ON)}")
         self.optimizer_args = OptimizerArgs(lr, warmup_ratio, "adamw", weight_decay)  # validates them
         config = load_config(lm)  # the config only: the layer is checked before weights load
         layer = site_layer(config, layer)
+        self._hidden_size = hidden_size(config)
+        self.method, self.method_name, options = build_method(method, self._hidden_size, direction_seed)
+        self._trains = is_trained(self.method)
+        self.unsupervised_on = options.get("unsupervised_on", unsupervised_on)
+        if self.latent not in LATENTS:
+            raise ValueError(f"{self.method!r} declares latent={self.latent!r}; valid: {', '.join(LATENTS)}")
         self.save_hyperparameters()
         self.hparams.layer = layer
-        if isinstance(method, ConceptMethod):  # a config that builds it again (checkpoints hold no objects)
-            self.hparams.method = method_config(method)
-        self.automatic_optimization = is_trained(self.method)
-        self._hidden_size = hidden_size(config)
+        if not isinstance(method, (str, dict)):  # a config that builds it again (checkpoints hold no objects)
+            self.hparams.method = {"class_path": class_path(self.method), "init_args": init_args(self.method)}
+        self.automatic_optimization = self._trains
         self._frozen: dict[str, object] = {"tokens": []}  # the LM and collected states: not in state_dict
         self.dictionary: ConceptDictionary | None = None
         if concept_names is not None:
             self._build(list(concept_names))
+
+    @property
+    def latent(self) -> str:
+        """How a latent is read from h·w: the trained method's `latent`, "linear" for a direction."""
+        return self.method.latent if self._trains else "linear"
+
+    @property
+    def unit_norm(self) -> bool:
+        """Whether the rows stay unit norm: the trained method's `unit_norm`; a direction always is."""
+        return self.method.unit_norm if self._trains else True
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -172,9 +310,9 @@ class SteeringModule(FrozenLMModule):
         self.dictionary = ConceptDictionary(
             n,
             self._hidden_size,
-            unit_norm=self.method.unit_norm,
+            unit_norm=self.unit_norm,
             seed=self.hparams.direction_seed,
-            fill=self.method.init,
+            fill=self.method.init if self._trains else 0.0,
         )
         self.register_buffer("max_activations", torch.full((n,), float("nan")))
 
@@ -204,7 +342,7 @@ class SteeringModule(FrozenLMModule):
     def token_scores(self, hidden: torch.Tensor, concept_id: torch.Tensor) -> torch.Tensor:
         """Ψ(h_i) of each row's concept at every token, (batch, seq): the method's latent, h·w or
         ReLU(h·w)."""
-        return latent_values(self.dictionary.projections(hidden, concept_id), self.method.latent)
+        return latent_values(self.dictionary.projections(hidden, concept_id), self.latent)
 
     # --- trained methods ----------------------------------------------------------------------
 
@@ -241,8 +379,15 @@ class SteeringModule(FrozenLMModule):
 
     def on_fit_start(self):
         """The method refuses a data module that does not suit it (ReFT-r1 with `train_on_negative`
-        needs negatives carrying their concept's id; a closed form fits against the shared pool)."""
-        self.method.check_data(getattr(getattr(self.trainer, "datamodule", None), "genre_negatives", None))
+        needs negatives carrying their concept's id); a direction is fitted against the shared pool."""
+        genre_negatives = getattr(getattr(self.trainer, "datamodule", None), "genre_negatives", None)
+        if self._trains:
+            self.method.check_data(genre_negatives)
+        elif genre_negatives is True:
+            raise ValueError(
+                f"{self.method_name} is fitted against the shared negative pool: set the data module's "
+                "genre_negatives: false"
+            )
 
     def training_step(self, batch, batch_idx):
         if not self.automatic_optimization:
@@ -279,7 +424,7 @@ class SteeringModule(FrozenLMModule):
     @torch.no_grad()
     def _collect(self, batch) -> None:
         """Keep the response tokens of this batch: positives with their concept, negatives as −1."""
-        self._frozen["tokens"].append(response_tokens(self.states(batch), batch, self.method.name))
+        self._frozen["tokens"].append(response_tokens(self.states(batch), batch, self.method_name))
         self._frozen["pending"] = True
 
     @torch.no_grad()
@@ -295,10 +440,11 @@ class SteeringModule(FrozenLMModule):
                 f"of {len(hidden)} training tokens; likely cause: {likely_cause(self.trainer, self)}. "
                 "Nothing was fitted or exported."
             )
-        rows = self.method.fit(hidden, labels, self.concepts, seed=self.hparams.direction_seed)
+        rows = fit_concept_rows(self.method, hidden, labels, self.concepts, self.unsupervised_on)
         if tuple(rows.shape) != tuple(self.dictionary.weight.shape):
             raise ValueError(
-                f"{self.method!r}.fit gave rows of shape {tuple(rows.shape)}; expected {tuple(self.dictionary.weight.shape)}"
+                f"{type(self.method).__name__} gave directions of shape {tuple(rows.shape[1:])}; expected "
+                f"({self.dictionary.weight.shape[1]},), the hidden size"
             )
         self.dictionary.weight.data.copy_(rows.to(self.dictionary.weight))
 
@@ -363,15 +509,16 @@ class SteeringModule(FrozenLMModule):
 
     def to_dictionary(self, training_data: str | None = None) -> Dictionary:
         """The released dictionary: rows, names, max activations, last validation AUROC."""
-        card = {"model_type": getattr(load_config(self.hparams.lm), "model_type", None), **self.method.card()}
+        own = self.method.card() if self._trains else {}
+        card = {"model_type": getattr(load_config(self.hparams.lm), "model_type", None), **own}
         return Dictionary(
             vectors=self.dictionary.weight.detach(),
             max_activations=self.max_activations,
             concepts=self.concepts,
             model=self.hparams.lm,
             layer=self.hparams.layer,
-            method=self.method.name,
-            latent=self.method.latent,
+            method=self.method_name,
+            latent=self.latent,
             training_data=training_data,
             auroc=self._frozen.get("val_auroc"),
             card=card,
