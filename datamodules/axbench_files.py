@@ -62,7 +62,7 @@ def _read_parquet(path: Path) -> pd.DataFrame:
 def _read_jsonl_table(path: Path) -> pd.DataFrame:
     """A JSONL table; a line that is not a JSON object is named by its number."""
     try:
-        return pd.read_json(path, lines=True, dtype=False)
+        return pd.read_json(path, lines=True, dtype=False, encoding="utf-8-sig")
     except ValueError as err:
         json_lines(path)  # names the first bad line
         raise ValueError(f"{path} is not a readable JSONL table ({_first_line(err)})") from None

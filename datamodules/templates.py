@@ -26,6 +26,8 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lit_interventions.core.files import read_utf8
+
 BUILTIN_TEMPLATES = Path(__file__).parent / "data" / "causalgym.json"
 _PIECES = re.compile(r"( ?\{[^{}]+\})")  # a variable with its leading space, kept by re.split
 _VARIABLE = re.compile(r"^ ?\{([^{}]+)\}$")
@@ -332,13 +334,13 @@ def load_templates(path: str | Path | None = None) -> dict[str, dict]:
     if path.stat().st_size == 0:
         raise ValueError(f"Template file {path} is empty; {_fetch(path.parent)}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"Malformed template file {path}: not UTF-8 text (byte {err.start}); save it as UTF-8"
-        ) from None
+        text = read_utf8(path)  # UTF-8, a byte-order mark first left out
     except OSError as err:
         raise ValueError(f"Template file {path} cannot be read ({err.strerror or type(err).__name__})") from None
+    except ValueError as err:  # not UTF-8: it names the file and the first bad byte
+        raise ValueError(f"Malformed template file {err}") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(
             f"Malformed template file {path}: not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})"

@@ -328,9 +328,10 @@ def test_options_an_artifact_does_not_take_and_layers_a_format_cannot_hold(tiny_
 # --- files -----------------------------------------------------------------------------------------
 
 
-def test_a_failed_export_keeps_the_files_of_the_last_one(tiny_lm_dir, tmp_path, monkeypatch):
-    """Each file is written beside itself and renamed: a write that fails leaves the earlier
-    export's file whole and no temporary file; an export into its own earlier output replaces it."""
+def test_a_failed_export_keeps_the_files_of_the_last_one(tiny_lm_dir, tmp_path, monkeypatch, capsys):
+    """Each file is written beside itself and renamed: a write that fails (one line, exit 1)
+    leaves the earlier export's file whole and no temporary file; an export into its own earlier
+    output replaces it."""
     _dictionary(tiny_lm_dir("llama")).save_pretrained(tmp_path / "dict")
     args = ("--artifact", tmp_path / "dict", "--to", "gguf-control-vector", "--out", tmp_path / "cv")
     _export(*args)
@@ -340,8 +341,14 @@ def test_a_failed_export_keeps_the_files_of_the_last_one(tiny_lm_dir, tmp_path, 
         raise OSError("disk full")
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", broken)
-    with pytest.raises(OSError, match="disk full"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
         _export(*args, "--factor", "2")
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == (
+        f"error: --out {tmp_path / 'cv'} could not be written: disk full; no file is left half-written (each is "
+        "written beside itself and renamed), fix that and export again\n"
+    )
     assert {p.name: p.read_bytes() for p in (tmp_path / "cv").iterdir()} == before
     monkeypatch.undo()
     _export(*args, "--factor", "2")  # replaces its own files

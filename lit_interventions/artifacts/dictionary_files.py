@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from lit_interventions.artifacts.intervention_files import weights_path
 from lit_interventions.core.files import write_atomically
 
 FORMAT = "lit-interventions/concept-dictionary/v1"
@@ -73,6 +74,8 @@ def read_dictionary(path: str | Path) -> tuple[dict, Path, Path]:
     that is missing, unreadable or not a dictionary's."""
     weights, card_path = dictionary_paths(path)
     card_path, hub = card_path_of(weights, card_path)
+    if Path(path).is_dir():  # an artifact's directory: its weights must lie inside it
+        weights_path(Path(path), weights.name, card_path)
     for needed in (weights, card_path):
         if not needed.is_file():
             raise FileNotFoundError(

@@ -38,14 +38,36 @@ from lit_interventions.core.files import check_finite, read_weights, write_atomi
 from lit_interventions.interventions.base import InterventionProtocol, class_path, loadable_class, trusting_remote_code
 
 WEIGHTS, CARD = "intervention.safetensors", "intervention.json"
+HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")  # huggingface_hub's cache folders: models--OWNER--NAME
 
 
 def weights_path(directory: Path, name: object, where: str | Path) -> Path:
     """The weights file `name` (from a saved config) inside `directory`: a plain file name only,
-    never a path that leaves the artifact's directory."""
+    never a path that leaves the artifact's directory, and, followed through symbolic links, a
+    file inside the directory. A hub snapshot's files are links into its repository's blob store
+    (huggingface_hub's cache: REPO/snapshots/REVISION/FILE -> ../../blobs/HASH): a link into that
+    repository's `blobs` is inside. The one check every loader of an artifact's weights makes."""
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or ":" in name:
         raise ValueError(f"{where}: weights={name!r} must be a file name inside {directory} (no path separators)")
-    return directory / name
+    path = Path(directory) / name
+    real, home = path.resolve(), Path(directory).resolve()
+    if real.is_relative_to(home) or real.parent == _snapshot_blobs(home):
+        return path
+    raise ValueError(
+        f"{path} is a link to {real}, outside {directory}; an artifact's weights are read only from inside "
+        "its directory (copy the file in)"
+    )
+
+
+def _snapshot_blobs(directory: Path) -> Path | None:
+    """The blob store of the hub cache repository whose snapshot holds `directory` (resolved):
+    REPO/blobs for REPO/snapshots/REVISION[/SUBFOLDER] with REPO named models--OWNER--NAME (or
+    datasets--, spaces--), else None."""
+    for folder in (directory, *directory.parents):
+        repo = folder.parent.parent
+        if folder.parent.name == "snapshots" and repo.name.startswith(HUB_REPO_PREFIXES):
+            return repo / "blobs"
+    return None
 
 
 def write_weights(directory: str | Path, tensors: dict[str, torch.Tensor], name: str = WEIGHTS) -> Path:
@@ -77,8 +99,9 @@ def read_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
     directory = Path(directory)
     fix = "re-export it (fit again) or restore the file"
+    weights = weights_path(directory, WEIGHTS, directory / CARD)
     try:
-        tensors = load_file(directory / WEIGHTS)
+        tensors = load_file(weights)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{directory / WEIGHTS}: no such file (is {directory} an intervention's directory?)"

@@ -27,7 +27,7 @@ from typing import Any
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
-from lit_interventions.artifacts.intervention_files import CARD, load_pretrained
+from lit_interventions.artifacts.intervention_files import CARD, load_pretrained, weights_path
 from lit_interventions.artifacts.steering_files import STEERING_METHODS, load_steering
 from lit_interventions.interventions.featurizers import SAEFeaturizer
 
@@ -35,7 +35,7 @@ SAE_WEIGHTS, SAE_CARD = "sae.safetensors", "sae.json"
 
 
 def _load_sae(directory: Path) -> SAEFeaturizer:
-    return SAEFeaturizer.load(directory / SAE_WEIGHTS)
+    return SAEFeaturizer.load(weights_path(directory, SAE_WEIGHTS, directory))
 
 
 LOADERS: dict[str, Callable[[Path], Any]] = {

@@ -3,17 +3,21 @@
 - `write_atomically`: every file the package writes (artifacts, results, figures, caches,
   downloads) goes through a temporary file beside it and `os.replace`, so a reader sees the old
   file or the new one, never half of one; the file gets the permissions `open` would give it.
-- `read_utf8`: a data file's text, or one error naming the file and the first byte that is not
-  UTF-8.
+- `read_utf8`: a data file's text (without the byte-order mark spreadsheets and Windows editors
+  write first), or one error naming the file and the first byte that is not UTF-8.
 - `read_weights`: the tensors of a safetensors file (never a pickle), or one error naming it.
+- `disk_full`: whether a write failed because the disk is full, whichever writer raised it.
 - `check_finite` refuses tensors with NaN or infinite values before they are written or used;
   `finite_values` keeps the finite numbers of a metrics dict (a model card's, a config's).
 """
 
 from __future__ import annotations
 
+import codecs
+import errno
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,12 +29,16 @@ os.umask(_UMASK)
 
 
 def read_utf8(path: str | Path) -> str:
-    """The text of `path` decoded as UTF-8; a ValueError naming the file and the first bad byte
-    when it is in another encoding (Latin-1, cp1252)."""
+    """The text of `path` decoded as UTF-8 with `utf-8-sig`: a byte-order mark first (what
+    spreadsheets write in a "CSV UTF-8" file) is not part of the text. A ValueError naming the
+    file and the first bad byte (counted from the file's start) when it is in another encoding
+    (Latin-1, cp1252)."""
+    data = Path(path).read_bytes()
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+        start = err.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
+        raise ValueError(f"{path}: not UTF-8 text (byte {start}); save it as UTF-8") from None
 
 
 def write_atomically(path: str | Path, content: str | bytes | Callable[[Path], object]) -> Path:
@@ -57,6 +65,26 @@ def write_atomically(path: str | Path, content: str | bytes | Callable[[Path], o
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def disk_full(err: BaseException, path: str | Path) -> bool:
+    """Whether the failed write `err` into `path` (a file or directory) is a full disk: ENOSPC or
+    EDQUOT, the same named in a message (safetensors' `os error 28`), or, for a writer that says
+    only that its bytes did not all land (torch's `unexpected pos`, numpy's `N requested and M
+    written`), less than 1 MiB left on the file system that holds `path`."""
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(err):
+        return True
+    folder = next((p for p in (Path(path), *Path(path).absolute().parents) if p.is_dir()), None)
+    try:
+        return folder is not None and shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+def first_reason(err: BaseException) -> str:
+    """An error's first line (an OSError's strerror), or its type's name when it has no text."""
+    text = (getattr(err, "strerror", None) or str(err)).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def _text_mode(content) -> dict:

@@ -4,16 +4,20 @@
 
 FORMAT: peft (a LoRA run as a PEFT adapter), gguf-control-vector (llama.cpp control vectors),
 pyvene (IntervenableModel.load), lm-eval (lm-evaluation-harness's steered model). Bad input (an
-unknown format, an artifact without the format's capability, an --out holding other files) is one
-`error:` line and exit code 2; docs/export.md says what each tool does with the files.
+unknown format, an artifact without the format's capability, an --out holding other files or not
+writable) is one `error:` line and exit code 2; a file that cannot be written once the export
+runs (a full disk) is one `error:` line and exit code 1. docs/export.md says what each tool does
+with the files.
 """
 
 from __future__ import annotations
 
+import sys
+
 from jsonargparse import ActionConfigFile
 
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
-from lit_interventions.export.formats import FORMATS, export_artifact
+from lit_interventions.export.formats import FORMATS, ExportNotWritten, export_artifact
 
 
 def parser() -> Parser:
@@ -46,6 +50,9 @@ def main(args: list[str] | None = None) -> None:
     ns = parser().parse_args(resolve_configs(args))
     try:
         written = export_artifact(ns.artifact, ns.to, ns.out, concept=ns.concept, factor=ns.factor)
+    except ExportNotWritten as err:  # the input was good; the disk was full, or --out stopped being writable
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         text = str(err).strip()
         fail(text.splitlines()[0] if text else type(err).__name__)

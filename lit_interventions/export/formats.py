@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 from lit_interventions.artifacts.hub import CONFIG, local_directory, read_config
 from lit_interventions.artifacts.pretrained import from_pretrained
+from lit_interventions.core.files import disk_full, first_reason
 from lit_interventions.export import layout
 from lit_interventions.export.request import ExportRequest
 
@@ -91,8 +93,9 @@ def check_format(to: object) -> Format:
 
 
 def check_out(out: Path, fmt: Format, to: str) -> None:
-    """`out` may receive the export: absent, or a directory holding only files `fmt` writes (an
-    earlier export of the same format), which are replaced."""
+    """`out` may receive the export: absent, its nearest existing folder a directory that can be
+    written; or a directory that can be written holding only files `fmt` writes (an earlier export
+    of the same format), which are replaced. Nothing is created."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory (it is created if missing)")
     if out.is_dir():
@@ -102,6 +105,17 @@ def check_out(out: Path, fmt: Format, to: str) -> None:
                     f"--out {out} already holds {entry.name}, which a {to} export does not write; "
                     "give an empty or new directory"
                 )
+    existing = next(folder for folder in (out, *out.absolute().parents) if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out} cannot be created: {existing} is a file; give a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # permissions, a read-only file system, ACLs
+            pass
+    except OSError as err:
+        where = "" if existing == out else f" (it would be created in {existing})"
+        raise ValueError(
+            f"--out {out} is not writable{where}: {err.strerror or type(err).__name__}; give a directory you can write"
+        ) from None
 
 
 def export_artifact(
@@ -136,4 +150,29 @@ def export_artifact(
     config = read_config(directory) if (directory / CONFIG).is_file() else {}
     model = config.get("model") or getattr(loaded, "model", None)
     request = ExportRequest(directory, config, out, concept, factor, model if isinstance(model, str) else None)
-    return writer(write)(loaded, request)
+    try:
+        return writer(write)(loaded, request)
+    except (FileNotFoundError, FileExistsError):
+        raise  # a file the export reads (the LM's config): the command's line names it
+    except OSError as err:
+        raise ExportNotWritten(out, err) from err
+    except RuntimeError as err:  # torch's zip writer on a short write: `unexpected pos`, no errno
+        if not disk_full(err, out):
+            raise
+        raise ExportNotWritten(out, err) from err
+
+
+class ExportNotWritten(OSError):
+    """An export's file could not be written (a full disk, a directory made read-only while it
+    ran): one line naming `--out` and why, the disk being full when it is. Every file is written
+    beside itself and renamed (`write_atomically`), so nothing half-written is left under a final
+    name, and the files of an earlier export that were not replaced are whole."""
+
+    def __init__(self, out: Path, reason: BaseException):
+        full = disk_full(reason, out)
+        why = "the disk is full (No space left on device)" if full else first_reason(reason)
+        fix = "free some space and export again" if full else "fix that and export again"
+        super().__init__(
+            f"--out {out} could not be written: {why}; no file is left half-written (each is written "
+            f"beside itself and renamed), {fix}"
+        )

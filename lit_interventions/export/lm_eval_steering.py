@@ -28,6 +28,7 @@ Layer -1 (the embeddings) has no block output to hook and is refused.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
@@ -41,8 +42,10 @@ def write_lm_eval(steering, request: ExportRequest) -> list[Path]:
     layers = steering_layers(steering, request, 0, why)
     skeleton = request.skeleton()
 
-    def write(tmp, layer: int, vector: torch.Tensor) -> None:
-        torch.save({block_name(skeleton, layer): steering_entry(vector)}, tmp)
+    def write(tmp: Path, layer: int, vector: torch.Tensor) -> None:
+        buffer = io.BytesIO()  # in memory: the bytes name no file (a rerun writes the same), a full disk is ENOSPC
+        torch.save({block_name(skeleton, layer): steering_entry(vector)}, buffer)
+        tmp.write_bytes(buffer.getvalue())
 
     return write_per_vector(request, layers, ".pt", write)
 

@@ -17,8 +17,7 @@ import copy
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from lit_interventions.artifacts.hub import base_model
 from lit_interventions.core.files import check_finite, write_atomically
@@ -39,9 +38,5 @@ def write_peft(adapter, request: ExportRequest) -> list[Path]:
         config.save_pretrained(tmp)
         text = (Path(tmp) / PEFT_CONFIG).read_text(encoding="utf-8")
     request.out.mkdir(parents=True, exist_ok=True)
-    weights = write_atomically(request.out / PEFT_WEIGHTS, lambda tmp: _save(tensors, tmp))
+    weights = write_atomically(request.out / PEFT_WEIGHTS, save(tensors, metadata={"format": "pt"}))
     return [weights, write_atomically(request.out / PEFT_CONFIG, text)]
-
-
-def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(tensors, str(path), metadata={"format": "pt"})

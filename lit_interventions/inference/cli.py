@@ -23,7 +23,7 @@ from lit_interventions.core.edits import concept_index
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.positions import Positions
 from lit_interventions.inference.apply import LoadedArtifact, load_artifact
-from lit_interventions.inference.generate import generate_pair
+from lit_interventions.inference.generate import generate_pair, prompt_positions
 
 
 def add_artifact_options(parser: Parser) -> None:
@@ -146,7 +146,13 @@ def generate_main(args: list[str] | None = None) -> dict:
     transformers_logging.disable_progress_bar()  # the weights' loading bar: the output is the text
     artifacts, lm_name = command_artifacts(ns.artifact, ns.lm, ns.concept, ns.trust_remote_code)
     try:
-        lm, tokenizer = load_lm(lm_name, ns.dtype), load_tokenizer(lm_name)
+        tokenizer = load_tokenizer(lm_name)
+        prompt_positions(tokenizer, ns.prompt, ns.positions, ns.span, ns.chat)  # checked before the LM loads
+    except ValueError as err:
+        line = str(err).splitlines()[0]
+        fail(f"--{line}" if line.startswith("positions=") else line)
+    try:
+        lm = load_lm(lm_name, ns.dtype)
         result = generate_pair(
             lm,
             tokenizer,

@@ -3,7 +3,8 @@
 `generate_pair` runs `transformers`' own `generate` twice from one seed: once plain, once inside
 `apply` (the intervention is a hook; the sampling loop is transformers'). Chat models get their
 chat template (the prompt is the user turn); `span` and `source_span` name a piece of the prompt
-or the source whose last token is the position (`span_position`).
+or the source whose last token is the position (`span_position`); prompt token indices outside
+the prompt are refused before anything generates (`prompt_positions`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,29 @@ def prompt_text(tokenizer, prompt: str, chat: bool | None = None) -> tuple[str, 
         messages = [{"role": "user", "content": prompt}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
     return prompt, False
+
+
+def prompt_positions(
+    tokenizer, prompt: str, positions: str | Sequence[int] | Positions | None, span: str | None, chat: bool | None
+) -> tuple[dict[str, torch.Tensor], Positions, bool]:
+    """(the prompt encoded as the LM reads it, the positions to edit, whether it went through the
+    chat template): `span`, when given, is the last token of that piece of the prompt; prompt
+    token indices must lie in the prompt (-n..n-1 for n tokens), else one ValueError naming the
+    prompt's length. Needs the tokenizer only: `generate` checks its options with it before the
+    LM loads."""
+    text, templated = prompt_text(tokenizer, prompt, chat)
+    enc = encode_text(tokenizer, text, templated)
+    if span is not None:
+        return enc, Positions("indices", (span_position(tokenizer, text, span, templated),)), templated
+    positions, n = Positions.parse(positions), int(enc["input_ids"].shape[1])
+    outside = [i for i in positions.indices if not -n <= i < n] if positions.rule == "indices" else []
+    if outside:
+        raise ValueError(
+            f"positions={positions}: {', '.join(map(str, outside))} {'is' if len(outside) == 1 else 'are'} "
+            f"outside the prompt, which is {n} tokens "
+            f"(positions 0..{n - 1}, or -{n}..-1 from its end)"
+        )
+    return enc, positions, templated
 
 
 @torch.no_grad()
@@ -57,10 +81,8 @@ def generate_pair(
     `positions` / `source_positions` with the last token of that text."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    text, templated = prompt_text(tokenizer, prompt, chat)
-    enc = {k: v.to(lm.device) for k, v in encode_text(tokenizer, text, templated).items()}
-    if span is not None:
-        positions = Positions("indices", (span_position(tokenizer, text, span, templated),))
+    enc, positions, templated = prompt_positions(tokenizer, prompt, positions, span, chat)
+    enc = {k: v.to(lm.device) for k, v in enc.items()}
     if source_span is not None and isinstance(source, str):
         source_positions = Positions("indices", (span_position(tokenizer, source, source_span),))
     sampling = {"do_sample": do_sample, **({"temperature": temperature, "top_p": top_p} if do_sample else {})}
