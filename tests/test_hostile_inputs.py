@@ -395,3 +395,20 @@ def test_generate_with_one_seed_twice_prints_the_same(tmp_path, tiny_lm_dir):
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:]
     printed = json.loads(first.stdout.strip().splitlines()[-1])
     assert first.stdout == second.stdout and printed["steered"] != printed["unsteered"]
+
+
+def test_steering_instructions_and_a_syntaxgym_suite_with_a_byte_order_mark_read_as_without(tmp_path):
+    from lit_interventions.studies.steer import load_instructions as steering_instructions
+    from lit_interventions.studies.syntaxgym.suites import load_suite
+    from tests.test_syntaxgym import TINY_SUITE
+
+    lines = tmp_path / "instructions.txt"
+    lines.write_bytes(BOM + b"Write about your day.\nName a colour.\n")
+    assert steering_instructions(str(lines)) == ["Write about your day.", "Name a colour."]
+    listed = tmp_path / "instructions.json"
+    listed.write_bytes(BOM + json.dumps(["Write about your day."]).encode())
+    assert steering_instructions(str(listed)) == ["Write about your day."]
+    plain, marked = tmp_path / "plain.json", tmp_path / "marked.json"
+    plain.write_text(json.dumps(TINY_SUITE))
+    marked.write_bytes(BOM + plain.read_bytes())
+    assert load_suite(marked) == load_suite(plain)

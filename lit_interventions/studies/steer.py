@@ -45,7 +45,7 @@ import torch
 from lit_interventions.artifacts.plots import report_figures, save_figure
 from lit_interventions.artifacts.results import claim_out_dir
 from lit_interventions.cli.studies import run_cli
-from lit_interventions.core.files import write_atomically
+from lit_interventions.core.files import read_utf8, write_atomically
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
 from lit_interventions.core.sharding import LoadOptions
@@ -88,7 +88,7 @@ def load_instructions(path: str | None) -> list[str]:
     """Steering instructions: a JSON list / text file (one per line), or the AxBench data module's
     (`data/axbench/instructions.json`)."""
     if path:
-        text = Path(path).read_text()
+        text = read_utf8(path)  # a byte-order mark is not part of the first instruction
         items = json.loads(text) if path.endswith(".json") else [line.strip() for line in text.splitlines()]
         return [str(i) for i in items if str(i).strip()]
     return list(builtin_instructions())

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_interventions.core.files import read_utf8
 from lit_interventions.core.surprisal import METRICS
 from lit_interventions.studies.syntaxgym.formulas import Node, RegionValues, parse_formula, region_refs
 
@@ -110,7 +111,7 @@ def load_suite(path: str | Path) -> Suite:
     if path.stat().st_size == 0:
         raise ValueError(f"suite file {path} is empty; fetch the SyntaxGym suites with {fetch_command(path)}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_utf8(path))
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err})") from None
     return suite_from_json(data, str(path))
