@@ -1,18 +1,34 @@
-"""One OpenAI-compatible `/chat/completions` endpoint over plain HTTP (urllib): the request, the
-retries on failures that may pass, and the API key read from a named environment variable. The
-judge (`metrics/judge_openai.py`) and the concept-data generator (`datamodules/concepts_generators.py`)
-both ask through it."""
+"""One OpenAI-compatible `/chat/completions` endpoint over HTTP (httpx): the request, the retries on
+failures that may pass, and the API key read from a named environment variable. The judge
+(`metrics/judge_openai.py`) and the concept-data generator (`datamodules/concepts_generators.py`)
+both ask through it.
+
+Each request is bounded as a whole: connecting, sending, and the reply's headers and body all
+within `timeout` seconds (a total deadline, not one per socket read, so an endpoint that trickles
+its reply cannot hold a worker), and the reply's body is read up to `max_reply_bytes` (a larger
+one is refused as it arrives, never held whole). A reply cut short (the connection closed before
+its Content-Length is in) is a failure that may pass, and is asked again. Every message built from
+a reply has the API key's value and any `Bearer` token replaced by `[redacted]`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import os
+import re
+import ssl
 import time
-import urllib.error
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 RETRY_STATUS = (408, 409, 425, 429, 500, 502, 503, 504)  # worth asking again; other 4xx are our fault
+MAX_REPLY_BYTES = 8 << 20  # a chat completion is a few KiB; a reply past this is refused
+REDACTED = "[redacted]"
+_BEARER = re.compile(r"\bBearer\s+[^\s\"',;]+", re.IGNORECASE)
 
 
 class ChatRequestError(ConnectionError):
@@ -21,6 +37,14 @@ class ChatRequestError(ConnectionError):
     def __init__(self, message: str, retry: bool, wait: float | None = None):
         super().__init__(message)
         self.retry, self.wait = retry, wait
+
+
+class _ReplyTooLarge(Exception):
+    """The reply's body passed the cap (`size`: the bytes announced, or read so far)."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.size = size
 
 
 def check_base_url(base_url: str) -> str:
@@ -46,14 +70,46 @@ def auth_headers(api_key_env: str | None) -> dict[str, str]:
     return headers
 
 
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """`text` with each of `secrets` and any `Bearer <token>` replaced by REDACTED."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return _BEARER.sub(f"Bearer {REDACTED}", text)
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """The system's certificate store, as urllib uses it (one context for every request)."""
+    return ssl.create_default_context()
+
+
+def _run(coroutine):
+    """Run `coroutine` to its end on a new event loop: in this thread, or in a helper thread when
+    this one runs a loop already (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    wait = headers.get("Retry-After")
+    return float(wait) if wait and wait.strip().replace(".", "", 1).isdigit() else None
+
+
 class ChatEndpoint:
     """POST {base_url}/chat/completions (JSON) with retries.
 
     Subclasses set `url`, `headers`, `timeout`, `retries` and `backoff` (`setup_endpoint`), and
-    name the endpoint in their errors (`role`) and log through `log`."""
+    name the endpoint in their errors (`role`) and log through `log`. `max_reply_bytes` caps a
+    reply's body."""
 
     role = "chat endpoint"
     log = logging.getLogger("lit_interventions.core.chat_endpoint")
+    max_reply_bytes = MAX_REPLY_BYTES
 
     def setup_endpoint(
         self, base_url: str, api_key_env: str | None, timeout: float, retries: int, backoff: float
@@ -64,36 +120,65 @@ class ChatEndpoint:
             raise ValueError(f"retries={retries!r} must be an integer >= 0")
         if not backoff >= 0:
             raise ValueError(f"backoff={backoff!r} must be >= 0 seconds")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.headers = auth_headers(api_key_env)
 
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """What no message may show: the API key's value."""
+        bearer = self.headers.get("Authorization", "")
+        return (bearer.removeprefix("Bearer "),) if bearer else ()
+
+    async def _exchange(self, body: dict) -> tuple[int, httpx.Headers, bytes]:
+        """(status, headers, body) of one POST; `_ReplyTooLarge` once the body passes the cap."""
+        limit = self.max_reply_bytes
+        async with httpx.AsyncClient(timeout=self.timeout, verify=_ssl_context()) as client:
+            data = json.dumps(body).encode()
+            async with client.stream("POST", self.url, content=data, headers=self.headers) as response:
+                announced = response.headers.get("Content-Length", "")
+                if announced.isdigit() and int(announced) > limit:
+                    raise _ReplyTooLarge(int(announced))
+                reply = bytearray()
+                async for chunk in response.aiter_bytes():
+                    reply += chunk
+                    if len(reply) > limit:
+                        raise _ReplyTooLarge(len(reply))
+                return response.status_code, response.headers, bytes(reply)
+
+    def _fail(self, what: str, retry: bool, wait: float | None = None) -> ChatRequestError:
+        return ChatRequestError(redact(f"{self.role} {self.url} {what}", self.secrets), retry, wait)
+
     def _post(self, body: dict) -> str:
-        """One request; ChatRequestError on failure (naming the URL)."""
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=self.headers, method="POST")
+        """One request, all of it within `timeout` seconds; ChatRequestError on failure (naming
+        the URL, secrets redacted)."""
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read().decode())
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:300]
-            wait = err.headers.get("Retry-After") if err.headers else None
-            wait = float(wait) if wait and wait.strip().replace(".", "", 1).isdigit() else None
-            raise ChatRequestError(
-                f"{self.role} {self.url} answered HTTP {err.code}: {detail}",
-                retry=err.code in RETRY_STATUS,
-                wait=wait,
-            ) from err
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            raise ChatRequestError(f"{self.role} {self.url} is unreachable: {reason}", retry=True) from err
-        except ValueError as err:  # not JSON
-            raise ChatRequestError(f"{self.role} {self.url} sent a reply that is not JSON: {err}", retry=True) from err
+            status, headers, reply = _run(asyncio.wait_for(self._exchange(body), self.timeout))
+        except (asyncio.TimeoutError, httpx.TimeoutException) as err:
+            raise self._fail(f"did not answer within {self.timeout:g} s", retry=True) from err
+        except _ReplyTooLarge as err:
+            raise self._fail(
+                f"sent a reply of {err.size} bytes or more; at most {self.max_reply_bytes} are read", retry=False
+            ) from None
+        except httpx.RemoteProtocolError as err:  # cut short, or not HTTP
+            raise self._fail(f"sent an incomplete reply ({err})", retry=True) from err
+        except httpx.HTTPError as err:
+            raise self._fail(f"is unreachable: {type(err).__name__}: {err}", retry=True) from err
+        text = reply.decode(errors="replace")
+        if not 200 <= status < 300:  # redacted whole, then cut: no part of a key is left
+            text = redact(text, self.secrets)
+            raise self._fail(f"answered HTTP {status}: {text[:300]}", status in RETRY_STATUS, _retry_after(headers))
+        try:
+            payload = json.loads(text)
+        except (ValueError, RecursionError) as err:
+            raise self._fail(f"sent a reply that is not JSON ({type(err).__name__}: {err})", retry=True) from None
         try:
             return payload["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError) as err:
-            raise ChatRequestError(
-                f"{self.role} {self.url} sent no chat completion: {str(payload)[:300]}", retry=False
-            ) from err
+            shown = redact(str(payload), self.secrets)[:300]
+            raise self._fail(f"sent no chat completion: {shown}", retry=False) from err
 
     def _post_with_retries(self, body: dict) -> str:
         """`_post`, asked again up to `retries` times while the failure may pass, waiting

@@ -1,6 +1,6 @@
-"""The `openai` judge backend: any OpenAI-compatible `/chat/completions` endpoint over plain HTTP
-(`core/chat_endpoint.py`: the request, its retries and the key from an environment variable), with
-an on-disk cache of the replies."""
+"""The `openai` judge backend: any OpenAI-compatible `/chat/completions` endpoint over HTTP
+(`core/chat_endpoint.py`: the request under a total deadline, its retries and the key from an
+environment variable), with an on-disk cache of the replies."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def judge_cache_dir() -> Path:
 
 
 class OpenAIJudge(ChatEndpoint, Judge):
-    """Any OpenAI-compatible chat endpoint: POST {base_url}/chat/completions (JSON), plain urllib.
+    """Any OpenAI-compatible chat endpoint: POST {base_url}/chat/completions (JSON) through
+    `core.chat_endpoint` (httpx; a total deadline, a cap on the reply, the key never shown).
 
     Args:
         base_url: e.g. `https://api.openai.com/v1` or `http://127.0.0.1:8000/v1`.
@@ -38,7 +39,8 @@ class OpenAIJudge(ChatEndpoint, Judge):
             servers). A named variable that is unset is an error.
         temperature, max_tokens: sampling of the judge's replies. AxBench's judge: temperature 0.7
             and no cap on the reply's length (max_tokens None: the request names none).
-        timeout: seconds per request; workers: concurrent requests.
+        timeout: seconds for each request as a whole (connecting, sending, the whole reply);
+            workers: concurrent requests.
         retries: further attempts after a failure that may pass (unreachable, timed out, HTTP
             408/429/5xx), waiting `backoff`·2^attempt seconds (or the server's Retry-After).
         cache: a directory where each reply is kept, keyed by the sha256 of the request (URL and

@@ -7,6 +7,10 @@ waited `wait` seconds (the ones that arrived while a batch ran go at once), and 
 `run(jobs)`, which left-pads their prompts into one `generate`. During it, `RowStreamer` (a
 `transformers` streamer) splits each step's new tokens per row into each job's `Reply`, and
 `RowsDone` (a stopping criterion) marks rows that have ended, so `generate` stops when all have.
+
+A job leaves as soon as its client does (`cancel`): dropped from the queue, or its row ended at
+the next token. `stop` (the server stopping) fails the queued jobs at once and ends the running
+rows at their next token, each with a 503 error; `close` then joins the worker.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from lit_interventions.serving.completion_request import Sampling, Steering
 from lit_interventions.serving.reply_stream import Reply
+
+SHUTTING_DOWN = "the server is shutting down; retry later"
 
 
 @dataclass
@@ -74,7 +80,7 @@ class RowsDone(StoppingCriteria):
 
 class Batcher:
     """A queue of jobs and the worker thread that runs them in batches (see the module doc).
-    `batches`: how many `run` calls were made."""
+    `batches`: how many `run` calls were made; `running`: the jobs of the batch that is running."""
 
     def __init__(self, run: Callable[[list[Job]], None], max_batch: int = 8, wait: float = 0.01):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -83,6 +89,7 @@ class Batcher:
             raise ValueError(f"wait={wait!r} must be a number of seconds >= 0")
         self.run, self.max_batch, self.wait = run, max_batch, float(wait)
         self.pending: deque[Job] = deque()
+        self.running: list[Job] = []
         self.changed = threading.Condition()
         self.closed = False
         self.batches = 0
@@ -90,24 +97,38 @@ class Batcher:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue `job`; a closed batcher fails it at once."""
+        """Queue `job`; a closed batcher fails it at once (503)."""
         with self.changed:
             if not self.closed:
                 self.pending.append(job)
                 self.changed.notify()
                 return
-        job.reply.fail("the server is shutting down")
+        job.reply.fail(SHUTTING_DOWN, 503)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Fail the jobs still waiting, let the batch running finish, stop the worker."""
+    def cancel(self, job: Job) -> None:
+        """The client of `job` left: drop it from the queue, or end its row at the next token."""
+        job.reply.cancelled.set()
+        with self.changed:
+            self.pending = deque(queued for queued in self.pending if queued is not job)
+
+    def stop(self, message: str = SHUTTING_DOWN) -> None:
+        """Take no more jobs: fail the queued ones at once and end the running rows at their next
+        token (failed as their `generate` returns), each with a 503 `message`."""
         with self.changed:
             self.closed = True
             left, self.pending = list(self.pending), deque()
+            running = list(self.running)
             self.changed.notify_all()
         for job in left:
-            job.reply.fail("the server is shutting down")
+            job.reply.fail(message, 503)
+        for job in running:
+            job.reply.stop(message)
+
+    def close(self) -> None:
+        """`stop`, then wait for the worker to end (the running batch ends at its next token)."""
+        self.stop()
         if threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
+            self.thread.join()
 
     def _take(self) -> list[Job] | None:
         """The next batch (see the module doc), or None once closed."""
@@ -125,6 +146,7 @@ class Batcher:
                 if len(batch) >= self.max_batch or left <= 0:
                     taken = {id(job) for job in batch}
                     self.pending = deque(job for job in self.pending if id(job) not in taken)
+                    self.running = batch
                     return batch
                 self.changed.wait(left)
 
@@ -137,5 +159,7 @@ class Batcher:
                 for job in jobs:
                     job.reply.fail(f"generation failed: {type(err).__name__}: {str(err)[:300]}")
             finally:
+                with self.changed:
+                    self.running = []
                 for job in jobs:
                     job.reply.end("length")  # a row `generate` left open (no-op for ended ones)

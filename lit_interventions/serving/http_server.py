@@ -21,15 +21,21 @@ What uvicorn gives as it is, and what `GuardedH11Protocol` adds:
 Body deadlines, body sizes and request slots are the app's (`json_api.read_body`): the ASGI app
 sees the request once its headers are in. `HTTPServer` binds its socket at construction (port 0:
 a free one, see `server_address`) and serves with `serve_forever()` (blocking) or
-`serve_in_background(server)`; `shutdown()` stops it. Any ASGI app can be served, e.g. a Starlette
-app with more routes.
+`serve_in_background(server)`; `shutdown()` (or SIGTERM/SIGINT to `serve_forever` in the main
+thread) stops it with uvicorn's graceful shutdown: no new connections, and the open requests get
+up to `shutdown_timeout` seconds to end. `on_stop` (called on the event loop as the shutdown
+begins) lets the app end its requests at once; a request task that uvicorn still has to cancel at
+the end of the graceful period ends quietly, without a traceback. Any ASGI app can be served, e.g.
+a Starlette app with more routes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import h11
@@ -163,6 +169,36 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling `on_stop` as its shutdown begins."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None):
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
+        await super().shutdown(sockets)
+
+
+class _QuietWhenStopping:
+    """An ASGI app whose request tasks, cancelled by uvicorn at the end of a graceful shutdown,
+    end without the traceback uvicorn would log for them."""
+
+    server: uvicorn.Server | None = None
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if self.server is None or not self.server.should_exit:
+                raise
+
+
 def _bind(host: str, port: int, backlog: int) -> socket.socket:
     """A listening TCP socket on (host, port), IPv4 or IPv6 as the host is."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -179,16 +215,26 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
 
 
 class HTTPServer:
-    """`app` (ASGI) served by uvicorn on (host, port) under `limits`; bound, not yet serving."""
+    """`app` (ASGI) served by uvicorn on (host, port) under `limits`; bound, not yet serving.
+    `on_stop`: called on the server's event loop when its shutdown begins (see the module doc)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits | None = None):
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServerLimits | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ):
         self.limits = limits or ServerLimits()
         backlog = 2 * self.limits.max_connections
         self.socket = _bind(host, port, backlog)
         self.server_address = self.socket.getsockname()
         protocol = type("Protocol", (GuardedH11Protocol,), {"limits": self.limits})
+        guarded = _QuietWhenStopping(app)
         config = uvicorn.Config(
-            app,
+            guarded,
+            interface="asgi3",
             http=protocol,
             lifespan="off",
             log_config=None,
@@ -201,7 +247,7 @@ class HTTPServer:
             timeout_graceful_shutdown=self.limits.shutdown_timeout,
             h11_max_incomplete_event_size=self.limits.max_header_bytes,
         )
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = guarded.server = _Server(config, on_stop)
         self._started, self._stopped = threading.Event(), threading.Event()
 
     @property

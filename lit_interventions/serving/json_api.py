@@ -16,7 +16,19 @@ from starlette.responses import JSONResponse
 
 from lit_interventions.serving.http_server import error_payload
 
-__all__ = ["BadRequest", "Busy", "error_response", "json_app", "read_body", "read_json", "slot"]
+__all__ = [
+    "MAX_NESTING",
+    "BadRequest",
+    "Busy",
+    "error_response",
+    "json_app",
+    "nesting",
+    "read_body",
+    "read_json",
+    "slot",
+]
+
+MAX_NESTING = 64  # lists and objects inside each other in a request body; no OpenAI request needs more
 
 
 class BadRequest(ValueError):
@@ -28,7 +40,10 @@ class BadRequest(ValueError):
 
 
 class Busy(Exception):
-    """No request slot freed up in time (a 503 with Retry-After)."""
+    """No request slot freed up in time, or the server is stopping: a 503 with Retry-After."""
+
+    def __init__(self, message: str = "the server is busy; retry later"):
+        super().__init__(message)
 
 
 def error_response(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -63,13 +78,33 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
         raise BadRequest("body", f"the client left before its {size} bytes arrived") from err
 
 
+def nesting(value) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (a scalar: 0), counted without
+    recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 async def read_json(request: Request, max_bytes: int, timeout: float):
-    """The body (`read_body`) parsed as JSON; a BadRequest on field "body" when it is not JSON."""
+    """The body (`read_body`) parsed as JSON; a BadRequest on field "body" when it is not JSON or
+    nests lists and objects deeper than MAX_NESTING."""
     body = await read_body(request, max_bytes, timeout)
+    too_deep = BadRequest("body", f"nests lists and objects more than {MAX_NESTING} deep")
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
+    except RecursionError:  # deeper than the parser goes
+        raise too_deep from None
     except (UnicodeDecodeError, ValueError) as err:
         raise BadRequest("body", f"is not valid JSON ({err})") from err
+    if nesting(parsed) > MAX_NESTING:
+        raise too_deep
+    return parsed
 
 
 @contextlib.asynccontextmanager
@@ -96,7 +131,7 @@ async def _bad_request(request: Request, exc: BadRequest) -> JSONResponse:
 
 
 async def _busy(request: Request, exc: Busy) -> JSONResponse:
-    return error_response(503, "the server is busy; retry later", headers={"Retry-After": "1", "Connection": "close"})
+    return error_response(503, str(exc), headers={"Retry-After": "1", "Connection": "close"})
 
 
 async def _server_error(request: Request, exc: Exception) -> JSONResponse:

@@ -30,7 +30,11 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 
 class Reply:
     """The reply of one batch row. `emit(event)` is called with (EVENT_TEXT, piece), then
-    (EVENT_DONE, finish_reason) or (EVENT_ERROR, message), from the generating thread."""
+    (EVENT_DONE, finish_reason) or (EVENT_ERROR, message), from the generating thread.
+
+    `cancelled` (an event any thread sets) ends the row at its next token: the client left, or the
+    server is stopping (then `stopping` holds the message its error reply carries). `status` is
+    the HTTP status of an error reply: 500, or 503 when the server stopped it."""
 
     def __init__(
         self,
@@ -46,7 +50,9 @@ class Reply:
         self.sent = 0  # characters of `text` emitted
         self.finish: str | None = None  # "stop" or "length" once it has ended
         self.error: str | None = None
+        self.status = 500
         self.cancelled = threading.Event()
+        self.stopping: str | None = None
 
     @property
     def done(self) -> bool:
@@ -80,7 +86,10 @@ class Reply:
         return min(found) if found else None
 
     def end(self, finish: str) -> None:
-        """End the reply: send what is held back, then `finish` (no-op once ended)."""
+        """End the reply: send what is held back, then `finish` (no-op once ended); a row the
+        server stopped (`stop`) ends with its error instead."""
+        if self.stopping is not None:
+            return self.fail(self.stopping, 503)
         if self.finish is not None or self.error is not None:
             return
         self.finish = finish
@@ -89,8 +98,14 @@ class Reply:
             self.sent = len(self.text)
         self.emit((EVENT_DONE, finish))
 
-    def fail(self, message: str) -> None:
-        """End the reply with an error (no-op once ended)."""
+    def fail(self, message: str, status: int = 500) -> None:
+        """End the reply with an error, answered with HTTP `status` (no-op once ended)."""
         if self.finish is None and self.error is None:
-            self.error = message
+            self.error, self.status = message, status
             self.emit((EVENT_ERROR, message))
+
+    def stop(self, message: str) -> None:
+        """Cancel the row because the server stops: the generating thread ends it with `message`
+        (status 503) once its `generate` returns."""
+        self.stopping = message
+        self.cancelled.set()

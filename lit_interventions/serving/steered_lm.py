@@ -6,12 +6,19 @@ after the BOS, as `encode_text` reads it), checks its steering against the artif
 `edits` call `apply` makes, so a concept no artifact holds is refused before it is queued), and
 queues it. The worker runs each batch as one `generate` inside `apply`, with the concept, factor
 and on/off switch of each row.
+
+Clients see each artifact by its name (`public_name`: a local directory's or file's own name, a
+hub id as given), never by its path: in /v1/models and in every error about their steering. A
+request that names no concept, when the server has no default (`--concept`) and an artifact needs
+one (a dictionary of several concepts), is answered with no concept: by the LM unedited.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,12 +27,19 @@ from transformers import StoppingCriteriaList
 
 from lit_interventions.core.lm import check_device, load_lm, load_tokenizer
 from lit_interventions.core.positions import encode_text
-from lit_interventions.inference.apply import apply, load_artifact, request_for
+from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact, request_for
 from lit_interventions.serving.batcher import Batcher, Job, RowsDone, RowStreamer
 from lit_interventions.serving.chat_request import chat_text, is_int
 from lit_interventions.serving.completion_request import Options, Steering
 from lit_interventions.serving.json_api import BadRequest
 from lit_interventions.serving.reply_stream import Reply
+
+
+def public_name(where: str) -> str:
+    """What clients are told an artifact (or a local LM) is: the name of a local directory or
+    file, never its path; a hub id (or any name that is not a local path) as it is."""
+    path = Path(where).expanduser()
+    return path.resolve().name if path.exists() else where
 
 
 def _eos_ids(model: nn.Module) -> tuple[int, ...]:
@@ -41,6 +55,7 @@ class SteeredLM:
         `dtype` onto `device`, or a loaded model (then `tokenizer` is required).
     concept, factor: the steering of requests that do not name their own.
     max_batch, batch_wait_ms: the batcher's (`batcher.Batcher`).
+    name: the model's id for clients (default: the LM's `public_name`); `lm_name` names what is loaded (a path or an id).
     """
 
     def __init__(
@@ -66,19 +81,22 @@ class SteeredLM:
         if not items:
             raise ValueError("artifacts is empty: give at least one artifact")
         self.artifacts = [load_artifact(item, trust_remote_code=trust_remote_code) for item in items]
+        # the same artifacts, named for clients: used for requests (their errors go to clients)
+        self.served = [LoadedArtifact(a.obj, a.config, public_name(a.where)) for a in self.artifacts]
         if isinstance(lm, nn.Module):
             if tokenizer is None:
                 raise ValueError("a loaded lm needs its tokenizer (tokenizer=...)")
             self.model, self.tokenizer = lm, tokenizer
-            self.name = name or getattr(lm.config, "_name_or_path", "") or type(lm).__name__
+            self.lm_name = getattr(lm.config, "_name_or_path", "") or type(lm).__name__
         else:
             lm = lm or self.artifacts[0].model
             if not lm:
                 raise ValueError(f"{self.artifacts[0].where} records no model; give lm=NAME")
             self.model, self.tokenizer = load_lm(lm, dtype).to(device), tokenizer or load_tokenizer(lm)
-            self.name = name or lm
+            self.lm_name = str(lm)
+        self.name = name or public_name(self.lm_name)
         self.max_new_tokens, self.concept, self.factor = max_new_tokens, concept, factor
-        self._fits(concept, factor)
+        self.needs_concept = self._fits(concept, factor)
         self.eos = _eos_ids(self.model)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos[0] if self.eos else 0)
@@ -89,29 +107,35 @@ class SteeredLM:
         """The concept names the artifacts hold."""
         return [name for artifact in self.artifacts for name in artifact.concepts or []]
 
-    def _edits(self, concept: str | int | None, factor: float) -> None:
+    def _edits(self, concept: str | int | None, factor: float, artifacts: Sequence[LoadedArtifact]) -> None:
         """The edits `apply` would make for (concept, factor), built and dropped: a ValueError
         when an artifact refuses them (another LM, an unknown concept, ...)."""
         request = request_for(self.model, tokenizer=self.tokenizer, concept=concept, factor=factor)
-        for artifact in self.artifacts:
+        for artifact in artifacts:
             artifact.edits(request)
 
-    def _fits(self, concept: str | int | None, factor: float) -> None:
-        """The artifacts fit the LM and the default steering (a ValueError naming what does
-        not). Without a default concept, concept 0 stands in for the ones requests will name."""
+    def _fits(self, concept: str | int | None, factor: float) -> bool:
+        """Whether requests naming no concept need one; a ValueError naming what does not fit
+        when the artifacts do not fit the LM or the default steering. Without a default concept,
+        concept 0 stands in for the ones requests will name."""
         try:
-            self._edits(concept, factor)
+            self._edits(concept, factor, self.artifacts)
         except ValueError:
             if concept is not None:
                 raise
-            self._edits(0, factor)
+            self._edits(0, factor, self.artifacts)
+            return True
+        return False
 
     def check(self, steering: Steering) -> Steering:
-        """`steering` when every artifact accepts it; else a BadRequest on field "concept"
-        (naming the concept and the valid ones)."""
+        """`steering` when every artifact accepts it (switched off when it names no concept and
+        the artifacts need one: see the module doc); else a BadRequest on field "concept" naming
+        the concept and the valid ones, and the artifacts by their names."""
+        if steering.enabled and steering.concept is None and self.needs_concept:
+            return replace(steering, enabled=False)
         if steering.enabled:
             try:
-                self._edits(steering.concept, steering.factor)
+                self._edits(steering.concept, steering.factor, self.served)
             except ValueError as err:
                 raise BadRequest("concept", str(err).splitlines()[0]) from None
         return steering
@@ -153,7 +177,7 @@ class SteeredLM:
             concept = concepts[0]
         return apply(
             self.model,
-            self.artifacts,
+            self.served,
             tokenizer=self.tokenizer,
             concept=concept,
             factor=[s.factor if s.enabled else 0.0 for s in rows],
@@ -182,6 +206,14 @@ class SteeredLM:
                 **jobs[0].sampling.generate_kwargs(),
             )
 
+    def cancel(self, job: Job) -> None:
+        """The client of `job` left: drop it (`Batcher.cancel`)."""
+        self.batcher.cancel(job)
+
+    def stop(self) -> None:
+        """Take no more requests; the queued and running ones end with a 503 (`Batcher.stop`)."""
+        self.batcher.stop()
+
     def close(self) -> None:
-        """Stop the worker (the jobs still waiting get an error)."""
+        """`stop`, and wait for the worker to end."""
         self.batcher.close()

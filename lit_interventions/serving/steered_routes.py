@@ -7,7 +7,12 @@ streamed reply: to its last event). Its fields are checked (`validate_request`,
 for the batcher. The reply is one JSON body with `usage`, or with `stream: true` server-sent
 events: `chat.completion.chunk`s with a `delta` (the first carries the role), or
 `text_completion` chunks, one per piece of text, then one with the `finish_reason`, a usage chunk
-when `stream_options.include_usage` asks, and `data: [DONE]`. A client that leaves stops its row.
+when `stream_options.include_usage` asks, and `data: [DONE]`.
+
+A client that leaves is noticed at once, streamed or not (ASGI's `http.disconnect`, which
+uvicorn sends when the connection closes): its job leaves the queue or its row ends at the next
+token, and its slot is free. Once the server stops (`stopping` set), a request waiting for a slot
+or for its body gets 503, and the ones queued or generating end with 503 (`SteeredLM.stop`).
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lit_interventions.serving.batcher import SHUTTING_DOWN
 from lit_interventions.serving.chat_handler import MODEL_PATHS, completion
 from lit_interventions.serving.chat_request import validate_request
 from lit_interventions.serving.completion_request import completion_prompt, request_options
@@ -93,6 +100,26 @@ def event_queue() -> tuple[asyncio.Queue, Callable[[tuple], None]]:
     return queue, emit
 
 
+async def _left(request: Request) -> None:
+    """Return once the client has disconnected (called after its body is read: the next ASGI
+    message is `http.disconnect`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first(awaitable, other, timeout: float | None = None):
+    """(True, the result of `awaitable`) if it ends first, else (False, None) once `other` ends
+    or `timeout` seconds pass; the one still running is cancelled."""
+    mine, theirs = asyncio.ensure_future(awaitable), asyncio.ensure_future(other)
+    try:
+        await asyncio.wait((mine, theirs), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        theirs.cancel()
+        if not mine.done():
+            mine.cancel()
+    return (True, mine.result()) if mine.done() and not mine.cancelled() else (False, None)
+
+
 async def _end(events: asyncio.Queue) -> str | None:
     """Wait for the reply to end: None, or the error message."""
     while True:
@@ -115,7 +142,7 @@ async def _stream(job, events: asyncio.Queue, chunks: Chunks, include_usage: boo
                 yield sse(chunks.piece(value))
                 continue
             if kind == EVENT_ERROR:
-                yield sse(error_payload(500, value))
+                yield sse(error_payload(job.reply.status, value))
             else:
                 yield sse(chunks.piece(finish=value))
                 if include_usage:
@@ -127,14 +154,15 @@ async def _stream(job, events: asyncio.Queue, chunks: Chunks, include_usage: boo
 
 
 async def _prepare(steered, kind: str, body):
-    """(prompt token ids, options) of a request body, every field checked."""
+    """(prompt token ids, options) of a request body, every field checked; the steering is the
+    one `SteeredLM.check` gives."""
     if kind == CHAT:
         messages, _, _ = validate_request(body, steered.max_new_tokens, allow_stream=True)
         tokenize = partial(steered.chat_ids, messages)
     else:
         tokenize = partial(steered.text_ids, completion_prompt(body))
     options = request_options(body, steered.max_new_tokens, steered.concept, steered.factor)
-    await run_in_threadpool(steered.check, options.steering)
+    options = replace(options, steering=await run_in_threadpool(steered.check, options.steering))
     return await run_in_threadpool(tokenize), options
 
 
@@ -149,42 +177,52 @@ def _once(fn):
     return call
 
 
-def steered_routes(steered, max_body_bytes: int = 1 << 20, timeout: float = 30.0, max_concurrent: int = 16):
+def steered_routes(
+    steered,
+    max_body_bytes: int = 1 << 20,
+    timeout: float = 30.0,
+    max_concurrent: int = 16,
+    stopping: asyncio.Event | None = None,
+):
     """The routes serving `steered` (a `SteeredLM`). `timeout` (seconds) bounds the wait for a
     slot (then 503, Retry-After: 1) and the body's arrival (then 408); a body over
-    `max_body_bytes` is 413."""
+    `max_body_bytes` is 413. `stopping`: set when the server stops (see the module doc)."""
     slots = asyncio.Semaphore(max_concurrent)
+    stopping = stopping or asyncio.Event()
 
     async def models(request: Request) -> JSONResponse:
         card = {"id": steered.name, "object": "model", "owned_by": "local"}
-        card |= {"artifacts": [a.where for a in steered.artifacts], "concepts": steered.concepts}
+        card |= {"artifacts": [a.where for a in steered.served], "concepts": steered.concepts}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def complete(request: Request, kind: str):
-        try:
-            await asyncio.wait_for(slots.acquire(), timeout)
-        except asyncio.TimeoutError as err:
-            raise Busy from err
+        got, _ = await _first(slots.acquire(), stopping.wait(), timeout)
+        if not got:
+            raise Busy(SHUTTING_DOWN if stopping.is_set() else "the server is busy; retry later")
         release, streaming = _once(slots.release), False
         try:
-            body = await read_json(request, max_body_bytes, timeout)
+            got, body = await _first(read_json(request, max_body_bytes, timeout), stopping.wait())
+            if not got:
+                raise Busy(SHUTTING_DOWN)
             ids, options = await _prepare(steered, kind, body)
             events, emit = event_queue()
             job = steered.submit(ids, options, emit)
             model = options.model or steered.name
             if options.stream:  # a stream cancelled before its first event still finishes (background)
-                finish = _once(lambda: (job.reply.cancelled.set(), release()))
+                finish = _once(lambda: (steered.cancel(job), release()))
                 stream = _stream(job, events, Chunks(kind, model), options.include_usage, finish)
                 headers = {"Cache-Control": "no-cache"}
                 response = StreamingResponse(stream, media_type="text/event-stream", headers=headers)
                 response.background, streaming = BackgroundTask(finish), True
                 return response
             try:
-                error = await _end(events)
+                ended, error = await _first(_end(events), _left(request))
             finally:
-                job.reply.cancelled.set()
+                steered.cancel(job)  # the client left (or the row has ended: then a no-op)
+            if not ended:
+                return Response(status_code=499)  # nobody reads it
             if error is not None:
-                return error_response(500, error)
+                return error_response(job.reply.status, error)
             shape = completion if kind == CHAT else text_completion
             reply = job.reply
             return JSONResponse(shape(model, reply.text, len(job.ids), len(reply.tokens), reply.finish))

@@ -24,6 +24,7 @@ live in `steered_lm.py` and `batcher.py`, the routes in `steered_routes.py`, the
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
@@ -58,8 +59,9 @@ def make_server(
 ) -> HTTPServer:
     """A server of `steered` bound to (host, port) (port 0: a free one; see
     `server.server_address`), not yet serving (`serve_forever()`, or
-    `serve_in_background(server)`; stop with `shutdown()`, then `steered.close()`).
-    `header_timeout` None: the smaller of 10 s and `timeout`."""
+    `serve_in_background(server)`; stop with `shutdown()`, then `steered.close()`). As the
+    server stops, the requests waiting, queued or generating end at once with 503
+    (`SteeredLM.stop`). `header_timeout` None: the smaller of 10 s and `timeout`."""
     limits = server_limits(
         max_body_bytes,
         max_concurrent,
@@ -69,8 +71,14 @@ def make_server(
         max_connections,
         max_connections_per_client,
     )
-    app = json_app(steered_routes(steered, max_body_bytes, timeout, max_concurrent))
-    return HTTPServer(app, host, port, limits)
+    stopping = asyncio.Event()
+
+    def stop() -> None:
+        stopping.set()
+        steered.stop()
+
+    app = json_app(steered_routes(steered, max_body_bytes, timeout, max_concurrent, stopping))
+    return HTTPServer(app, host, port, limits, on_stop=stop)
 
 
 def parser() -> Parser:
@@ -126,4 +134,4 @@ def main(args: list[str] | None = None) -> None:
     except ValueError as err:
         fail(str(err).splitlines()[0])
     server = make_server(steered, ns.host, ns.port, **limit_options(ns))
-    serve_until_stopped(server, f"{steered.name} with {', '.join(ns.artifact)}", "/v1", steered.close)
+    serve_until_stopped(server, f"{steered.lm_name} with {', '.join(ns.artifact)}", "/v1", steered.close)
