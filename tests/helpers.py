@@ -6,9 +6,11 @@ import csv
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -130,3 +132,19 @@ def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=120
     )
+
+
+@contextmanager
+def time_limit(seconds: int):
+    """Fail (not hang) what runs inside past `seconds`: a TimeoutError from SIGALRM."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the test ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import socket
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 from datamodules.concepts_generators import EndpointGenerator
 from lit_interventions.core.chat_endpoint import ChatRequestError, redact
 from lit_interventions.metrics.judge import make_judge
+from tests.helpers import time_limit
 
 TEST_LIMIT = 60  # seconds, per test
 KEY = "sk-test-0123456789abcdef0123456789abcdef"
@@ -27,15 +27,8 @@ KEY = "sk-test-0123456789abcdef0123456789abcdef"
 @pytest.fixture(autouse=True)
 def bounded():
     """Fail (not hang) a test that runs past TEST_LIMIT seconds."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past {TEST_LIMIT} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with time_limit(TEST_LIMIT):
+        yield
 
 
 def _reply(body: bytes, status: str = "200 OK", length: int | None = None) -> bytes:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
-from tests.helpers import ROOT
+from tests.helpers import ROOT, time_limit
 
 TEST_LIMIT = 180  # seconds, per test
 PROMPT = "The dog is here."
@@ -52,15 +52,8 @@ runpy.run_module("lit_interventions", run_name="__main__")
 @pytest.fixture(autouse=True)
 def bounded():
     """Fail (not hang) a test that runs past TEST_LIMIT seconds."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past {TEST_LIMIT} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with time_limit(TEST_LIMIT):
+        yield
 
 
 @pytest.fixture(scope="module")

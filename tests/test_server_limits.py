@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import select
-import signal
 import socket
 import time
 
@@ -16,6 +15,7 @@ import pytest
 
 from lit_interventions.serving.http_server import ServerLimits, serve_in_background
 from lit_interventions.serving.judge_server import make_server
+from tests.helpers import time_limit
 
 TEST_LIMIT = 60  # seconds, per test
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" * 8
@@ -26,15 +26,8 @@ REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\
 @pytest.fixture(autouse=True)
 def bounded():
     """Fail (not hang) a test that runs past TEST_LIMIT seconds."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past {TEST_LIMIT} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with time_limit(TEST_LIMIT):
+        yield
 
 
 @pytest.fixture
