@@ -84,7 +84,9 @@ def test_the_classes_compute_what_the_functions_do():
 
 
 def test_names_and_entries_give_specs():
-    assert registered_methods()[-3:] == ["fgsm", "pgd", "random_sign"]
+    names = registered_methods()
+    assert names[names.index("fgsm") : names.index("fgsm") + 3] == ["fgsm", "pgd", "random_sign"]
+    assert method_spec("fgsm") == MethodSpec("fgsm", f"{ATTACKS}.FGSM")
     assert method_spec("pgd") == MethodSpec("pgd", f"{ATTACKS}.PGD")
     assert method_spec("random_sign") == MethodSpec("random_sign", f"{ATTACKS}.RandomSign")
     entry = {"name": "still", "model": {"class_path": f"{HERE}.StandStill"}}
