@@ -55,7 +55,9 @@ class MethodSpec:
         other class is the method itself (a direction estimator, an attack): {class_path, init_args}."""
         if not isinstance(model, dict) or "class_path" not in model or set(model) - {"class_path", "init_args"}:
             got = sorted(model) if isinstance(model, dict) else repr(model)
-            raise ValueError(f"method {name!r}: model is {{class_path, init_args}} (train.py's model section); got {got}")
+            raise ValueError(
+                f"method {name!r}: model is {{class_path, init_args}} (train.py's model section); got {got}"
+            )
         init_args = model.get("init_args") or {}
         if not isinstance(init_args, dict):
             raise ValueError(f"method {name!r}: model.init_args={init_args!r} must be a mapping")
@@ -181,4 +183,36 @@ register_method(  # as configs/dbm.yaml: T annealed 1e-2 -> 1e-7, λ = 1e-3, lr 
     {"temperature": 0.01, "temperature_end": 1e-7},
     lr=0.01,
     objective={"class_path": "lit_interventions.objectives.CounterfactualLoss", "init_args": {"sparsity": 0.001}},
+)
+
+# RAVEL: the settings of configs/ravel/<name>.yaml (Huang et al. 2024, §4), objective L_Cause (+ L_Iso)
+_CAUSE_ISO = "lit_interventions.objectives.CauseIsoLoss"
+_MASK = "lit_interventions.interventions.mask.SigmoidMaskIntervention"
+_FEATURES = "lit_interventions.interventions.fitted.FeatureInterchangeFit"
+register_method(  # L_Cause + mean over the other attributes of L_Iso, k = 64, lr 1e-2
+    "mdas", _DAS, {"k": 64}, lr=0.01, objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": True}}
+)
+register_method(  # the multi-task loss with λ = 0, T annealed 1e-2 -> 1e-7, lr 1e-2
+    "mdbm",
+    _MASK,
+    {"temperature": 0.01, "temperature_end": 1e-7},
+    lr=0.01,
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": True, "sparsity": 0.0}},
+)
+register_method(  # f* = f(s), the whole vector
+    "full_swap",
+    "lit_interventions.interventions.featurizers.FullVectorSwap",
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": False}},
+)
+register_method(  # standardised PCA, components of an L1 SVM, C by dev Disentangle (RAVEL App. B.1)
+    "pca_features",
+    _FEATURES,
+    {"featurizer": "pca", "max_features": None, "select_by": "disentangle", "C": None, "standardize": True},
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": False}},
+)
+register_method(  # a trained SAE's L1-selected latents, f* = dec(z_mix); sae: the sae.safetensors to set
+    "sae",
+    _FEATURES,
+    {"featurizer": "sae", "sae": None, "max_features": None, "reconstruction_error": "drop"},
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": False}},
 )
