@@ -172,7 +172,10 @@ def choose_methods(methods: str | dict | list[str | dict]) -> list[MethodSpec]:
     """The methods asked for: a list of entries, each a registered name (`registry.registered_methods`)
     or {name: NAME, model: <train.py's model section>} (`registry.method_entry`: of an
     InterchangeModule section its intervention, lr, warmup_ratio and objective; the sweep sets the
-    LM, layer, region and dtype), or 'all' (`METHODS`). Each name once."""
+    LM, layer, region and dtype), or 'all' (`METHODS`). Each name once. The option is typed
+    `list[str | dict]`, not a TypedDict of {name, model}: jsonargparse would refuse another
+    mapping with a message of its own (a YAML) or read it as a name (the command line), where
+    `method_entry` names the entry and shows the form."""
     if methods == "all" or methods == ["all"]:
         return [method_spec(name) for name in METHODS]
     items = [methods] if isinstance(methods, (str, dict, MethodSpec)) else list(methods)
@@ -761,11 +764,7 @@ def run_sweep(
         tasks: task names of the template file, or 'all' (default: agr_sv_num_pp).
         methods: registered names (das, probe, diffmean, lda, pca, kmeans, random, lat, vanilla,
             dbm, ...) and {name: NAME, model: <train.py's model section>} entries
-            (`registry.method_entry`; the sweep sets lm, layer, region and dtype), a list of
-            both; or 'all' (CausalGym's nine: all of these but dbm). Typed `list[str | dict]`
-            rather than a TypedDict of {name, model}: jsonargparse would refuse any other mapping
-            with its own message (a YAML) or read it as a name (the command line), where
-            `method_entry` names the entry and shows the form.
+            (`choose_methods`), a list of both; or 'all' (CausalGym's nine: all but dbm).
         layers: layer indices (-1 = embeddings), or 'all'.
         templates: a template file in the CausalGym schema (default: our 29 tasks).
         pairs: a counterfactual pairs file instead (`datamodules/pairs.py`): one task, named

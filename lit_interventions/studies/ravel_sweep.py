@@ -202,17 +202,15 @@ def run_ravel_sweep(
     """Run (or resume) the RAVEL sweep; returns the summary rows.
 
     Args:
-        methods: registered names (`configs/<name>.yaml` where it exists: das, mdas, dbm, mdbm,
-            pca_features, sae, full_swap, diffmean, probe) and {name, model} entries
-            (`choose_methods`), or 'all' (the paper's: all of these but sae, diffmean, probe).
+        methods: registered names (das, mdas, dbm, mdbm, pca_features, sae, full_swap, ...) and
+            {name, model} entries (`choose_methods`), or 'all' (the paper's: these but sae).
         entity_type: an entity type of the data (built-in: city, physical_object).
         attributes: target attributes, or 'all' (every attribute of the entity type).
         ravel_dir: the published RAVEL directory (default: our built-in data).
         split: entity or context.
         source: attribute, wikipedia or mixed (where source prompts come from).
         lm: the LM; layer: the site's layer (default: each method config's layer).
-        k: the DAS / MDAS rank; epochs: training epochs (default: the method configs', 1 for a
-            method without one).
+        k: the DAS / MDAS rank; epochs: training epochs (default: the method configs', or 1).
         configs: the directory of the method configs.
         train_size, eval_size, max_candidates: as in RavelDataModule.
         accuracy: three_tokens (the official rule: 3 greedy tokens against the label's first 3)
