@@ -126,7 +126,7 @@ def test_a_composition_reads_the_source_only_for_its_interchange_parts(tiny_lm_d
     assert logits.shape == (len(batch), mixed.lm.config.vocab_size) and torch.isfinite(logits).all()
 
 
-def _module(intervention: dict, lr: float = 0.02, **init_args) -> dict:
+def _model_section(intervention: dict, lr: float = 0.02, **init_args) -> dict:
     """train.py's model section that trains `intervention` (InterchangeModule), a sweep's method."""
     init_args = {"intervention": intervention, "lr": lr, **init_args}
     return {"class_path": "lit_interventions.modules.interchange.InterchangeModule", "init_args": init_args}
@@ -182,8 +182,11 @@ def test_the_users_source_free_method_fits_on_ravel(tmp_path, tiny_lm_dir, monke
 
 def test_both_methods_run_in_the_causalgym_sweep_and_both_scoring_paths_agree(tmp_path, tiny_lm_dir):
     methods = [
-        {"name": "line", "model": _module({"class_path": "tests.user_methods.Line", "init_args": {"scale": 0.5}})},
-        {"name": "reflection", "model": _module({"class_path": "tests.user_methods.Reflection"})},
+        {
+            "name": "line",
+            "model": _model_section({"class_path": "tests.user_methods.Line", "init_args": {"scale": 0.5}}),
+        },
+        {"name": "reflection", "model": _model_section({"class_path": "tests.user_methods.Reflection"})},
     ]
     rows = {}
     for stacked in (True, False):
@@ -267,7 +270,7 @@ def test_the_grid_refuses_an_objective_without_row_losses_and_the_sweep_one_that
         MultiSiteInterchangeModule(lm=tiny_lm_dir("llama"), layer=1, regions=["subject"], objective=Whole())
     das = {"class_path": "lit_interventions.interventions.rotation.RotatedSpaceIntervention"}
     iso = {"class_path": "lit_interventions.objectives.CauseIsoLoss", "init_args": {"multitask": True}}
-    mdas = {"name": "mdas", "model": _module(das, objective=iso)}
+    mdas = {"name": "mdas", "model": _model_section(das, objective=iso)}
     with pytest.raises(ValueError, match="method 'mdas': objective CauseIsoLoss.* trains on Iso pairs"):
         causalgym_sweep.run_sweep(methods=[mdas], lm=tiny_lm_dir("llama"), out=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
