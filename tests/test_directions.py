@@ -14,6 +14,8 @@ from lit_interventions.interventions.directions import (
     default_probe_strength,
     fit_direction,
 )
+from lit_interventions.interventions.fitted import DirectionInterchange
+from lit_interventions.interventions.registry import method_spec
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 
 
@@ -244,3 +246,18 @@ def test_lat_needs_two_pairs_of_distinct_rows():
     X[0] = 2.0
     with pytest.raises(ValueError, match="at least 2 pairs of distinct rows"):
         LATDirection().fit(X)
+
+
+def test_the_names_are_the_registrys_direction_estimators():
+    assert METHODS == ("probe", "diffmean", "lda", "pca", "kmeans", "random", "lat")  # in registration order
+    assert all(
+        method_spec(name).class_path == f"{ProbeDirection.__module__}.{type(method_spec(name).build(4)).__name__}"
+        for name in METHODS
+    )
+    X, y, axis = two_classes(d=8, seed=2)
+    assert cos(fit_direction("diffmean", X, y), axis) > 0.95  # the registered spec, fitted
+    for name in ("das", "dbm"):  # registered, but not a direction: refused with the directions' names
+        with pytest.raises(ValueError, match=f"unknown direction method '{name}'; valid methods: probe, diffmean, lda"):
+            fit_direction(name, X, y)
+        with pytest.raises(ValueError, match=f"method={name!r} is not one of probe, diffmean, lda"):
+            DirectionInterchange(8, method=name)

@@ -250,7 +250,7 @@ def _cause_iso_by_hand(seen, attributes) -> dict:
     return {"cause": sum(cause) / len(cause), "iso": sum(iso.values()) / len(iso), "iso_per_attribute": iso}
 
 
-@pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "pca", "full_swap"])
+@pytest.mark.parametrize("config", ["das", "mdas", "dbm", "mdbm", "pca_features", "full_swap"])
 def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monkeypatch):
     """Each RAVEL method's config fits (or validates) end to end on a tiny model, with the data
     filter answered by an oracle that knows every city, and logs Cause / Iso / Disentangle."""
@@ -293,7 +293,7 @@ def test_ravel_configs_run_through_train_py(config, tmp_path, tiny_lm_dir, monke
         assert metrics[f"val/iso/{attribute}"].item() == pytest.approx(value, abs=1e-6), attribute
     assert metrics["val/disentangle"].item() == pytest.approx((metrics["val/cause"] + metrics["val/iso"]).item() / 2)
     assert cli.datamodule.hparams.multitask == config.startswith("m")  # linked from the model
-    if config == "pca":  # fitted on the train states, C chosen by the dev Disentangle of each C's swap
+    if config == "pca_features":  # fitted on the train states, C chosen by the dev Disentangle of each C's swap
         intervention = cli.model.intervention
         fitted = intervention.fitted
         assert isinstance(fitted, FeatureInterchange) and fitted.featurizer.n_features == 32

@@ -34,6 +34,7 @@ from lit_interventions.interventions.registry import (
     TRAINED,
     MethodSpec,
     kind,
+    method_entry,
     method_spec,
     register_method,
     registered_methods,
@@ -64,6 +65,13 @@ class PlantedDiffMean:
 
     def to_intervention(self) -> nn.Module:
         return FixedSubspaceIntervention(self.direction_)
+
+
+def _module(intervention, **init_args):
+    """train.py's model section: InterchangeModule with `intervention` and the loop's options."""
+    if intervention is not None:
+        init_args["intervention"] = intervention
+    return {"class_path": "lit_interventions.modules.interchange.InterchangeModule", "init_args": init_args}
 
 
 def _rows(path):
@@ -118,17 +126,22 @@ def test_registry_maps_short_names_to_specs():
         register_method("das", "lit_interventions.interventions.rotation.RotatedSpaceIntervention")
     with pytest.raises(ValueError, match="Unknown method 'nope'"):
         method_spec("nope")
-    with pytest.raises(ValueError, match="needs name and class_path"):
-        MethodSpec.from_config({"name": "x", "class_path": "a.B", "init_arg": {}})
+    with pytest.raises(
+        ValueError, match=r"a method is a registered name .* or \{name: NAME, model: .*got \['class_path'"
+    ):
+        method_entry({"name": "x", "class_path": "a.B", "init_arg": {}})
     with pytest.raises(ValueError, match="cannot be imported"):
         MethodSpec("x", "tests.test_method_seam.Nope").build(8)
 
 
 def test_methods_of_the_test_module_run_in_the_sweep_from_a_yaml_alone(tmp_path, tiny_lm_dir):
     methods = [
-        {"name": "diffmean", "class_path": "lit_interventions.interventions.directions.DiffMeanDirection"},
-        {"name": "planted", "class_path": "tests.test_method_seam.PlantedDiffMean"},
-        {"name": "line", "class_path": "tests.user_methods.Line", "init_args": {"scale": 0.5}, "lr": 0.02},
+        {"name": "diffmean", "model": {"class_path": "lit_interventions.interventions.directions.DiffMeanDirection"}},
+        {"name": "planted", "model": {"class_path": "tests.test_method_seam.PlantedDiffMean"}},
+        {
+            "name": "line",
+            "model": _module({"class_path": "tests.user_methods.Line", "init_args": {"scale": 0.5}}, lr=0.02),
+        },
         "vanilla",
     ]
     rows = _sweep_from_yaml(tmp_path, tiny_lm_dir("llama"), methods, stacked_scoring=False)
@@ -150,16 +163,12 @@ def sweep_file_keys(path):
 
 def test_dbm_in_the_sweep_equals_dbm_trained_alone_at_its_site(tmp_path, tiny_lm_dir):
     lm_dir = tiny_lm_dir("llama")
-    dbm = {
-        "name": "dbm",
+    mask = {
         "class_path": "lit_interventions.interventions.mask.SigmoidMaskIntervention",
         "init_args": {"temperature": 0.01, "temperature_end": 1.0e-07},
-        "lr": 0.01,
-        "objective": {
-            "class_path": "lit_interventions.objectives.CounterfactualLoss",
-            "init_args": {"sparsity": 0.001},
-        },
     }
+    objective = {"class_path": "lit_interventions.objectives.CounterfactualLoss", "init_args": {"sparsity": 0.001}}
+    dbm = {"name": "dbm", "model": _module(mask, lr=0.01, objective=objective)}
     rows = _sweep_from_yaml(tmp_path, lm_dir, [dbm, "das"])
     assert {m for m, _ in rows} == {"dbm", "das"}
     data = _region_data(TASK, None, lm_dir, "subject", None, SIZES)
@@ -199,25 +208,55 @@ def test_short_names_unknown_names_and_twice_are_refused_before_any_work(tmp_pat
     with pytest.raises(ValueError, match=r"Unknown methods \['magic'\]; valid: das, probe.*dbm"):
         sweep.run_sweep(methods=["das", "magic"], lm=lm_dir, out=str(tmp_path / "a"))
     with pytest.raises(ValueError, match="name a method twice"):
-        sweep.run_sweep(methods=["das", {"name": "das", "class_path": "a.B"}], lm=lm_dir, out=str(tmp_path / "b"))
+        sweep.run_sweep(
+            methods=["das", {"name": "das", "model": _module(None, k=2)}], lm=lm_dir, out=str(tmp_path / "b")
+        )
     with pytest.raises(ValueError, match="cannot be imported"):
-        sweep.run_sweep(methods=[{"name": "x", "class_path": "tests.nope.X"}], lm=lm_dir, out=str(tmp_path / "c"))
+        sweep.run_sweep(
+            methods=[{"name": "x", "model": {"class_path": "tests.nope.X"}}], lm=lm_dir, out=str(tmp_path / "c")
+        )
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
     assert [spec.name for spec in sweep.choose_methods("all")] == sweep.METHODS
 
 
-def test_ravel_methods_are_names_or_inline_class_path_configs():
+def test_ravel_methods_are_registered_names_or_name_and_model_entries(tmp_path):
     configs = Path("configs/ravel")
     section, epochs = ravel_sweep.method_config(configs, "full_swap")
-    inline = {"name": "mine", "model": section, "epochs": epochs}
-    assert ravel_sweep.choose_methods("all") == ravel_sweep.ALL
+    inline = {"name": "mine", "model": section}
+    assert [name for name, _, _ in ravel_sweep.choose_methods("all")] == ravel_sweep.ALL
     chosen = ravel_sweep.choose_methods(["das", inline])
-    options = ravel_sweep._method_options(configs, chosen, "gpt2", None, None, None)
+    options = ravel_sweep._method_options(chosen, "gpt2", None, None, None)
     assert list(options) == ["das", "mine"]
-    assert options["mine"] == ravel_sweep._method_options(configs, ["full_swap"], "gpt2", None, None, None)["full_swap"]
-    with pytest.raises(ValueError, match=r"Unknown methods \['nope'\]"):
+    assert options["das"][1] == 3 and options["mine"][1] == 1  # das.yaml's max_epochs; an inline method: 1
+    no_files = ravel_sweep.choose_methods(["full_swap"], tmp_path)  # the registered spec, as the file sets it
+    assert options["mine"] == ravel_sweep._method_options(no_files, "gpt2", None, None, None)["full_swap"]
+    with pytest.raises(ValueError, match=r"Unknown methods \['nope'\]; valid: das, .*pca_features, sae"):
         ravel_sweep.choose_methods(["nope"])
-    with pytest.raises(ValueError, match="RAVEL method config"):
+    with pytest.raises(ValueError, match=r"a method is a registered name .*got \['class_path', 'name'\]"):
         ravel_sweep.choose_methods([{"name": "x", "class_path": "a.B"}])
+    with pytest.raises(ValueError, match=r"got \['epochs', 'model', 'name'\]"):
+        ravel_sweep.choose_methods([{**inline, "epochs": 1}])
     with pytest.raises(ValueError, match="twice"):
         ravel_sweep.choose_methods([inline, inline])
+
+
+def test_a_ravel_method_without_a_config_file_runs_its_registry_spec():
+    configs = Path("configs/ravel")
+    lda, mdas = ravel_sweep.choose_methods(["lda", "mdas"], Path("tests"))  # no config files there
+    intervention = lda[1]["init_args"]["intervention"]
+    assert intervention == {"class_path": ravel_sweep.DIRECTION_INTERCHANGE, "init_args": {"method": "lda", "k": 8}}
+    assert lda[1]["init_args"]["objective"] == ravel_sweep.OBJECTIVE and lda[2] is None
+    section, _ = ravel_sweep.method_config(configs, "mdas")  # the registered mdas is what mdas.yaml sets
+    spec = mdas[1]["init_args"]
+    assert spec["intervention"]["init_args"] == {"k": section["init_args"]["k"]}
+    assert [spec[key] for key in ("layer", "lr", "warmup_ratio", "objective")] == [
+        section["init_args"][key] for key in ("layer", "lr", "warmup_ratio", "objective")
+    ]
+    for name in ("mdbm", "pca_features", "full_swap", "sae"):  # each file's intervention and objective
+        file = ravel_sweep.method_config(configs, name)[0]["init_args"]
+        built = ravel_sweep.choose_methods([name], Path("tests"))[0][1]["init_args"]
+        assert built["intervention"] == {"init_args": {}, **file["intervention"]}, name
+        assert built["objective"] == file["objective"], name
+        assert built.get("lr", 5e-3) == file.get("lr", 5e-3), name
+    with pytest.raises(ValueError, match="LDADirection is not an intervention"):
+        ravel_sweep.choose_methods([{"name": "x", "model": {"class_path": method_spec("lda").class_path}}])

@@ -2,13 +2,21 @@
 summary, the change matrix and its heatmap, resuming, and bad input before any work."""
 
 import csv
+import json
 
 import pytest
 from lit_interventions.datamodules.ravel import RavelDataModule
 
+from lit_interventions.interventions.registry import registered_methods
 from lit_interventions.studies import ravel_sweep as sweep
 from lit_interventions.studies.ravel_sweep import run_ravel_sweep
 from tests.test_ravel_data import oracle
+from tests.test_sweep import console
+
+SWAP = {  # train.py's model section of the full swap: the sweep sets lm and layer, RAVEL's objective
+    "class_path": "lit_interventions.modules.interchange.InterchangeModule",
+    "init_args": {"intervention": {"class_path": "lit_interventions.interventions.featurizers.FullVectorSwap"}},
+}
 
 
 @pytest.fixture
@@ -103,3 +111,55 @@ def test_out_dir_of_another_model_is_refused(tiny_sweep, tiny_lm_dir, monkeypatc
             eval_size=12,
             max_candidates=40,
         )
+
+
+def test_a_registered_name_and_a_model_section_run_from_the_console_script(tiny_sweep, tmp_path, capsys):
+    args, out = tiny_sweep
+    sweep.main([*args, "--methods=[full_swap]", "--attributes=[Country]"])  # the oracle's answers, cached
+    methods = json.dumps(["lda", {"name": "swap", "model": SWAP}])  # lda: no configs/ravel/lda.yaml
+    done = console(
+        "sweep", "ravel", *args, f"--methods={methods}", "--attributes=[Country]", f"--out={tmp_path / 'new'}"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line.split()[:2] for line in done.stdout.splitlines()]
+    assert ["lda", "average"] in printed and ["swap", "average"] in printed
+    rows = {r["method"]: r for r in _rows(tmp_path / "new" / "summary.csv")}
+    assert sorted(rows) == ["lda", "swap"] and all(r["attribute"] == "Country" for r in rows.values())
+    full_swap = _rows(out / "summary.csv")[0]  # the same swap as configs/ravel/full_swap.yaml: the same scores
+    assert [rows["swap"][k] for k in ("cause", "iso", "disentangle")] == [
+        full_swap[k] for k in ("cause", "iso", "disentangle")
+    ]
+    lda = {k: float(rows["lda"][k]) for k in ("cause", "iso", "disentangle")}
+    assert lda["disentangle"] == pytest.approx((lda["cause"] + lda["iso"]) / 2, abs=1e-6)
+    assert (tmp_path / "new" / "lda_changes.png").is_file()
+
+
+def test_a_registered_name_without_a_config_file_runs_as_its_file_sets_it(tiny_sweep, tmp_path):
+    args, out = tiny_sweep  # mdas from its registry spec (no file in tmp_path) and from configs/ravel/mdas.yaml
+    both = [*args, "--methods=[mdas]", "--attributes=[Country]", "--epochs=1"]
+    sweep.main([*both, f"--configs={tmp_path}", f"--out={tmp_path / 'spec'}"])
+    sweep.main(both)
+    spec, file = _rows(tmp_path / "spec" / "summary.csv"), _rows(out / "summary.csv")
+    assert [r["method"] for r in spec] == ["mdas"] and spec == file  # bit for bit
+    assert (tmp_path / "spec" / "changes.csv").read_text() == (out / "changes.csv").read_text()
+
+
+@pytest.mark.parametrize(
+    "methods,message",
+    [
+        ("[rlap]", f"Unknown methods ['rlap']; valid: {', '.join(registered_methods())} (or 'all')"),
+        (
+            json.dumps([{"name": "mine", "model": SWAP, "epochs": 1}]),
+            f"a method is a registered name ({', '.join(registered_methods())}) or {{name: NAME, model: "
+            "{class_path, init_args}} (train.py's model section); got ['epochs', 'model', 'name']",
+        ),
+    ],
+)
+def test_an_unknown_name_or_another_form_is_one_line_before_the_lm_loads(tmp_path, methods, message):
+    refused = console(
+        "sweep", "ravel", "--config", "configs/sweep_ravel.yaml", f"--lm={tmp_path / 'no_such_lm'}",
+        f"--methods={methods}", f"--out={tmp_path / 'out'}",
+    )  # fmt: skip  # no LM there: the refusal comes first
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.splitlines() == [f"error: {message}"]
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,9 @@
 import csv
 import functools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,9 @@ from lit_interventions.studies import causalgym_scoring as scoring
 from lit_interventions.studies import causalgym_sweep as sweep
 from lit_interventions.studies import causalgym_training as training
 from lit_interventions.studies.causalgym_tasks import _region_data
+from tests.helpers import ROOT
+
+DAS_SECTION = {"class_path": "lit_interventions.modules.interchange.InterchangeModule", "init_args": {"k": 1}}
 
 
 def _rows(path):
@@ -31,6 +37,15 @@ def _run(tmp_path, lm_dir, **kwargs):
         eval_pairs=4,
     )
     return sweep.run_sweep(**{**options, **kwargs})
+
+
+def console(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`lit-interventions ARGS`, the console script installed next to this Python, run from the
+    repository root, its output captured."""
+    script = Path(sys.executable).with_name("lit-interventions")
+    return subprocess.run(
+        [str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+    )
 
 
 def test_overall_odds_by_hand():
@@ -545,3 +560,46 @@ def test_das_does_not_train_sites_no_pair_differs_at(tiny_lm_dir, monkeypatch):
     for site in ((0, "The"), (2, "The")):
         assert torch.equal(trained[site].basis, fresh[site].basis)
     assert not torch.allclose(trained[(0, "subject")].basis, fresh[(0, "subject")].basis, atol=1e-3)
+
+
+def test_a_registered_name_and_a_model_section_run_from_the_console_script(tmp_path, tiny_lm_dir):
+    # {name, model}: an InterchangeModule section of DAS of rank 1 at the registered das's lr and
+    # warmup is the registered das, trained in its own loop: the same odds and IIA, bit for bit
+    config = {"methods": ["das", "diffmean", {"name": "mine", "model": DAS_SECTION}], "layers": [1]}
+    (tmp_path / "sweep.yaml").write_text(json.dumps(config))
+    done = console(
+        "sweep", "causalgym", "--config", "configs/sweep_causalgym.yaml", "--config", str(tmp_path / "sweep.yaml"),
+        f"--lm={tiny_lm_dir('llama')}", f"--out={tmp_path / 'out'}", "--train_pairs=10", "--eval_pairs=4",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[1] for line in lines[-4:-1]] == ["das", "diffmean", "mine"]  # the summary table
+    assert lines[-1] == f"files in {tmp_path / 'out'}"
+    rows = {(r["method"], r["region"]): (r["odds"], r["iia"]) for r in _rows(tmp_path / "out" / "results.csv")}
+    regions = ["The", "subject", "prep", "the", "object"]
+    assert sorted(rows) == sorted((m, r) for m in ("das", "diffmean", "mine") for r in regions)
+    assert all(rows[("mine", r)] == rows[("das", r)] for r in regions)
+    assert any(float(rows[("mine", r)][0]) != 0.0 for r in regions)
+    assert (tmp_path / "out" / "mine" / "agr_sv_num_pp_1.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "methods",
+    [
+        [{"name": "das", "class_path": "lit_interventions.interventions.rotation.RotatedSpaceIntervention"}],
+        ["diffmean", {"name": "mine", "model": DAS_SECTION, "lr": 0.01}],
+    ],
+)
+def test_the_class_path_form_is_one_error_line_showing_the_form_before_the_lm_loads(tmp_path, methods):
+    (tmp_path / "sweep.yaml").write_text(json.dumps({"methods": methods}))
+    refused = console(
+        "sweep", "causalgym", "--config", "configs/sweep_causalgym.yaml", "--config", str(tmp_path / "sweep.yaml"),
+        f"--lm={tmp_path / 'no_such_lm'}", f"--out={tmp_path / 'out'}",
+    )  # fmt: skip  # no LM there: the refusal comes first
+    assert refused.returncode == 2 and refused.stdout == ""
+    got = sorted(next(m for m in methods if isinstance(m, dict)))
+    assert refused.stderr.splitlines() == [
+        f"error: a method is a registered name ({', '.join(sweep.registered_methods())}) or {{name: NAME, model: "
+        f"{{class_path, init_args}}}} (train.py's model section); got {got}"
+    ]
+    assert not (tmp_path / "out").exists()

@@ -132,6 +132,12 @@ def test_a_composition_reads_the_source_only_for_its_interchange_parts(tiny_lm_d
     assert logits.shape == (len(batch), mixed.lm.config.vocab_size) and torch.isfinite(logits).all()
 
 
+def _model_section(intervention: dict, lr: float = 0.02, **init_args) -> dict:
+    """train.py's model section that trains `intervention` (InterchangeModule), a sweep's method."""
+    init_args = {"intervention": intervention, "lr": lr, **init_args}
+    return {"class_path": "lit_interventions.modules.interchange.InterchangeModule", "init_args": init_args}
+
+
 def _user_yaml(tmp_path, base_config: str, method: str, **init_args) -> str:
     """`base_config` with its intervention replaced by the user's class, as a user writes it."""
     config = yaml.safe_load((ROOT / base_config).read_text())
@@ -182,8 +188,11 @@ def test_the_users_source_free_method_fits_on_ravel(tmp_path, tiny_lm_dir, monke
 
 def test_both_methods_run_in_the_causalgym_sweep_and_both_scoring_paths_agree(tmp_path, tiny_lm_dir):
     methods = [
-        {"name": "line", "class_path": "tests.user_methods.Line", "init_args": {"scale": 0.5}, "lr": 0.02},
-        {"name": "reflection", "class_path": "tests.user_methods.Reflection", "lr": 0.02},
+        {
+            "name": "line",
+            "model": _model_section({"class_path": "tests.user_methods.Line", "init_args": {"scale": 0.5}}),
+        },
+        {"name": "reflection", "model": _model_section({"class_path": "tests.user_methods.Reflection"})},
     ]
     rows = {}
     for stacked in (True, False):
@@ -208,7 +217,7 @@ def test_the_users_source_free_method_runs_in_the_ravel_sweep(tmp_path, tiny_lm_
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(RavelDataModule, "predict_next", oracle(set(RavelDataModule(lm=lm).data.entities)))
     section = yaml.safe_load((ROOT / _user_yaml(tmp_path, "configs/ravel/das.yaml", "Reflection")).read_text())
-    methods = [{"name": "reflection", "model": section["model"], "epochs": 1}, "full_swap"]
+    methods = [{"name": "reflection", "model": section["model"]}, "full_swap"]  # --epochs: 1
     (tmp_path / "methods.yaml").write_text(yaml.safe_dump(methods))
     ravel_sweep.main(
         [
@@ -265,8 +274,9 @@ def test_the_grid_refuses_an_objective_without_row_losses_and_the_sweep_one_that
 
     with pytest.raises(ValueError, match="defines row_losses"):
         MultiSiteInterchangeModule(lm=tiny_lm_dir("llama"), layer=1, regions=["subject"], objective=Whole())
-    mdas = {"name": "mdas", "class_path": "lit_interventions.interventions.rotation.RotatedSpaceIntervention"}
-    mdas["objective"] = {"class_path": "lit_interventions.objectives.CauseIsoLoss", "init_args": {"multitask": True}}
+    das = {"class_path": "lit_interventions.interventions.rotation.RotatedSpaceIntervention"}
+    iso = {"class_path": "lit_interventions.objectives.CauseIsoLoss", "init_args": {"multitask": True}}
+    mdas = {"name": "mdas", "model": _model_section(das, objective=iso)}
     with pytest.raises(ValueError, match="method 'mdas': objective CauseIsoLoss.* trains on Iso pairs"):
         causalgym_sweep.run_sweep(methods=[mdas], lm=tiny_lm_dir("llama"), out=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

@@ -19,6 +19,8 @@ scaling change neither that nor the optimum).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
@@ -29,6 +31,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.utils import check_random_state
 from threadpoolctl import threadpool_limits
 
+from lit_interventions.interventions.registry import method_spec, registered_methods
 from lit_interventions.interventions.rotation import FixedSubspaceIntervention
 
 # (largest hidden size, λ): the paper's best L2 strengths at d = 128, 256, 512 (App. C, Table 2a),
@@ -295,24 +298,30 @@ class LATDirection(_Direction):
         return self.estimator_.components_[0]
 
 
-METHODS: dict[str, type] = {
-    "probe": ProbeDirection,
-    "diffmean": DiffMeanDirection,
-    "lda": LDADirection,
-    "pca": PCADirection,
-    "kmeans": KMeansDirection,
-    "random": RandomDirection,
-    "lat": LATDirection,
-}
+# the registered names (`registry.method_spec`) of the estimators defined here: probe, diffmean, lda,
+# pca, kmeans, random, lat
+METHODS: tuple[str, ...] = tuple(
+    name for name in registered_methods() if method_spec(name).class_path.rsplit(".", 1)[0] == __name__
+)
+
+
+def direction_estimator(method: str, hidden_size: int, seed: int = 0, **kwargs) -> _Direction:
+    """The unfitted estimator the registered name `method` (one of `METHODS`) builds, its init
+    args updated by `kwargs`, `random_state=seed` where it has one and `kwargs` leave it unset
+    (`MethodSpec.build`)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown direction method {method!r}; valid methods: {', '.join(METHODS)}")
+    spec = method_spec(method)
+    return dataclasses.replace(spec, init_args={**spec.init_args, **kwargs}).build(hidden_size, seed)
 
 
 def fit_direction(method: str, X, y=None, **kwargs) -> torch.Tensor:
-    """Fit METHODS[method](**kwargs) on (X, y) and return its unit direction, float32 (d,)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown direction method {method!r}; valid methods: {', '.join(METHODS)}")
-    return METHODS[method](**kwargs).fit(X, y).direction_
+    """Fit the registered direction estimator `method` (`direction_estimator`, init args
+    `kwargs`) on (X, y) and return its unit direction, float32 (d,)."""
+    width = np.shape(X)[-1] if np.ndim(X) else 0  # `fit` refuses an X that is not (n, d)
+    return direction_estimator(method, width, **kwargs).fit(X, y).direction_
 
 
 def fit_intervention(method: str, X, y=None, **kwargs) -> FixedSubspaceIntervention:
-    """Fit METHODS[method](**kwargs) on (X, y); the interchange on its direction."""
+    """Fit the registered direction estimator `method` on (X, y); the interchange on its direction."""
     return FixedSubspaceIntervention(fit_direction(method, X, y, **kwargs))

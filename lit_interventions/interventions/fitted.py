@@ -23,7 +23,7 @@ from torch import nn
 
 from lit_interventions.interventions.base import Intervention, register_intervention
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
-from lit_interventions.interventions.directions import fit_direction
+from lit_interventions.interventions.directions import direction_estimator
 from lit_interventions.interventions.feature_selection import DEFAULT_C_GRID, RAVEL_C_GRID, _check_C, feature_sweep
 from lit_interventions.interventions.featurizers import (
     FeatureInterchange,
@@ -214,8 +214,10 @@ class FeatureInterchangeFit(_Fitted):
 
 @register_intervention
 class DirectionInterchange(_Fitted):
-    """A closed-form direction (`method`: diffmean, probe, pca, lda, kmeans, lat, random) as an
-    interchange on its span; `k` one-vs-rest directions when the labels have more than 2 classes."""
+    """A closed-form direction (`method`: a registered direction estimator, `directions.METHODS`:
+    probe, diffmean, lda, pca, kmeans, random, lat; built by its registry spec with
+    `random_state=seed` where it has one) as an interchange on its span; `k` one-vs-rest directions
+    when the labels have more than 2 classes."""
 
     def __init__(self, hidden_size: int, method: str = "diffmean", k: int = 1, seed: int = 0):
         super().__init__()
@@ -226,9 +228,6 @@ class DirectionInterchange(_Fitted):
         self.hidden_size, self.method, self.k, self.seed = hidden_size, method, k, seed
         self.register_buffer("basis", torch.zeros(0, hidden_size))  # W, (k, d)
 
-    def _options(self) -> dict:
-        return {"random_state": self.seed} if self.method in ("probe", "pca", "kmeans", "random", "lat") else {}
-
     def fit(self, states: torch.Tensor, labels: list) -> DirectionInterchange:
         X = states.double().numpy()
         classes = [c for c, _ in Counter(labels).most_common()]
@@ -236,7 +235,10 @@ class DirectionInterchange(_Fitted):
             raise ValueError(f"{self.method} needs at least 2 classes among the labels; got {classes}")
         y = np.asarray(labels, dtype=object)
         targets = classes[:1] if len(classes) == 2 else classes[: self.k]
-        directions = [fit_direction(self.method, X, (y == c).astype(int), **self._options()) for c in targets]
+        directions = [
+            direction_estimator(self.method, self.hidden_size, self.seed).fit(X, (y == c).astype(int)).direction_
+            for c in targets
+        ]
         basis = torch.linalg.qr(torch.stack(directions).double().T).Q.T.float()  # orthonormal rows, (k, d)
         self.basis = basis.to(self.basis.device)
         self.needs_fit = False

@@ -1,11 +1,24 @@
-"""Short method names and the specs they stand for (SAELens' `register_sae_class` is the model).
+"""The one table of method names, for every study (SAELens' `register_sae_class` is the model).
 
 A method spec is a `class_path` and its `init_args`, as a YAML gives an intervention, plus the
 options of the loop that trains it (learning rate, warmup, objective), used only by a trained
-one. The registry maps short names (`das`, `probe`, `dbm`, ...) to specs; it holds strings only,
-and a spec's class is imported when it is built (`import_class`), whether it came from the
-registry or from a user's config. How a study runs a method follows from the capabilities of
-what its spec builds (`kind`): fitted in closed form, trained, or fixed.
+one. The registry maps unique short names to specs; it holds strings only, and a spec's class is
+imported when it is built (`import_class`), whether it came from the registry or from a user's
+config. Each name means one class in every study; what a study does with it follows from the
+capabilities of what its spec builds (`kind`: fitted in closed form, trained, or fixed) and from
+the study's data:
+
+    das, vanilla, dbm                         interventions (CausalGym; RAVEL with its configs)
+    probe, diffmean, lda, pca, kmeans,        direction estimators: one direction per CausalGym
+      random, lat                               site, one-vs-rest on RAVEL, one per AxBench concept
+    mdas, mdbm, full_swap, pca_features, sae  RAVEL
+    reft_r1, ssv                              AxBench's trained concept methods
+    fgsm, pgd, random_sign                    CALM's attacks and its random control
+    loreft, lora                              steering modules (`load_steering_checkpoint`)
+
+A study's method list takes a registered name or `{name: NAME, model: <train.py's model
+section>}` (`method_entry`). `register_intervention` (interventions/base.py) is the separate
+allow-list of the classes a saved artifact may name.
 """
 
 from __future__ import annotations
@@ -199,3 +212,35 @@ register_method("random_sign", f"{_ATTACKS}.RandomSign")
 _CONCEPT_METHODS = "lit_interventions.interventions.concept_methods"
 register_method("reft_r1", f"{_CONCEPT_METHODS}.ReFTR1Method", lr=0.01, warmup_ratio=0.0)
 register_method("ssv", f"{_CONCEPT_METHODS}.SSVMethod", lr=0.01, warmup_ratio=0.0)
+
+# RAVEL: the settings of configs/ravel/<name>.yaml (Huang et al. 2024, §4), objective L_Cause (+ L_Iso)
+_CAUSE_ISO = "lit_interventions.objectives.CauseIsoLoss"
+_MASK = "lit_interventions.interventions.mask.SigmoidMaskIntervention"
+_FEATURES = "lit_interventions.interventions.fitted.FeatureInterchangeFit"
+register_method(  # L_Cause + mean over the other attributes of L_Iso, k = 64, lr 1e-2
+    "mdas", _DAS, {"k": 64}, lr=0.01, objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": True}}
+)
+register_method(  # the multi-task loss with λ = 0, T annealed 1e-2 -> 1e-7, lr 1e-2
+    "mdbm",
+    _MASK,
+    {"temperature": 0.01, "temperature_end": 1e-7},
+    lr=0.01,
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": True, "sparsity": 0.0}},
+)
+register_method(  # f* = f(s), the whole vector
+    "full_swap",
+    "lit_interventions.interventions.featurizers.FullVectorSwap",
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": False}},
+)
+register_method(  # standardised PCA, components of an L1 SVM, C by dev Disentangle (RAVEL App. B.1)
+    "pca_features",
+    _FEATURES,
+    {"featurizer": "pca", "max_features": None, "select_by": "disentangle", "C": None, "standardize": True},
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": False}},
+)
+register_method(  # a trained SAE's L1-selected latents, f* = dec(z_mix); sae: the sae.safetensors to set
+    "sae",
+    _FEATURES,
+    {"featurizer": "sae", "sae": None, "max_features": None, "reconstruction_error": "drop"},
+    objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": False}},
+)

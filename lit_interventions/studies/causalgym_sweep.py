@@ -9,11 +9,14 @@ pairs file's (its stem the task's name, its regions `site` and `last`; `causalgy
 name, its regions, the regions its overall odds count, and a data factory the sweep asks for a
 region's data module.
 
-The methods are `class_path` configs ({name, class_path, init_args}, and for a trained one lr,
-warmup_ratio, objective; `lit_interventions.interventions.registry.MethodSpec`), listed in the
-YAML or named by their registered short names (`--methods "[das,probe]"`; `all`: CausalGym's
-das, probe, diffmean, lda, pca, kmeans, random, lat and vanilla; `dbm` is registered too). Each
-is run by what it can do (`causalgym_scoring`): trained, fitted in closed form, or fixed.
+The methods are entries of the one registry (`lit_interventions.interventions.registry`): a
+registered name (`--methods "[das,probe]"`; `all`: CausalGym's das, probe, diffmean, lda, pca,
+kmeans, random, lat and vanilla; `dbm` and the other studies' names are registered too) or, in
+the YAML, {name: NAME, model: <train.py's model section>}: of an InterchangeModule section its
+intervention (or DAS of its k), lr, warmup_ratio and objective; any other class_path is the method
+itself (a closed-form direction estimator). The sweep sets the LM, layer, region and dtype of every
+site itself, whatever the section holds. Each is run by what it can do (`causalgym_scoring`):
+trained, fitted in closed form, or fixed.
 
 Per task, the frozen LM's residual stream at every swept layer is computed once for all train
 and eval sentences (full batches, `ActivationCache.fill`). Each trained method (DAS, DBM, ...)
@@ -97,7 +100,13 @@ from lit_interventions.core.lm import DEFAULT_LM, DTYPES, hidden_size, load_conf
 from lit_interventions.core.parts import site_tap
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
-from lit_interventions.interventions.registry import TRAINED, MethodSpec, method_spec, registered_methods
+from lit_interventions.interventions.registry import (
+    TRAINED,
+    MethodSpec,
+    method_entry,
+    method_spec,
+    registered_methods,
+)
 from lit_interventions.modules.multisite import grid_objective
 from lit_interventions.objectives import build_objective
 from lit_interventions.studies import distributed
@@ -160,17 +169,18 @@ HEAD_SUMMARY_COLUMNS = ["task", "method", "head", *SUMMARY_COLUMNS[2:]]
 
 # --- plan: the methods, the heads, the units of work ----------------------------------------------
 def choose_methods(methods: str | dict | list[str | dict]) -> list[MethodSpec]:
-    """The methods asked for: registered short names (`registry.registered_methods`), method
-    configs ({name, class_path, init_args, ...}, `MethodSpec.from_config`), a list of both, or
-    'all' (`METHODS`). Each name once."""
+    """The methods asked for: a list of entries, each a registered name (`registry.registered_methods`)
+    or {name: NAME, model: <train.py's model section>} (`registry.method_entry`: of an
+    InterchangeModule section its intervention, lr, warmup_ratio and objective; the sweep sets the
+    LM, layer, region and dtype), or 'all' (`METHODS`). Each name once. The option is typed
+    `list[str | dict]`, not a TypedDict of {name, model}: jsonargparse would refuse another
+    mapping with a message of its own (a YAML) or read it as a name (the command line), where
+    `method_entry` names the entry and shows the form."""
     if methods == "all" or methods == ["all"]:
         return [method_spec(name) for name in METHODS]
     items = [methods] if isinstance(methods, (str, dict, MethodSpec)) else list(methods)
     choose_names([m for m in items if isinstance(m, str)], registered_methods(), "methods")
-    specs = [
-        method_spec(m) if isinstance(m, str) else m if isinstance(m, MethodSpec) else MethodSpec.from_config(m)
-        for m in items
-    ]
+    specs = [method_entry(m) for m in items]
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"methods {names} name a method twice: give each name once")
@@ -753,8 +763,8 @@ def run_sweep(
     Args:
         tasks: task names of the template file, or 'all' (default: agr_sv_num_pp).
         methods: registered names (das, probe, diffmean, lda, pca, kmeans, random, lat, vanilla,
-            dbm), method configs ({name, class_path, init_args[, lr, warmup_ratio, objective]}),
-            a list of both; or 'all' (CausalGym's: all of these but dbm).
+            dbm, ...) and {name: NAME, model: <train.py's model section>} entries
+            (`choose_methods`), a list of both; or 'all' (CausalGym's nine: all but dbm).
         layers: layer indices (-1 = embeddings), or 'all'.
         templates: a template file in the CausalGym schema (default: our 29 tasks).
         pairs: a counterfactual pairs file instead (`datamodules/pairs.py`): one task, named
@@ -786,8 +796,8 @@ def run_sweep(
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
     # every input is checked before the output directory is claimed: a refused run leaves nothing
-    found, data_meta = sweep_tasks(tasks, templates, pairs, control, lm, sizes)
     specs = choose_methods(methods)
+    found, data_meta = sweep_tasks(tasks, templates, pairs, control, lm, sizes)
     names = [spec.name for spec in specs]
     config = load_config(lm)
     layers = choose_layers(layers, num_layers(config))

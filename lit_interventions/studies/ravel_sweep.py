@@ -2,10 +2,16 @@
 
     lit-interventions sweep ravel --config configs/sweep_ravel.yaml --out DIR
 
-Each method is one config: a registered name (`configs/ravel/<method>.yaml`: its model options
-and epochs) or, in the sweep's own config, {name, model: {class_path, init_args}, epochs}; the sweep
-sets the model, layer, data and target attribute, fits on train, selects nothing on dev (the
-method configs are fixed) and scores the test split with the validation metric
+Each method is a registered name or {name: NAME, model: <train.py's model section>} (the one
+registry, `lit_interventions.interventions.registry`). A registered name with a file
+`configs/ravel/<name>.yaml` (das, mdas, dbm, mdbm, pca_features, sae, full_swap, diffmean, probe)
+runs that file's model section and epochs, the paper's settings; any other, and a {name, model}
+entry, runs its spec's model section (`spec.model()`: intervention, lr, warmup_ratio, objective)
+at layer 6 with RAVEL's objective L_Cause (`CauseIsoLoss(multitask: false)`) where it sets none,
+for `--epochs` epochs (default 1); a registered closed-form direction (pca, lda, ...) runs as
+`DirectionInterchange(method: NAME, k: 8)`. The sweep sets the LM (and with `--layer`, `--k` the
+layer and the DAS rank), the data and the target attribute, fits on train, selects nothing on
+dev (the method configs are fixed) and scores the test split with the validation metric
 (`metrics.disentangle.Disentanglement`). It writes
 
 - `DIR/summary.csv`: method, attribute, cause, iso, disentangle (one row per target attribute,
@@ -35,6 +41,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import yaml
+from torch import nn
 
 from lit_interventions.artifacts.plots import attribute_figure, report_figures, save_figures
 from lit_interventions.artifacts.results import Table
@@ -46,13 +53,26 @@ from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
 from lit_interventions.datamodules.ravel import ACCURACIES, RavelDataModule
 from lit_interventions.datamodules.ravel_files import load_ravel
+from lit_interventions.interventions.base import import_class
 from lit_interventions.interventions.capabilities import Fitted
+from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
+from lit_interventions.interventions.registry import (
+    INTERCHANGE_MODULE,
+    MethodSpec,
+    method_entry,
+    registered_methods,
+)
 from lit_interventions.metrics.disentangle import AVERAGES
 from lit_interventions.studies import distributed
 from lit_interventions.studies.configs import build_module, model_section
 
-METHODS = ["das", "mdas", "dbm", "mdbm", "pca", "sae", "full_swap"]
-ALL = [m for m in METHODS if m != "sae"]  # `all`: sae needs a trained SAE named in its config
+ALL = ["das", "mdas", "dbm", "mdbm", "pca_features", "full_swap"]  # `all`: the paper's (sae needs a trained SAE)
+CONFIGS = Path("configs/ravel")  # a registered name's settings, where configs/ravel/<name>.yaml exists
+LAYER = 6  # the site of configs/ravel/*.yaml: a method without a config file runs there too (--layer: another)
+OBJECTIVE = {"class_path": "lit_interventions.objectives.CauseIsoLoss", "init_args": {"multitask": False}}  # L_Cause
+DIRECTIONS_K = 8  # a registered direction's one-vs-rest directions (configs/ravel/diffmean.yaml)
+DAS = "lit_interventions.interventions.rotation.RotatedSpaceIntervention"
+DIRECTION_INTERCHANGE = "lit_interventions.interventions.fitted.DirectionInterchange"
 SUMMARY_COLUMNS = ["method", "attribute", "cause", "iso", "disentangle"]
 CHANGE_COLUMNS = ["method", "intervened", "queried", "change_rate"]
 SUMMARY = Table("summary", tuple(SUMMARY_COLUMNS), key=("method", "attribute"), numeric=("cause", "iso", "disentangle"))
@@ -66,6 +86,69 @@ def method_config(configs: Path, method: str) -> tuple[dict, int]:
         raise FileNotFoundError(f"No config for method {method!r}: {path} does not exist")
     config = yaml.safe_load(path.read_text())
     return model_section(path), int(config.get("trainer", {}).get("max_epochs", 1) or 1)
+
+
+def spec_section(spec: MethodSpec, registered: bool = False) -> dict:
+    """train.py's model section that runs `spec` at RAVEL's site: `spec.model()` at layer `LAYER`
+    with RAVEL's objective (`OBJECTIVE`) where the spec sets none. A registered closed-form
+    direction (`directions.METHODS`, `registered`) runs as DirectionInterchange(method: NAME,
+    k: `DIRECTIONS_K`), as configs/ravel/diffmean.yaml runs diffmean; any other class must be an
+    intervention (an `nn.Module`)."""
+    if registered and spec.name in DIRECTION_METHODS:
+        intervention = {"class_path": DIRECTION_INTERCHANGE, "init_args": {"method": spec.name, "k": DIRECTIONS_K}}
+        init_args = {"layer": LAYER, "intervention": intervention, "objective": OBJECTIVE}
+        return {"class_path": INTERCHANGE_MODULE, "init_args": init_args}
+    cls = import_class(spec.class_path)  # the registry's, or the user's own config's
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(
+            f"method {spec.name!r}: {spec.class_path} is not an intervention (an nn.Module); RAVEL runs an "
+            f"intervention in InterchangeModule, or a registered direction ({', '.join(DIRECTION_METHODS)})"
+        )
+    section = spec.model()
+    section["init_args"] = {"layer": LAYER, **section["init_args"]}
+    section["init_args"].setdefault("objective", OBJECTIVE)
+    return section
+
+
+def choose_methods(
+    methods: str | dict | list[str | dict], configs: Path = CONFIGS
+) -> list[tuple[str, dict, int | None]]:
+    """The methods asked for, each (name, train.py's model section, epochs: its config file's
+    max_epochs, None without one): a list of registered names (`registry.registered_methods`;
+    with a file `configs/<name>.yaml` its settings, else `spec_section` of its spec) and {name:
+    NAME, model: <train.py's model section>} entries (`registry.method_entry`, `spec_section`),
+    or 'all' (`ALL`). Each name once."""
+    items = (
+        list(ALL) if methods in ("all", ["all"]) else [methods] if isinstance(methods, (str, dict)) else list(methods)
+    )
+    choose_names([m for m in items if isinstance(m, str)], registered_methods(), "methods")
+    chosen = []
+    for item in items:
+        if isinstance(item, str) and (Path(configs) / f"{item}.yaml").is_file():
+            chosen.append((item, *method_config(Path(configs), item)))
+        else:
+            spec = method_entry(item)
+            chosen.append((spec.name, spec_section(spec, registered=isinstance(item, str)), None))
+    names = [name for name, _, _ in chosen]
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods {names} name a method twice: give each name once")
+    return chosen
+
+
+def _method_options(methods: list[tuple[str, dict, int | None]], lm: str, layer, k, epochs) -> dict:
+    """{name: ((its `model:` section, the sweep's overrides: lm, layer, k), epochs)}: `epochs`,
+    else the method's config file's max_epochs, else 1. `k` replaces the section's `k` or its DAS
+    intervention's."""
+    options = {}
+    for name, section, config_epochs in methods:
+        overrides = {"lm": lm, **({"layer": layer} if layer is not None else {})}
+        intervention = section.get("init_args", {}).get("intervention") or {}
+        if k is not None and "k" in section.get("init_args", {}):
+            overrides["k"] = k
+        elif k is not None and intervention.get("class_path") == DAS and "k" in intervention.get("init_args", {}):
+            overrides["intervention"] = {**intervention, "init_args": {**intervention["init_args"], "k": k}}
+        options[name] = ((section, overrides), epochs or config_epochs or 1)
+    return options
 
 
 def run_cell(
@@ -96,51 +179,6 @@ def run_cell(
     return metrics
 
 
-def inline_method(method: dict) -> tuple[str, dict, int]:
-    """(name, `model:` section, epochs) of a method given in the sweep's config:
-    {name, model: {class_path, init_args}, [epochs]}, what a method's config file holds."""
-    section = method.get("model")
-    unknown = sorted(set(method) - {"name", "model", "epochs"})
-    if (
-        unknown
-        or not isinstance(method.get("name"), str)
-        or not isinstance(section, dict)
-        or "class_path" not in section
-    ):
-        raise ValueError(
-            f"a RAVEL method config is {{name, model: {{class_path, init_args}}, epochs}}; got {sorted(method)}"
-        )
-    return method["name"], section, int(method.get("epochs") or 1)
-
-
-def choose_methods(methods: str | dict | list[str | dict]) -> list[str | dict]:
-    """The methods asked for: names of `METHODS` (each one config, `configs/<name>.yaml`),
-    method configs (`inline_method`), a list of both, or 'all' (`ALL`)."""
-    if methods in ("all", ["all"]):
-        return list(ALL)
-    items = [methods] if isinstance(methods, (str, dict)) else list(methods)
-    choose_names([m for m in items if isinstance(m, str)], METHODS, "methods")
-    names = [m if isinstance(m, str) else inline_method(m)[0] for m in items]
-    if len(set(names)) != len(names):
-        raise ValueError(f"methods {names} name a method twice: give each name once")
-    return items
-
-
-def _method_options(configs: Path, methods: list[str | dict], lm: str, layer, k, epochs) -> dict:
-    """{name: ((its `model:` section, the sweep's overrides: lm, layer, k), epochs)}."""
-    options = {}
-    for method in methods:
-        if isinstance(method, str):
-            name, (section, config_epochs) = method, method_config(configs, method)
-        else:
-            name, section, config_epochs = inline_method(method)
-        overrides = {"lm": lm, **({"layer": layer} if layer is not None else {})}
-        if k is not None and "k" in section.get("init_args", {}):
-            overrides["k"] = k
-        options[name] = ((section, overrides), epochs or config_epochs)
-    return options
-
-
 def run_ravel_sweep(
     methods: str | list[str | dict] = "all",
     entity_type: str = "city",
@@ -164,15 +202,15 @@ def run_ravel_sweep(
     """Run (or resume) the RAVEL sweep; returns the summary rows.
 
     Args:
-        methods: das, mdas, dbm, mdbm, pca, sae, full_swap, method configs (`inline_method`),
-            or 'all' (sae needs a trained SAE in its config).
+        methods: registered names (das, mdas, dbm, mdbm, pca_features, sae, full_swap, ...) and
+            {name, model} entries (`choose_methods`), or 'all' (the paper's: these but sae).
         entity_type: an entity type of the data (built-in: city, physical_object).
         attributes: target attributes, or 'all' (every attribute of the entity type).
         ravel_dir: the published RAVEL directory (default: our built-in data).
         split: entity or context.
         source: attribute, wikipedia or mixed (where source prompts come from).
         lm: the LM; layer: the site's layer (default: each method config's layer).
-        k: the DAS / MDAS rank; epochs: training epochs (default: the method configs').
+        k: the DAS / MDAS rank; epochs: training epochs (default: the method configs', or 1).
         configs: the directory of the method configs.
         train_size, eval_size, max_candidates: as in RavelDataModule.
         accuracy: three_tokens (the official rule: 3 greedy tokens against the label's first 3)
@@ -187,12 +225,12 @@ def run_ravel_sweep(
         raise ValueError(f"accuracy={accuracy!r}; choose one of {', '.join(ACCURACIES)}")
     if average not in AVERAGES:
         raise ValueError(f"average={average!r}; choose one of {', '.join(AVERAGES)}")
-    chosen = choose_methods(methods)
+    chosen = choose_methods(methods, Path(configs))
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     attributes = choose_names(attributes, data.attributes, "attributes")
     if layer is not None:
         choose_layers([layer], num_layers(load_config(lm)))
-    methods = list(method_options := _method_options(Path(configs), chosen, lm, layer, k, epochs))
+    methods = list(method_options := _method_options(chosen, lm, layer, k, epochs))
     out = Path(out)
     data_options = {
         "lm": lm,
