@@ -260,3 +260,25 @@ def test_a_ravel_method_without_a_config_file_runs_its_registry_spec():
         assert built.get("lr", 5e-3) == file.get("lr", 5e-3), name
     with pytest.raises(ValueError, match="LDADirection is not an intervention"):
         ravel_sweep.choose_methods([{"name": "x", "model": {"class_path": method_spec("lda").class_path}}])
+
+
+@pytest.mark.parametrize(
+    ("study", "name", "reason"),
+    [
+        ("causalgym", "fgsm", "needs probe, target, epsilon at each call, which the CausalGym sweep does not give"),
+        ("causalgym", "reft_r1", "is neither an intervention nor a direction estimator; the CausalGym sweep"),
+        ("causalgym", "loreft", "is a LightningModule of its own; the CausalGym sweep"),
+        ("ravel", "random_sign", "needs epsilon at each call, which the RAVEL sweep does not give"),
+        ("ravel", "lora", "is a LightningModule of its own; the RAVEL sweep"),
+    ],
+)
+def test_a_name_of_another_studys_kind_is_one_line_before_any_work(tmp_path, study, name, reason):
+    """Every name is in the one registry; a sweep refuses one it cannot run at a site (an attack,
+    a concept method, a steering module) by what its class can do, before the LM loads."""
+    from tests.helpers import run_command
+
+    done = run_command("sweep", study, f"--methods=[{name}]", f"--out={tmp_path / 'out'}", "--lm=no-such-lm")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: method {name!r} (") and reason in line
+    assert not (tmp_path / "out").exists()

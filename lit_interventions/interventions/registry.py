@@ -156,6 +156,31 @@ def method_entry(entry: str | dict | MethodSpec) -> MethodSpec:
     return MethodSpec.from_model(entry["name"], entry["model"])
 
 
+def check_site_method(spec: MethodSpec, study: str) -> None:
+    """Refuse, before any work, a method that `study` (a sweep) cannot run at a site: it runs an
+    intervention (an `nn.Module` whose forward takes the base and the source, and no context of
+    another study, e.g. an attack's probe) and a direction estimator (`fit(X, y)`). A
+    LightningModule, an AxBench concept method or a CALM attack is one ValueError naming it."""
+    cls = import_class(spec.class_path)
+    what = f"method {spec.name!r} ({spec.class_path})"
+    takes = "interventions (forward(base, source)) and direction estimators (fit(X, y))"
+    if isinstance(cls, type) and issubclass(cls, nn.Module):
+        if callable(getattr(cls, "training_step", None)):
+            raise ValueError(f"{what} is a LightningModule of its own; the {study} takes {takes}")
+        context = [
+            p.name
+            for p in inspect.signature(cls.forward).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+        ]
+        if context:
+            raise ValueError(
+                f"{what} needs {', '.join(context)} at each call, which the {study} does not give; it takes {takes}"
+            )
+        return
+    if not callable(getattr(cls, "fit", None)):
+        raise ValueError(f"{what} is neither an intervention nor a direction estimator; the {study} takes {takes}")
+
+
 def _parameters(path: str, name: str) -> set[str]:
     """The parameter names of the class at `path` (imported: the user's own config names it)."""
     cls = import_class(path)

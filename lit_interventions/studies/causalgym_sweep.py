@@ -103,6 +103,7 @@ from lit_interventions.core.signals import raise_pending
 from lit_interventions.interventions.registry import (
     TRAINED,
     MethodSpec,
+    check_site_method,
     method_entry,
     method_spec,
     registered_methods,
@@ -184,7 +185,8 @@ def choose_methods(methods: str | dict | list[str | dict]) -> list[MethodSpec]:
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"methods {names} name a method twice: give each name once")
-    for spec in specs:  # each objective is checked here, before any work
+    for spec in specs:  # each method and its objective are checked here, before any work
+        check_site_method(spec, "CausalGym sweep")
         objective = grid_objective(build_objective(spec))
         if objective.uses_iso:
             raise ValueError(

@@ -59,6 +59,7 @@ from lit_interventions.interventions.directions import METHODS as DIRECTION_METH
 from lit_interventions.interventions.registry import (
     INTERCHANGE_MODULE,
     MethodSpec,
+    check_site_method,
     method_entry,
     registered_methods,
 )
@@ -128,6 +129,7 @@ def choose_methods(
             chosen.append((item, *method_config(Path(configs), item)))
         else:
             spec = method_entry(item)
+            check_site_method(spec, "RAVEL sweep")
             chosen.append((spec.name, spec_section(spec, registered=isinstance(item, str)), None))
     names = [name for name, _, _ in chosen]
     if len(set(names)) != len(names):
