@@ -5,6 +5,7 @@ model loads; DiffMean fitted from a file equals the mean difference of its state
 hand, detects a planted concept on the held-out pairs, and the console command writes a dictionary
 that `detect` and `generate` use (tiny random-init models)."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def fields(rows) -> list[tuple]:
 
 def served(data: ContrastDataModule) -> dict:
     return {split: [vars(e) for e in examples] for split, examples in data.splits.items()}
+
+
+def _shared(path: Path) -> str:
+    """How a card names a data file (`artifacts.shareable`): its name and sha256, never its path."""
+    return f"{path.name} (sha256 {hashlib.sha256(path.read_bytes()).hexdigest()})"
 
 
 def test_jsonl_csv_and_a_saved_dataset_give_the_same_rows(tmp_path, tiny_lm_dir):
@@ -201,7 +207,7 @@ def test_diffmean_from_a_file_is_the_mean_difference_by_hand_and_detects_held_ou
     assert cli.trainer.callback_metrics["val/auroc/dogs"].item() == 1.0  # every held-out positive above its negative
     directory = Path(cli.trainer.log_dir)
     dictionary = Dictionary.from_pretrained(directory)
-    assert dictionary.concepts == ["dogs"] and dictionary.training_data == str(path)
+    assert dictionary.concepts == ["dogs"] and dictionary.training_data == _shared(path)
     scores = dictionary.detect(
         [row[side] for row in held_out for side in ("positive", "negative")], tokenizer=tokenizer
     )
@@ -247,7 +253,7 @@ def fitted(tmp_path, lm: str, config: str, *options: str):
     ]  # fmt: skip
     cli = run(argv)
     dictionary = Dictionary.from_pretrained(Path(cli.trainer.log_dir))
-    assert dictionary.concepts == ["dogs"] and dictionary.training_data == str(path)
+    assert dictionary.concepts == ["dogs"] and dictionary.training_data == _shared(path)
     return cli, dictionary
 
 
