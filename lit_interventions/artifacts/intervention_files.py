@@ -170,14 +170,9 @@ def save_pretrained(directory: str | Path, intervention: InterventionProtocol, c
     config, and the card's model, layer/site, data, metrics, command) and a `README.md` model card.
     Returns the directory."""
     directory = Path(directory)
-    tensors = {k: v.detach().cpu().contiguous().float() for k, v in intervention.export().items()}
-    check_finite(tensors, directory / WEIGHTS, "write")
     config = intervention_config(intervention, card or {})
     json.dumps(config)  # not JSON-able: fails before anything is written
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    write_atomically(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp))
+    write_weights(directory, intervention.export())
     write_hub_files(directory, config)
     return directory
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -35,20 +36,29 @@ def shareable(card: dict) -> dict:
     shared = dict(card)
     for key in FIELDS:
         if key in shared:
-            shared[key] = _value(shared[key], command=key == "command")
+            shared[key] = _mapped(shared[key], _in_command if key == "command" else _in_card)
     return shared
 
 
-def _value(value: Any, command: bool = False) -> Any:
+def _mapped(value: Any, replace: Callable[[str], str]) -> Any:
+    """`value` with `replace` applied to every string inside it (dicts and lists walked)."""
     if isinstance(value, dict):
-        return {k: _value(v) for k, v in value.items()}
+        return {k: _mapped(v, replace) for k, v in value.items()}
     if isinstance(value, list):
-        return [_value(v) for v in value]
-    if not isinstance(value, str):
-        return value
-    if command:
-        return _IN_COMMAND.sub(lambda m: Path(m.group(0)).name or m.group(0), value)
-    return _path_text(value) if _is_absolute(value) else value
+        return [_mapped(v, replace) for v in value]
+    return replace(value) if isinstance(value, str) else value
+
+
+def _in_command(text: str) -> str:
+    return _IN_COMMAND.sub(lambda m: Path(m.group(0)).name or m.group(0), text)
+
+
+def _in_card(text: str) -> str:
+    return _path_text(text) if _is_absolute(text) else text
+
+
+def _as_name(text: str) -> str:
+    return (Path(text).name or text) if _is_absolute(text) else text
 
 
 def _is_absolute(text: str) -> bool:
@@ -70,14 +80,4 @@ def _path_text(text: str) -> str:
 
 def shareable_yaml(text: str) -> str:
     """A YAML config (Lightning's resolved config.yaml) with every absolute path replaced by its name."""
-    return yaml.safe_dump(_names(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
-
-
-def _names(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _names(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_names(v) for v in value]
-    if isinstance(value, str) and _is_absolute(value):
-        return Path(value).name or value
-    return value
+    return yaml.safe_dump(_mapped(yaml.safe_load(text), _as_name), sort_keys=False, allow_unicode=True)
