@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_interventions.artifacts.intervention_files import load_intervention, save_pretrained
+from lit_interventions.artifacts.hub import read_config
+from lit_interventions.artifacts.intervention_files import load_pretrained, save_pretrained
 from lit_interventions.core.blocks import HEAD_COMPONENTS, head_counts, site_width
 from lit_interventions.core.forward import logits_at, position_ids, read_layers, read_site
 from lit_interventions.core.parts import BLOCKS, PER_HEAD, fused_layout
@@ -278,7 +279,7 @@ def test_fit_at_one_head_trains_das_and_fits_diffmean(tmp_path, tiny_lm_dir, met
     assert module.intervention.basis.shape == (1, 8)  # one head of head_dim 8
     assert Path(cli.trainer.log_dir).parent.name == "layer1_attention_head_h1"
     assert {"val/odds", "val/iia"} <= set(cli.trainer.callback_metrics)
-    loaded, card = load_intervention(cli.trainer.log_dir)  # the card records the site's heads
+    loaded, card = load_pretrained(cli.trainer.log_dir), read_config(cli.trainer.log_dir)  # the card records the head
     assert (card["component"], card["head"], card["layer"]) == ("attention_head", 1, 1)
     torch.testing.assert_close(loaded.basis, module.intervention.basis.detach())
     # the odds the callback logged are those of the intervention at head 1, recomputed here
