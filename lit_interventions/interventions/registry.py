@@ -12,7 +12,7 @@ the study's data:
     probe, diffmean, lda, pca, kmeans,        direction estimators: one direction per CausalGym
       random, lat                               site, one-vs-rest on RAVEL, one per AxBench concept
     mdas, mdbm, full_swap, pca_features, sae  RAVEL
-    reft_r1, ssv                              AxBench's trained concept methods
+    reft_r1, ssv                              AxBench's trained concept dictionaries
     fgsm, pgd, random_sign                    CALM's attacks and its random control
     loreft, lora                              steering modules (`load_steering_checkpoint`)
 
@@ -74,7 +74,7 @@ class MethodSpec:
         init_args = model.get("init_args") or {}
         if not isinstance(init_args, dict):
             raise ValueError(f"method {name!r}: model.init_args={init_args!r} must be a mapping")
-        if "intervention" not in _parameters(model["class_path"], name):
+        if "intervention" not in class_parameters(model["class_path"], name):
             return cls(name, model["class_path"], dict(init_args))
         intervention = init_args.get("intervention") or {"class_path": _DAS, "init_args": {"k": init_args.get("k", 1)}}
         if not isinstance(intervention, dict) or "class_path" not in intervention:
@@ -181,8 +181,9 @@ def check_site_method(spec: MethodSpec, study: str) -> None:
         raise ValueError(f"{what} is neither an intervention nor a direction estimator; the {study} takes {takes}")
 
 
-def _parameters(path: str, name: str) -> set[str]:
-    """The parameter names of the class at `path` (imported: the user's own config names it)."""
+def class_parameters(path: str, name: str) -> set[str]:
+    """The parameter names of the class at `path` (imported: the user's own config names it); a
+    path that is not a class is one ValueError naming the method `name`."""
     cls = import_class(path)
     try:
         return set(inspect.signature(cls).parameters)
@@ -232,11 +233,11 @@ register_method("fgsm", f"{_ATTACKS}.FGSM")
 register_method("pgd", f"{_ATTACKS}.PGD")
 register_method("random_sign", f"{_ATTACKS}.RandomSign")
 
-# AxBench: the trained concept methods (SteeringModule; its own lr, AxBench's 1e-2 with no warmup).
-# AxBench's closed forms are the direction estimators above, fitted once per concept.
-_CONCEPT_METHODS = "lit_interventions.interventions.concept_methods"
-register_method("reft_r1", f"{_CONCEPT_METHODS}.ReFTR1Method", lr=0.01, warmup_ratio=0.0)
-register_method("ssv", f"{_CONCEPT_METHODS}.SSVMethod", lr=0.01, warmup_ratio=0.0)
+# AxBench: the trained concept dictionaries (SteeringModule; its own lr, AxBench's 1e-2 with no
+# warmup). AxBench's closed forms are the direction estimators above, fitted once per concept.
+_ADDITIVE = "lit_interventions.interventions.additive"
+register_method("reft_r1", f"{_ADDITIVE}.ReFTR1Dictionary", lr=0.01, warmup_ratio=0.0)
+register_method("ssv", f"{_ADDITIVE}.SSVDictionary", lr=0.01, warmup_ratio=0.0)
 
 # RAVEL: the settings of configs/ravel/<name>.yaml (Huang et al. 2024, §4), objective L_Cause (+ L_Iso)
 _CAUSE_ISO = "lit_interventions.objectives.CauseIsoLoss"

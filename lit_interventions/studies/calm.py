@@ -35,7 +35,6 @@ data, probes, run, report, then `run_calm` and `main`.
 from __future__ import annotations
 
 import csv
-import inspect
 import io
 import json
 import math
@@ -63,7 +62,7 @@ from lit_interventions.datamodules.ravel_files import RavelData, load_ravel, val
 from lit_interventions.interventions.attacks import check_pgd, epsilon_scale
 from lit_interventions.interventions.base import import_class
 from lit_interventions.interventions.capabilities import intervene, is_source_free
-from lit_interventions.interventions.registry import FIXED, MethodSpec, kind, method_entry
+from lit_interventions.interventions.registry import FIXED, MethodSpec, class_parameters, kind, method_entry
 from lit_interventions.metrics.competence import Competence, competence_scores
 from lit_interventions.modules.probe import KINDS, ProbeModule, load_probe, train_probe
 
@@ -224,17 +223,9 @@ def _new_form(entry):
 def with_defaults(spec: MethodSpec, defaults: dict) -> MethodSpec:
     """`spec` with each of `defaults` added to its init_args where its class takes a parameter of
     that name and init_args leave it unset (the run's `alpha`, `steps` and `seed`)."""
-    accepted = _parameters(spec)
+    accepted = class_parameters(spec.class_path, spec.name)
     filled = {k: v for k, v in defaults.items() if k in accepted and k not in spec.init_args}
     return replace(spec, init_args={**filled, **spec.init_args})
-
-
-def _parameters(spec: MethodSpec) -> set[str]:
-    """The parameter names of `spec`'s class."""
-    try:
-        return set(inspect.signature(import_class(spec.class_path)).parameters)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"method {spec.name!r}: class_path={spec.class_path!r} is not a class: {error}") from error
 
 
 def build_attack(spec: MethodSpec):
