@@ -15,8 +15,8 @@ every token after the chat prefix, min-max normalised per concept, AUROC per con
   and genre-matched negatives for ReFT-r1, its positives and the negative pool for DiffMean), then
   its detection forwards over its eval rows. ReFT-r1: a `pyvene.IntervenableModel` with one rank-1
   intervention at the block output, a full forward (logits at every position) per step, loss
-  −log p(response) + λ·L1 (the method's formulas: `ReFTR1Method.intervention`, `.l1_term`,
-  `.l1_coefficient`), the config's AdamW and linear schedule, the gradient's parallel component
+  −log p(response) + λ_t·L1 (the dictionary's formulas: `ReFTR1Dictionary.forward`, `.penalty`,
+  `.anneal`), the config's AdamW and linear schedule, the gradient's parallel component
   removed, its norm clipped at 1.0, the row renormalised. DiffMean and detection: a full forward
   of the LM with a hook at the layer (AxBench's `gather_residual_activations`).
 The row of concept c starts from our dictionary's initial row c. With one concept the two sides
@@ -66,6 +66,7 @@ from lit_interventions.cli.parsing import fail
 from lit_interventions.core.hooks import residual_hook
 from lit_interventions.core.lm import DTYPES, check_device, hidden_size, load_config, num_layers
 from lit_interventions.interventions.additive import ConceptDictionary
+from lit_interventions.interventions.capabilities import intervene
 from lit_interventions.metrics.detection import ConceptAUROC, per_concept_shapes
 from lit_interventions.modules.steering_closed_form import fit_concept_rows, response_tokens
 from lit_interventions.modules.steering_objective import intervention_mask
@@ -138,18 +139,17 @@ def ours(setting: Setting) -> tuple[float, dict]:
 class ReFTR1Intervention(
     pyvene.SourcelessIntervention, pyvene.TrainableIntervention, pyvene.DistributedRepresentationIntervention
 ):
-    """AxBench's `TopKReLUIntervention` (rank 1) on the method's formula, Φ(h_i) = h_i +
-    mean(TopK(ReLU(h·w)))·w at the `where` tokens of the `trained` rows; `seen` records the latents
-    and the top k for the L1 term. The row is a one-row `ConceptDictionary` (unit norm)."""
+    """AxBench's `TopKReLUIntervention` (rank 1) on the dictionary's formula, Φ(h_i) = h_i +
+    mean(TopK(ReLU(h·w)))·w at the `where` tokens of the `trained` rows. The row is a one-row
+    `ReFTR1Dictionary` of the module's method's options, set by `train_reft_r1`."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs, keep_last_dim=True)  # (batch, positions, d), not flattened
-        self.dictionary = ConceptDictionary(1, int(self.embed_dim))
-        self.method, self.where, self.trained, self.seen = None, None, None, {}
+        self.dictionary, self.where, self.trained = None, None, None
 
     def forward(self, base, source=None, subspaces=None, **kwargs):
-        w = self.dictionary.weight.expand(len(base), -1)
-        return self.method.intervention(w, self.where, self.trained, self.seen)(base)
+        row = torch.zeros(len(base), dtype=torch.long, device=base.device)
+        return intervene(self.dictionary, base, concept_id=row, where=self.where, rows=self.trained)
 
 
 def on_device(batch: dict, device: str) -> dict:
@@ -160,14 +160,13 @@ def reft_r1_loss(intervenable, intervention: ReFTR1Intervention, module, batch: 
     """−log p(response) of the trained rows from a full intervened forward, + λ_step·L1."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     intervention.where = intervention_mask(batch, module.hparams.exclude_prefix)
-    intervention.trained, intervention.seen = module.method.trained_rows(batch), {}
+    intervention.trained = module.method.trained_rows(batch)
     every = [list(range(ids.shape[1]))] * len(ids)
     _, out = intervenable({"input_ids": ids, "attention_mask": mask}, unit_locations={"base": [every]})
     targets = batch["response_mask"][:, 1:].bool() & intervention.trained[:, None]
     lm_loss = F.cross_entropy(out.logits[:, :-1][targets].float(), ids[:, 1:][targets])
-    weight = intervention.dictionary.weight
-    l1 = module.method.l1_term(intervention.seen, intervention.trained, intervention.where, weight)
-    return lm_loss + module.method.l1_coefficient(step, total) * l1
+    intervention.dictionary.anneal(step, total)
+    return lm_loss + intervention.dictionary.penalty_weight * intervention.dictionary.penalty()
 
 
 def train_reft_r1(module, data, start: torch.Tensor, epochs: int, clip: float | None, device: str) -> torch.Tensor:
@@ -181,7 +180,8 @@ def train_reft_r1(module, data, start: torch.Tensor, epochs: int, clip: float | 
     intervenable.disable_model_gradients()
     intervention = next(iter(intervenable.interventions.values()))
     intervention = intervention[0] if isinstance(intervention, (tuple, list)) else intervention
-    intervention.method, dictionary = module.method, intervention.dictionary
+    dictionary = intervention.dictionary = type(module.method)(**module.method.config()).allocate(1, len(start))
+    dictionary.to(device)
     with torch.no_grad():
         dictionary.weight.copy_(start)
     loader = data.train_dataloader()

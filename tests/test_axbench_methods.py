@@ -17,12 +17,13 @@ from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.callbacks.dictionary import ExportDictionary
 from lit_interventions.interventions.additive import (
     ConceptDictionary,
+    ReFTR1Dictionary,
+    SSVDictionary,
     add_vector,
     non_topk_l1,
     reft_r1_intervention,
     topk_mean,
 )
-from lit_interventions.interventions.concept_methods import ReFTR1Method, SSVMethod
 from lit_interventions.interventions.directions import DiffMeanDirection, LATDirection, PCADirection, ProbeDirection
 from lit_interventions.metrics.detection import ConceptAUROC, min_max_normalise, sequence_scores
 from lit_interventions.modules.steering import SteeringModule
@@ -350,9 +351,47 @@ def test_concept_auroc_states_merge_like_ddp():
 # --- the module on the tiny llama ----------------------------------------------------------------
 
 
+def test_reft_r1_dictionary_is_the_formula_on_its_rows_with_its_penalty_and_ramp():
+    """ReFTR1Dictionary as an intervention: forward with no factor is Φ(h_i) = h_i +
+    mean(TopK(ReLU(h·w_c)))·w_c on the trained rows at the `where` tokens (a row outside them keeps
+    its states, even with concept_id −1); penalty() is the mean over the batch of each trained row's
+    non-top-k latents, averaged over its `where` tokens; anneal sets λ_t = λ·step/total."""
+    d = ReFTR1Dictionary(topk=2, l1=0.5).allocate(2, 6, seed=3)
+    base = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(4))
+    concept_id, rows = torch.tensor([0, -1, 1]), torch.tensor([True, False, True])
+    where = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    out = d(base, concept_id=concept_id, where=where, rows=rows)
+    penalties = []
+    for i in (0, 2):
+        w = d.weight[concept_id[i]].detach()
+        latents = torch.relu(base[i] @ w)
+        top = latents.masked_fill(~where[i], -1.0).topk(2).indices
+        shift = latents[top].mean() * w
+        torch.testing.assert_close(out[i][where[i]], (base[i] + shift)[where[i]])
+        assert torch.equal(out[i][~where[i]], base[i][~where[i]])
+        rest = torch.ones(5, dtype=torch.bool)
+        rest[top] = False
+        penalties.append((latents * (rest & where[i])).sum() / where[i].sum())
+    assert torch.equal(out[1], base[1])
+    torch.testing.assert_close(d.penalty(), (penalties[0] + penalties[1]) / 3)
+    with pytest.raises(ValueError, match="call forward with factor=None first"):
+        d.penalty()  # the latents belong to the last forward only
+    d.anneal(0, 10)
+    assert d.penalty_weight == 0.0
+    d.anneal(5, 10)
+    assert d.penalty_weight == 0.25
+    constant = ReFTR1Dictionary(l1=0.5, l1_ramp=False)
+    constant.anneal(0, 10)
+    assert constant.penalty_weight == 0.5
+    with pytest.raises(ValueError, match=r"training form \(factor=None\) takes \(batch, seq, d\) states"):
+        d(base[:, 0], concept_id=concept_id)
+    steered = d(base, concept_id=torch.tensor([0, 1, 1]), factor=2.0)  # with a factor it steers: h + α·w_c
+    torch.testing.assert_close(steered, base + 2.0 * d.weight.detach()[[0, 1, 1]][:, None, :])
+
+
 def test_reft_r1_step_updates_only_the_concepts_in_the_batch(tiny_lm_dir, tokenizer):
     module = SteeringModule(
-        lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=2, negative_l1=False), concept_names=CONCEPTS
+        lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Dictionary(topk=2, negative_l1=False), concept_names=CONCEPTS
     )
     rows = [r for r in make_rows(tokenizer) if r["concept_id"] == 0][:4]
     lm_loss, l1 = module._steered_loss(collate(rows))
@@ -393,20 +432,20 @@ def test_ssv_adds_w_at_every_token_of_positives_only(tiny_lm_dir, tokenizer):
 
 def test_ssv_init_sets_every_starting_coordinate(tiny_lm_dir, tokenizer):
     # init 0.0 starts at zero (Φ the identity); the default, AxBench's 0.01, starts elsewhere.
-    zero = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=SSVMethod(init=0.0), concept_names=CONCEPTS)
+    zero = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=SSVDictionary(init=0.0), concept_names=CONCEPTS)
     assert zero.dictionary.weight.abs().sum() == 0 and zero.method.config() == {"init": 0.0}
-    start = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=SSVMethod(init=-0.5), concept_names=CONCEPTS)
+    start = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=SSVDictionary(init=-0.5), concept_names=CONCEPTS)
     assert (start.dictionary.weight == -0.5).all()
     batch = collate([r for r in make_rows(tokenizer) if r["label"] == 1][:2])
     assert zero._steered_loss(batch)[0] != start._steered_loss(batch)[0]
     for bad in (float("nan"), float("inf"), "0.01", True):
         with pytest.raises(ValueError, match=r"init=.* must be a finite number"):
-            SSVMethod(init=bad)
+            SSVDictionary(init=bad)
 
 
 @pytest.mark.parametrize("method", ["reft_r1", "ssv"])
 def test_trained_methods_fit_and_keep_their_norm(tmp_path, tiny_lm_dir, tokenizer, method):
-    options = {"reft_r1": ReFTR1Method(topk=2, l1=5e-3)}
+    options = {"reft_r1": ReFTR1Dictionary(topk=2, l1=5e-3)}
     module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=options.get(method, method), lr=1e-2)
     data = SyntheticConcepts(tokenizer)
     trainer = _trainer(tmp_path, max_epochs=2)
@@ -430,7 +469,7 @@ def test_reft_r1_l1_coefficient_ramps_from_zero_as_axbench(tmp_path, tiny_lm_dir
     module = SteeringModule(
         lm=tiny_lm_dir("llama"),
         layer=1,
-        method=ReFTR1Method(topk=2, l1=0.5, l1_ramp=l1_ramp, train_on_negative=False),
+        method=ReFTR1Dictionary(topk=2, l1=0.5, l1_ramp=l1_ramp, train_on_negative=False),
     )
     parts, losses, steered = [], [], module._steered_loss
 
@@ -497,7 +536,7 @@ def test_bad_arguments_fail_before_loading(tiny_lm_dir):
     with pytest.raises(ValueError, match="layer=5 is out of range"):
         SteeringModule(lm=tiny_lm_dir("llama"), layer=5)
     with pytest.raises(ValueError, match="topk"):
-        SteeringModule(lm=tiny_lm_dir("llama"), method=ReFTR1Method(topk=0))
+        SteeringModule(lm=tiny_lm_dir("llama"), method=ReFTR1Dictionary(topk=0))
 
 
 def test_wired_to_the_axbench_data_module(tmp_path, tiny_lm_dir):
@@ -545,7 +584,7 @@ def _hand_reft_r1_loss(module, batch, trained, k):
 def test_reft_r1_trains_on_genre_negatives_by_hand(tiny_lm_dir, tokenizer):
     """train_on_negative (AxBench's sweeps): a concept's negatives get the same TopK intervention
     and the LM loss; without it only positives count."""
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=2), concept_names=CONCEPTS)
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Dictionary(topk=2), concept_names=CONCEPTS)
     rows = make_rows(tokenizer, train=False)
     batch = collate([rows[0], rows[13], rows[-2], rows[-1]], prefix=2)  # positives of 0 and 1, negatives of 0 and 1
     assert batch["label"].tolist() == [1, 1, 0, 0] and batch["concept_id"].tolist() == [0, 1, 0, 1]
@@ -567,7 +606,7 @@ def test_reft_r1_trains_on_genre_negatives_by_hand(tiny_lm_dir, tokenizer):
 
 
 def test_reft_r1_prefix_gets_no_intervention_and_is_never_in_the_topk(tiny_lm_dir, tokenizer):
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=3), concept_names=CONCEPTS)
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Dictionary(topk=3), concept_names=CONCEPTS)
     rows = make_rows(tokenizer, train=False)
     batch = collate([rows[0], rows[-2]], prefix=3)
     hidden = module.states(batch).detach()

@@ -27,8 +27,8 @@ from test_axbench_methods import CONCEPTS, SyntheticConcepts, _trainer
 
 from lit_interventions.artifacts.dictionary import Dictionary
 from lit_interventions.cli.lightning import train_main
+from lit_interventions.interventions.additive import ConceptDictionary, ReFTR1Dictionary, SSVDictionary
 from lit_interventions.interventions.capabilities import is_trained
-from lit_interventions.interventions.concept_methods import ReFTR1Method, SSVMethod, TrainedConceptMethod
 from lit_interventions.interventions.directions import LATDirection, PCADirection, ProbeDirection
 from lit_interventions.interventions.registry import FITTED, TRAINED, kind, method_spec
 from lit_interventions.modules.steering import SteeringModule, build_method, steering_methods
@@ -50,15 +50,25 @@ class PlantedDiffMean:
         return self
 
 
-class PlantedSSV(TrainedConceptMethod):
-    """Φ(h) = h + w_c on a concept's positives, w_c free norm: SSV written out here."""
+class PlantedSSV(ConceptDictionary):
+    """Φ(h) = h + w_c on a concept's positives (`rows`) at the `where` tokens, w_c free norm starting
+    at 0.01 (the built-in SSV's default), latent ReLU(h·w): SSV written out here."""
 
     name = "planted_ssv"
-    unit_norm = False
-    init = 0.01  # every coordinate's start, as the built-in SSV's default
+    latent = "relu"
 
-    def steer(self, hidden, w, where, seen):
-        return hidden + w.to(hidden.dtype)[:, None, :]
+    def __init__(self):
+        super().__init__(unit_norm=False, fill=0.01)
+
+    def forward(self, base, source=None, *, concept_id, factor=None, where=None, rows=None):
+        if factor is not None:
+            return super().forward(base, source, concept_id=concept_id, factor=factor)
+        w = self.weight[concept_id.clamp(min=0)]
+        keep = rows[:, None] & where
+        return torch.where(keep[:, :, None], base + w.to(base.dtype)[:, None, :], base)
+
+    def config(self):
+        return {}
 
 
 def _concept_dir(tmp_path) -> Path:
@@ -158,11 +168,11 @@ def test_a_trained_method_written_here_trains_as_the_builtin_ssv(tmp_path, tiny_
 def test_names_configs_and_instances_build_the_same_methods(tiny_lm_dir):
     axbench = {"diffmean", "pca", "lat", "probe", "lda", "kmeans", "random", "reft_r1", "ssv"}
     assert axbench <= set(steering_methods()) and not {"das", "vanilla", "dbm"} & set(steering_methods())
-    path = "lit_interventions.interventions.concept_methods.ReFTR1Method"
+    path = "lit_interventions.interventions.additive.ReFTR1Dictionary"
     assert method_spec("reft_r1").class_path == path and method_spec("ssv").lr == 0.01
-    for given in ("reft_r1", {"class_path": path, "init_args": {"topk": 3}}, ReFTR1Method(topk=3)):
+    for given in ("reft_r1", {"class_path": path, "init_args": {"topk": 3}}, ReFTR1Dictionary(topk=3)):
         built, name, options = build_method(given, 32, seed=0)
-        assert type(built) is ReFTR1Method and built.topk == (8 if given == "reft_r1" else 3) and name == "reft_r1"
+        assert type(built) is ReFTR1Dictionary and built.topk == (8 if given == "reft_r1" else 3) and name == "reft_r1"
         assert is_trained(built) and kind(built) == TRAINED and built.latent == "relu" and built.unit_norm
     lat, name, _ = build_method("lat", 32, seed=5)
     assert type(lat) is LATDirection and lat.random_state == 5 and name == "lat" and kind(lat) == FITTED
@@ -173,8 +183,8 @@ def test_names_configs_and_instances_build_the_same_methods(tiny_lm_dir):
     probe, name, _ = build_method({"class_path": f"{directions}.ProbeDirection", "init_args": {"l2": 1e-3}}, 32, 0)
     assert (probe.l2, probe.bias, name) == (1e-3, True, "probe")
     assert build_method(f"{SEAM}.PlantedDiffMean", 32, 0)[1] == "planted_diffmean"  # its own name
-    assert not SSVMethod().unit_norm and ReFTR1Method().card() == {"topk": 8, "l1": 5e-3}
-    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Method(topk=3, l1=0.0))
+    assert not SSVDictionary().unit_norm and ReFTR1Dictionary().card() == {"topk": 8, "l1": 5e-3}
+    module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=ReFTR1Dictionary(topk=3, l1=0.0))
     assert module.hparams.method == {
         "class_path": path,
         "init_args": {"topk": 3, "l1": 0.0, "l1_ramp": True, "negative_l1": False, "train_on_negative": True},
@@ -195,7 +205,8 @@ def test_names_configs_and_instances_build_the_same_methods(tiny_lm_dir):
 def test_the_class_paths_of_old_run_configs_build_their_estimators(tiny_lm_dir):
     """Run configs and checkpoints of closed-form runs name concept_methods.DiffMeanMethod, PCAMethod,
     LATMethod (pairs) and ProbeMethod (l2, bias; AxBench's 1e-3 and no bias unless given): each
-    builds the registered estimator with those options, and the card keeps its name."""
+    builds the registered estimator with those options, and the card keeps its name. Those of
+    trained runs name ReFTR1Method and SSVMethod: each builds the registered dictionary."""
     old = "lit_interventions.interventions.concept_methods"
     cases = [
         ({"class_path": f"{old}.DiffMeanMethod"}, "DiffMeanDirection", {}, "positives"),
@@ -219,6 +230,15 @@ def test_the_class_paths_of_old_run_configs_build_their_estimators(tiny_lm_dir):
         assert type(module.method).__name__ == cls and module.unsupervised_on == unsupervised_on
         assert {k: getattr(module.method, k) for k in options} == options
         assert module.method_name == cls.removesuffix("Direction").lower() and module.hparams.method == config
+    trained = [  # the trained methods' old class paths, with their options
+        ({"class_path": f"{old}.ReFTR1Method", "init_args": {"topk": 3}}, ReFTR1Dictionary, {"topk": 3, "l1": 5e-3}),
+        ({"class_path": f"{old}.SSVMethod", "init_args": {"init": 0.5}}, SSVDictionary, {"init": 0.5}),
+    ]
+    for (config, cls, options), name in zip(trained, ("reft_r1", "ssv")):
+        module = SteeringModule(lm=tiny_lm_dir("llama"), layer=1, method=config, concept_names=CONCEPTS)
+        assert type(module.method) is cls and module.method is module.dictionary
+        assert {k: getattr(module.method, k) for k in options} == options
+        assert module.method_name == name and module.hparams.method == config
 
 
 def test_an_old_run_config_validates_its_checkpoint_and_fits_again(tmp_path, tiny_lm_dir):
@@ -256,7 +276,9 @@ def test_bad_methods_and_moved_options_are_one_clear_error(tiny_lm_dir):
         SteeringModule(lm=lm, method="probe", probe_l2=0.1)
     with pytest.raises(ValueError, match=r"bias=False is an option of the probe method.*--model.method.bias False"):
         SteeringModule(lm=lm, method="diffmean", bias=False)
-    with pytest.raises(ValueError, match=r"init=0\.5 is an option of the ssv method.*method=SSVMethod\(init=0\.5\)"):
+    with pytest.raises(
+        ValueError, match=r"init=0\.5 is an option of the ssv method.*method=SSVDictionary\(init=0\.5\)"
+    ):
         SteeringModule(lm=lm, method="ssv", init=0.5)
     with pytest.raises(TypeError, match="unexpected keyword argument 'tpok'"):
         SteeringModule(lm=lm, tpok=2)
@@ -265,7 +287,7 @@ def test_bad_methods_and_moved_options_are_one_clear_error(tiny_lm_dir):
     with pytest.raises(ValueError, match="unsupervised_on='some'; valid: positives, all"):
         SteeringModule(lm=lm, method="lat", unsupervised_on="some")
     with pytest.raises(ValueError, match="topk=0 must be an integer >= 1"):
-        ReFTR1Method(topk=0)
+        ReFTR1Dictionary(topk=0)
     for das in ("das", {"class_path": "lit_interventions.interventions.rotation.RotatedSpaceIntervention"}):
         with pytest.raises(ValueError, match="'RotatedSpaceIntervention' is neither a direction estimator.*diffmean"):
             SteeringModule(lm=lm, method=das)
@@ -279,9 +301,9 @@ def test_the_cli_takes_a_short_name_a_class_path_and_its_init_args(tiny_lm_dir):
     lm = tiny_lm_dir("llama")
     common = [f"--model.lm={lm}", "--model.layer=1", f"--data.lm={lm}"]
     cli = train_main(["--config", "configs/reft_r1.yaml", *common, "--model.method.topk=3"], run=False)
-    assert type(cli.model.method) is ReFTR1Method and cli.model.method.topk == 3 and cli.model.method.l1 == 0.005
+    assert type(cli.model.method) is ReFTR1Dictionary and cli.model.method.topk == 3 and cli.model.method.l1 == 0.005
     cli = train_main(["--config", "configs/reft_r1.yaml", *common, "--model.init_args.method", "ssv"], run=False)
-    assert type(cli.model.method) is SSVMethod and cli.model.hparams.method == "ssv"
+    assert type(cli.model.method) is SSVDictionary and cli.model.hparams.method == "ssv"
     cli = train_main(
         ["--config", "configs/diffmean.yaml", *common, f"--model.method={SEAM}.PlantedDiffMean"], run=False
     )

@@ -244,7 +244,7 @@ def test_auto_strategy_with_max_memory_offloads_and_matches(tiny_lm_dir, offload
 def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, tokenizer, offload_dir, method):
     """The steering modules' LM loss and its gradient (ReFT-r1 and SSV through `residual_hook`
     at every token, LoReFT through `lm_loss`) are the same with blocks on disk."""
-    from lit_interventions.interventions.concept_methods import ReFTR1Method
+    from lit_interventions.interventions.additive import ReFTR1Dictionary
     from lit_interventions.modules.steering import SteeringModule
     from lit_interventions.modules.steering_loreft import LoReFTModule
     from tests.test_axbench_methods import CONCEPTS, collate, make_rows
@@ -259,7 +259,7 @@ def test_steering_on_an_offloaded_lm_equals_the_unsharded_one(tiny_lm_dir, token
             module = LoReFTModule(lm=lm_dir, layer=1, rank=2, **placement)
             loss = module.loss(batch)
         else:
-            reft_r1 = {"reft_r1": ReFTR1Method(topk=2)}
+            reft_r1 = {"reft_r1": ReFTR1Dictionary(topk=2)}
             module = SteeringModule(
                 lm=lm_dir, layer=1, method=reft_r1.get(method, method), concept_names=CONCEPTS, **placement
             )

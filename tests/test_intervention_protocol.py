@@ -22,7 +22,7 @@ from lit_interventions.artifacts.intervention_files import (
     save_intervention,
 )
 from lit_interventions.callbacks.export import ExportIntervention
-from lit_interventions.interventions.additive import ConceptDictionary
+from lit_interventions.interventions.additive import ConceptDictionary, ReFTR1Dictionary, SSVDictionary
 from lit_interventions.interventions.attacks import GradientAttack, RandomSignIntervention, fgsm, pgd
 from lit_interventions.interventions.base import InterventionProtocol
 from lit_interventions.interventions.directions import DiffMeanDirection, fit_intervention
@@ -96,12 +96,22 @@ CASES = {
         {"concept_id": torch.tensor([1, 1, 0, 2]), "factor": 4.0},
         False,
     ),
+    "reft_r1": (  # the steering form; the training form (no factor) is tested in test_axbench_methods.py
+        lambda: ReFTR1Dictionary(topk=2, l1=0.01, l1_ramp=False).allocate(3, D, seed=2),
+        {"concept_id": torch.tensor([2, 0, 1, 0]), "factor": 1.5},
+        False,
+    ),
+    "ssv": (
+        lambda: SSVDictionary(init=0.25).allocate(3, D),
+        {"concept_id": torch.tensor([1, 1, 0, 2]), "factor": torch.tensor([1.0, 2.0, -1.0, 0.5])},
+        False,
+    ),
     "loreft": (lambda: LoReFTIntervention(D, rank=2), {}, False),
     "pgd": (lambda: GradientAttack(_probe(), epsilon=0.3, steps=5), {"target": TARGET}, False),
     "fgsm": (lambda: GradientAttack.fgsm(_probe(), epsilon=0.3, targeted=False), {"target": TARGET}, False),
     "random_sign": (lambda: RandomSignIntervention(0.2, seed=7), {}, False),
 }
-SHOULD_TRAIN = {"das", "dbm", "dictionary", "dictionary_unit", "loreft"}
+SHOULD_TRAIN = {"das", "dbm", "dictionary", "dictionary_unit", "reft_r1", "ssv", "loreft"}
 
 
 def _run(module, base, source, context, interchange):

@@ -266,7 +266,8 @@ def test_a_ravel_method_without_a_config_file_runs_its_registry_spec():
     ("study", "name", "reason"),
     [
         ("causalgym", "fgsm", "needs probe, target, epsilon at each call, which the CausalGym sweep does not give"),
-        ("causalgym", "reft_r1", "is neither an intervention nor a direction estimator; the CausalGym sweep"),
+        ("causalgym", "reft_r1", "needs concept_id at each call, which the CausalGym sweep does not give"),
+        ("ravel", "ssv", "needs concept_id at each call, which the RAVEL sweep does not give"),
         ("causalgym", "loreft", "is a LightningModule of its own; the CausalGym sweep"),
         ("ravel", "random_sign", "needs epsilon at each call, which the RAVEL sweep does not give"),
         ("ravel", "lora", "is a LightningModule of its own; the RAVEL sweep"),

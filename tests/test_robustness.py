@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lit_interventions.core import lm, model_cache
-from lit_interventions.interventions.concept_methods import ReFTR1Method
+from lit_interventions.interventions.additive import ReFTR1Dictionary
 
 # --- the model cache ------------------------------------------------------------------------------
 
@@ -285,7 +285,7 @@ def test_infinite_lr_stops_the_run_before_export(tmp_path, tiny_lm_dir):
 
     with pytest.raises(ValueError, match=r"lr=inf must be a finite number > 0"):  # refused when given
         _steering_fit(tmp_path, tiny_lm_dir("llama"), method="reft_r1", lr=float("inf"))
-    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method=ReFTR1Method(topk=2))
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method=ReFTR1Dictionary(topk=2))
     module.optimizer_args.lr = module.hparams.lr = float("inf")  # as a config that slipped past the check would
     with pytest.raises(NonFiniteError) as err:
         trainer.fit(module, datamodule=data)
@@ -298,7 +298,7 @@ def test_infinite_lr_stops_the_run_before_export(tmp_path, tiny_lm_dir):
 def test_without_the_guard_the_run_exports_nan(tmp_path, tiny_lm_dir):
     """What the tester saw: the same run without the guard ends quietly; the dictionary refuses
     to write NaN vectors, so even then nothing non-finite reaches the disk."""
-    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), guard=False, method=ReFTR1Method(topk=2))
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), guard=False, method=ReFTR1Dictionary(topk=2))
     module.optimizer_args.lr = module.hparams.lr = float("inf")
     with pytest.raises(ValueError, match=r"dictionary.safetensors: refusing to write .*NaN/inf"):
         trainer.fit(module, datamodule=data)
@@ -342,7 +342,7 @@ def test_guard_through_train_py_exits_before_export(tmp_path, tiny_lm_dir, capsy
 
 
 def test_guard_is_quiet_on_a_healthy_run(tmp_path, tiny_lm_dir):
-    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method=ReFTR1Method(topk=2))
+    module, trainer, data = _steering_fit(tmp_path, tiny_lm_dir("llama"), method=ReFTR1Dictionary(topk=2))
     trainer.fit(module, datamodule=data)
     assert list(tmp_path.rglob("dictionary.safetensors"))
 

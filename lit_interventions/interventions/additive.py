@@ -5,10 +5,16 @@ all concepts train in one run; an example only touches the row of its own concep
 no Lightning. Formulas (AxBench, Wu et al. 2025, eqs. 4–10):
 
 - detection latent:  Ψ(h_i) = h_i·w (DiffMean, PCA, LAT, probe) or ReLU(h_i·w) (SSV, ReFT-r1);
-- SSV training:      Φ(h_i) = h_i + w, at every token (eq. 6);
+- SSV training:      Φ(h_i) = h_i + w, at every token (eq. 6; `SSVDictionary`);
 - ReFT-r1 training:  Φ(h_i) = h_i + mean(TopK(ReLU(h·w)))·w, at every token (eq. 9),
-                     with λ·Σ_{non-top-k}|latent| added to the LM loss (eq. 10);
-- steering:          Φ(h_i) = h_i + α·w, at every token.
+                     with λ·Σ_{non-top-k}|latent| added to the LM loss (eq. 10; `ReFTR1Dictionary`);
+- steering:          Φ(h_i) = h_i + α·w, at every token (every `ConceptDictionary`).
+
+The trained ones are interventions like any other, with their training form as `forward` with
+no factor, ReFT-r1's L1 term as `penalty()` and its ramp as `anneal(step, total)`; they are
+registered as `reft_r1` and `ssv` (`interventions.registry`). AxBench's closed forms (DiffMean,
+PCA, LAT, probe) are the direction estimators of `interventions.directions`, fitted once per
+concept into a plain `ConceptDictionary` (`modules.steering_closed_form`).
 
 w is kept unit norm for every method except SSV: after each optimizer step the rows are
 renormalised, and the gradient component parallel to w is removed before the step (Gao et al.
@@ -42,23 +48,47 @@ class ConceptDictionary(Intervention):
     them there with `remove_parallel_grad` + `renormalise`; False (SSV) starts every coordinate
     at `fill` and leaves the norm free. As an intervention it steers: forward(base, *,
     concept_id, factor) = base + α·w_c at every token.
+
+    The shape may wait for the data: built without `num_concepts` and `hidden_size`, it holds no
+    rows until `allocate(num_concepts, hidden_size, seed)` (what `SteeringModule` does once the
+    concepts are known). `latent` is how a detection latent is read from h·w ("linear", h·w).
+    Trained as an AxBench concept method (`SteeringModule`), a dictionary declares the rows that
+    train (`trained_rows`), what it needs of the data (`check_data`) and its card's fields
+    (`card`): the subclasses `ReFTR1Dictionary` and `SSVDictionary`.
     """
 
     edits_base_alone = True  # f* = forward(f(b)): a source state is refused
 
     trains = True
 
-    def __init__(self, num_concepts: int, hidden_size: int, unit_norm: bool = True, seed: int = 0, fill: float = 0.0):
+    latent = "linear"
+
+    def __init__(
+        self,
+        num_concepts: int | None = None,
+        hidden_size: int | None = None,
+        unit_norm: bool = True,
+        seed: int = 0,
+        fill: float = 0.0,
+    ):
         super().__init__()
-        if num_concepts < 1 or hidden_size < 1:
-            raise ValueError(f"num_concepts and hidden_size must be >= 1; got {num_concepts}, {hidden_size}")
-        self.unit_norm = unit_norm
-        if unit_norm:
+        self.unit_norm, self.fill = unit_norm, float(fill)
+        self.weight = nn.Parameter(torch.empty(0, 0))  # (C, d) once allocated
+        if num_concepts is not None or hidden_size is not None:
+            self.allocate(num_concepts, hidden_size, seed)
+
+    def allocate(self, num_concepts: int, hidden_size: int, seed: int = 0) -> ConceptDictionary:
+        """Fresh rows, (num_concepts × hidden_size): unit-norm Gaussian directions from `seed`, or
+        every coordinate at `fill` (not unit norm). Returns the dictionary."""
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (num_concepts, hidden_size)):
+            raise ValueError(f"num_concepts and hidden_size must be integers >= 1; got {num_concepts}, {hidden_size}")
+        if self.unit_norm:
             weight = torch.randn(num_concepts, hidden_size, generator=torch.Generator().manual_seed(seed))
             weight = weight / weight.norm(dim=-1, keepdim=True)
         else:
-            weight = torch.full((num_concepts, hidden_size), float(fill))
-        self.weight = nn.Parameter(weight)  # (C, d)
+            weight = torch.full((num_concepts, hidden_size), self.fill)
+        self.weight = nn.Parameter(weight)
+        return self
 
     @property
     def num_concepts(self) -> int:
@@ -124,9 +154,8 @@ class ConceptDictionary(Intervention):
         return {"unit_norm": self.unit_norm}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], unit_norm: bool = True) -> ConceptDictionary:
-        num_concepts, hidden_size = tensors["weight"].shape
-        module = cls(num_concepts, hidden_size, unit_norm)
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], **config) -> ConceptDictionary:
+        module = cls(**config).allocate(*tensors["weight"].shape)
         with torch.no_grad():
             module.weight.copy_(tensors["weight"])
         return module
@@ -145,6 +174,173 @@ class ConceptDictionary(Intervention):
         if self.unit_norm:
             norm = self.weight.data.norm(dim=-1, keepdim=True)
             self.weight.data /= norm.clamp(min=torch.finfo(norm.dtype).eps)
+
+    # --- as an AxBench concept method (SteeringModule) ------------------------------------------
+
+    def trained_rows(self, batch: dict) -> torch.Tensor:
+        """The rows that get the intervention and the LM loss, (batch,): a concept's positives."""
+        return (batch["concept_id"] >= 0) & (batch["label"] == 1)
+
+    def check_data(self, genre_negatives: bool | None) -> None:
+        """Refuse a data module whose `genre_negatives` (None: not said) does not suit the method."""
+
+    def card(self) -> dict:
+        """Further fields of the released dictionary's card."""
+        return {}
+
+    def _check_sequence(self, base: torch.Tensor, source: torch.Tensor | None) -> None:
+        """The training form Φ edits a sequence's states, (batch, seq, d), and reads no source."""
+        self._refuse_source(source)
+        if base.dim() != 3:
+            raise ValueError(
+                f"{type(self).__name__}'s training form (factor=None) takes (batch, seq, d) states; got shape "
+                f"{tuple(base.shape)}: pass a factor to steer"
+            )
+
+    def _trained_edit(
+        self, base: torch.Tensor, steered: torch.Tensor, where: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`steered` on the `rows` (batch,) at the `where` tokens (batch, seq), `base` elsewhere."""
+        keep = torch.ones(base.shape[:2], dtype=torch.bool, device=base.device) if where is None else where.bool()
+        if rows is not None:
+            keep = rows[:, None] & keep
+        return torch.where(keep[:, :, None], steered, base)
+
+
+@register_intervention
+class ReFTR1Dictionary(ConceptDictionary):
+    """ReFT-r1 (AxBench eqs. 8–10) as a concept dictionary: latent ReLU(h·w_c); trained with
+
+        Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c    at every intervened token,
+        loss   = −log p(response) + λ_t·Σ_{non-top-k}|latent|,   w_c unit norm.
+
+    `forward(base, concept_id=, factor=None, where=, rows=)` is Φ on the `rows` (batch,) at the
+    `where` tokens (batch, seq), where the TopK runs; with a `factor` it steers as every concept
+    dictionary does, h + α·w_c. The L1 term of the last Φ is `penalty()` (`Penalised`) and λ_t its
+    weight `penalty_weight`, set by `anneal(step, total)` (`Annealed`).
+
+    Args:
+        topk: k of the TopK over the sequence's latents (the paper does not give k).
+        l1: λ of the L1 term, a per-sequence mean over the intervened tokens (AxBench's code).
+        l1_ramp: λ_t = λ·step/total_steps, from 0 at the first step (AxBench's code); False: λ.
+        negative_l1: pool negatives (concept_id −1) also get the L1 term on every concept's latents
+            at all their tokens (on smollm2 it killed 5 of 10 rows, hence off).
+        train_on_negative: each concept also trains on its genre-matched negatives, the same Φ and
+            LM loss (AxBench's sweeps); needs the data module's `genre_negatives: true`.
+    """
+
+    latent = "relu"
+
+    def __init__(
+        self,
+        topk: int = 8,
+        l1: float = 5e-3,
+        l1_ramp: bool = True,
+        negative_l1: bool = False,
+        train_on_negative: bool = True,
+    ):
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"topk={topk!r} must be an integer >= 1")
+        if not (isinstance(l1, (int, float)) and 0 <= l1 < float("inf")):
+            raise ValueError(f"l1={l1!r} must be a finite number >= 0")
+        super().__init__(unit_norm=True)
+        self.topk, self.l1, self.l1_ramp = topk, l1, l1_ramp
+        self.negative_l1, self.train_on_negative = negative_l1, train_on_negative
+        self.penalty_weight = 0.0 if l1_ramp else l1
+        self._seen: dict[str, torch.Tensor] = {}
+
+    def forward(self, base, source=None, *, concept_id, factor=None, where=None, rows=None):
+        """Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c on `rows` at `where` (`factor` None), or
+        h + α·w_c (`factor` α). A row outside `rows` may carry concept_id −1."""
+        if factor is not None:
+            return super().forward(base, source, concept_id=concept_id, factor=factor)
+        self._check_sequence(base, source)
+        where = torch.ones(base.shape[:2], dtype=torch.bool, device=base.device) if where is None else where.bool()
+        rows = torch.ones(base.shape[0], dtype=torch.bool, device=base.device) if rows is None else rows
+        w = self.weight[concept_id.clamp(min=0)]  # (batch, d); unused outside `rows`
+        steered, latents, chosen = reft_r1_intervention(base, w, where, self.topk)
+        self._seen = {"latents": latents, "chosen": chosen, "hidden": base, "where": where, "rows": rows}
+        return self._trained_edit(base, steered, where, rows)
+
+    def penalty(self) -> torch.Tensor:
+        """The L1 term of the last Φ, a mean over the batch: a trained row's non-top-k latents of
+        its concept (AxBench eq. 10); with `negative_l1`, a row outside `rows` (a pool negative)
+        gets its latents of every concept at all its `where` tokens."""
+        seen, self._seen = self._seen, {}  # its tensors belong to one step's graph
+        if not seen:
+            raise ValueError("penalty() reads the latents of the last Φ: call forward with factor=None first")
+        rows, where = seen["rows"], seen["where"]
+        per_row = torch.where(
+            rows, non_topk_l1(seen["latents"], seen["chosen"], where), torch.zeros_like(seen["latents"][:, 0])
+        )
+        negative = ~rows
+        if self.negative_l1 and negative.any():
+            every = torch.relu(seen["hidden"][negative].float() @ self.weight.T)  # (neg, seq, C)
+            extra = torch.zeros_like(per_row)
+            extra[negative] = masked_token_mean(every, where[negative]).sum(-1)
+            per_row = per_row + extra
+        return per_row.mean()
+
+    def anneal(self, step: int, total: int) -> None:
+        """λ_t at training step `step` of `total`: λ·step/total with `l1_ramp` (AxBench: `coeff =
+        curr_step / num_training_steps`, 0 at the first step), else λ."""
+        self.penalty_weight = self.l1 * step / max(1, int(total)) if self.l1_ramp else self.l1
+
+    def trained_rows(self, batch: dict) -> torch.Tensor:
+        """A concept's positives and, with `train_on_negative`, its genre-matched negatives."""
+        own = batch["concept_id"] >= 0
+        return own if self.train_on_negative else own & (batch["label"] == 1)
+
+    def check_data(self, genre_negatives: bool | None) -> None:
+        if self.train_on_negative and genre_negatives is False:
+            raise ValueError(
+                "train_on_negative=True (AxBench) needs negatives per concept: set the data module's "
+                "genre_negatives: true, or set train_on_negative: false"
+            )
+
+    def card(self) -> dict:
+        return {"topk": self.topk, "l1": self.l1}
+
+    def config(self) -> dict:
+        return {
+            "topk": self.topk,
+            "l1": self.l1,
+            "l1_ramp": self.l1_ramp,
+            "negative_l1": self.negative_l1,
+            "train_on_negative": self.train_on_negative,
+        }
+
+
+@register_intervention
+class SSVDictionary(ConceptDictionary):
+    """SSV, a supervised steering vector (AxBench eqs. 6–7), as a concept dictionary: trained with
+    Φ(h_i) = h_i + w_c at every intervened token of a positive, loss −log p(response); latent
+    ReLU(h·w_c); w_c free norm. `forward(base, concept_id=, factor=None, where=, rows=)` is Φ on
+    the `rows` at the `where` tokens; with a `factor`, h + α·w_c.
+
+    Args:
+        init: every coordinate of w_c starts at this value (AxBench's `SteeringVectorIntervention`
+            fills its weight with 0.01); 0.0 starts at zero, where Φ is the identity.
+    """
+
+    latent = "relu"
+
+    def __init__(self, init: float = 0.01):
+        if isinstance(init, bool) or not isinstance(init, (int, float)) or not abs(init) < float("inf"):
+            raise ValueError(f"init={init!r} must be a finite number")
+        super().__init__(unit_norm=False, fill=init)
+        self.init = float(init)
+
+    def forward(self, base, source=None, *, concept_id, factor=None, where=None, rows=None):
+        """Φ(h_i) = h_i + w_c on `rows` at `where` (`factor` None), or h + α·w_c (`factor` α)."""
+        if factor is not None:
+            return super().forward(base, source, concept_id=concept_id, factor=factor)
+        self._check_sequence(base, source)
+        w = self.weight[concept_id.clamp(min=0)]  # (batch, d); unused outside `rows`
+        return self._trained_edit(base, base + w.to(base.dtype)[:, None, :], where, rows)
+
+    def config(self) -> dict:
+        return {"init": self.init}
 
 
 def topk_mean(latents: torch.Tensor, mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

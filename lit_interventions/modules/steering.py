@@ -6,10 +6,13 @@ registry (`interventions.registry`: `diffmean`, `pca`, `lat`, `probe`, `lda`, `k
 `reft_r1`, `ssv`), a {class_path, init_args} config or an instance, and the module asks it by
 capability.
 
-Trained by gradient (a `TrainedConceptMethod`, `trains`: automatic optimization, AdamW + linear
-schedule; `reft_r1`, `ssv`): the method gives the rows that train, Φ written at the layer and, if
-`L1Penalised`, the L1 term and its weight; the module runs the forward with Φ at every token after
-the chat prefix and takes −log p(response) (`steering_objective.py`). Unit-norm rows keep their
+Trained by gradient (a trained concept dictionary, a subclass of `ConceptDictionary`: automatic
+optimization, AdamW + linear schedule; `reft_r1`, `ssv`): the method is the dictionary itself, an
+intervention whose rows are allocated once the concepts are known. It gives the rows that train
+(`trained_rows`) and Φ as its `forward` with no factor, called through `intervene` at the layer on
+those rows at every token after the chat prefix; the module takes −log p(response)
+(`steering_objective.py`), plus, for a `Penalised` one (ReFT-r1), `penalty_weight`·`penalty()`,
+the weight set by `anneal(step, total)` before each step (`Annealed`). Unit-norm rows keep their
 norm: the gradient component parallel to w_c is removed before each step and the rows are
 renormalised after it.
 
@@ -58,8 +61,7 @@ from lit_interventions.core.lm import DEFAULT_LM, check_dtype, hidden_size, load
 from lit_interventions.core.optim import OptimizerArgs
 from lit_interventions.interventions.additive import ConceptDictionary, steering_units
 from lit_interventions.interventions.base import class_path, import_class
-from lit_interventions.interventions.capabilities import is_trained
-from lit_interventions.interventions.concept_methods import L1Penalised, TrainedConceptMethod
+from lit_interventions.interventions.capabilities import Annealed, Penalised, intervene, is_trained
 from lit_interventions.interventions.registry import MethodSpec, method_spec, registered_methods
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_closed_form import (
@@ -72,15 +74,17 @@ from lit_interventions.modules.steering_objective import intervention_mask
 
 DETECT_ON = ("content", "response")
 _CONCEPT_METHODS = "lit_interventions.interventions.concept_methods"
-# The class paths that the run configs and checkpoints of closed-form AxBench runs name
-# (`train.py validate --config RUN/config.yaml`), none of them imported: the registered direction
-# estimator each stands for, with the init_args it defaults to (AxBench's probe options). LATMethod's
-# `pairs` is SteeringModule's `unsupervised_on`.
+# The class paths that the run configs and checkpoints of AxBench runs name (`train.py validate
+# --config RUN/config.yaml`), none of them imported: the registered method each stands for, with
+# the init_args it defaults to (AxBench's probe options). LATMethod's `pairs` is SteeringModule's
+# `unsupervised_on`.
 RUN_CONFIG_METHODS = {
     f"{_CONCEPT_METHODS}.DiffMeanMethod": ("diffmean", {}),
     f"{_CONCEPT_METHODS}.PCAMethod": ("pca", {}),
     f"{_CONCEPT_METHODS}.LATMethod": ("lat", {}),
     f"{_CONCEPT_METHODS}.ProbeMethod": ("probe", {"l2": 1e-3, "bias": False}),
+    f"{_CONCEPT_METHODS}.ReFTR1Method": ("reft_r1", {}),
+    f"{_CONCEPT_METHODS}.SSVMethod": ("ssv", {}),
 }
 
 
@@ -92,12 +96,13 @@ def init_args(method: Any) -> dict:
 
 
 def _steering_class(cls: Any) -> bool:
-    """Whether `SteeringModule` takes instances of `cls`: a trained concept method, or a direction
+    """Whether `SteeringModule` takes instances of `cls`: a trained concept dictionary (a subclass
+    of `ConceptDictionary`, whose `forward` with no factor is its training form Φ), or a direction
     estimator (`fit`, not an `nn.Module`, which would be an interchange fitted on a site)."""
     if not isinstance(cls, type):
         return False
-    if issubclass(cls, TrainedConceptMethod):
-        return True
+    if issubclass(cls, ConceptDictionary):
+        return cls is not ConceptDictionary  # the plain dictionary holds fitted rows: no training form
     return callable(getattr(cls, "fit", None)) and not issubclass(cls, nn.Module) and not getattr(cls, "trains", False)
 
 
@@ -172,6 +177,7 @@ def method_of_config(method: str | dict) -> tuple[MethodSpec, str | None, dict]:
 def build_method(method: Any, hidden: int, seed: int) -> tuple[Any, str, dict]:
     """(the built method, the name its dictionary card carries, SteeringModule options its config
     sets) of a registered name, a class path, a {class_path, init_args} config or an instance. A
+    trained concept dictionary is built with no rows (given as an instance, it is used itself); a
     direction estimator is a copy whose `random_state` (where it has one) is `seed`. The card's
     name: the registered name it was given by, else its class's registered name, else its `name`
     attribute, else its class name."""
@@ -181,8 +187,8 @@ def build_method(method: Any, hidden: int, seed: int) -> tuple[Any, str, dict]:
         cls = import_class(spec.class_path)
         if not _steering_class(cls):
             raise ValueError(_not_a_steering_method(cls))
-        try:
-            built = spec.build(hidden, seed)
+        try:  # a trained dictionary's rows wait for the concepts (`ConceptDictionary.allocate`)
+            built = cls(**spec.init_args) if issubclass(cls, ConceptDictionary) else spec.build(hidden, seed)
         except TypeError as err:
             raise ValueError(f"method {spec.class_path!r}: bad init_args {sorted(spec.init_args)}: {err}") from err
     elif _steering_class(type(method)):
@@ -199,8 +205,8 @@ def build_method(method: Any, hidden: int, seed: int) -> tuple[Any, str, dict]:
 def _not_a_steering_method(cls: type) -> str:
     return (
         f"{getattr(cls, '__name__', cls)!r} is neither a direction estimator (fit(X, y) setting direction_, not an "
-        f"nn.Module) nor a trained concept method (a TrainedConceptMethod); registered methods SteeringModule "
-        f"takes: {', '.join(steering_methods())}"
+        f"nn.Module) nor a trained concept dictionary (a subclass of ConceptDictionary); registered methods "
+        f"SteeringModule takes: {', '.join(steering_methods())}"
     )
 
 
@@ -215,7 +221,8 @@ class SteeringModule(FrozenLMModule):
             estimators, fitted per concept), built with its registered init_args; a class path or a
             {class_path, init_args} config (YAML: `method: {class_path:
             lit_interventions.interventions.directions.ProbeDirection, init_args: {l2: 0.001, bias:
-            false}}`); or an instance, e.g. `ReFTR1Method(topk=8)`. A direction estimator's
+            false}}`); or an instance, e.g. `ReFTR1Dictionary(topk=8)`, whose rows are allocated
+            here once the concepts are known. A direction estimator's
             `random_state` is `direction_seed`. `probe` is `ProbeDirection`'s defaults (a bias,
             CausalGym's λ table); AxBench's probe is `{l2: 0.001, bias: false}` (configs/probe.yaml).
         concept_names: the concept names, one per row (concept_id indexes them). None: taken from
@@ -244,7 +251,7 @@ class SteeringModule(FrozenLMModule):
         self,
         lm: str = DEFAULT_LM,
         layer: int | None = None,
-        method: TrainedConceptMethod | BaseEstimator | str | dict = "reft_r1",
+        method: ConceptDictionary | BaseEstimator | str | dict = "reft_r1",
         concept_names: list[str] | None = None,
         exclude_prefix: bool = True,
         detect_on: str = "content",
@@ -275,8 +282,9 @@ class SteeringModule(FrozenLMModule):
         config = load_config(lm)  # the config only: the layer is checked before weights load
         layer = site_layer(config, layer)
         self._hidden_size = hidden_size(config)
-        self.method, self.method_name, options = build_method(method, self._hidden_size, direction_seed)
-        self._trains = is_trained(self.method)
+        built, self.method_name, options = build_method(method, self._hidden_size, direction_seed)
+        self._frozen: dict[str, object] = {"tokens": [], "method": built}  # not in state_dict
+        self._trains = is_trained(built)
         self.unsupervised_on = options.get("unsupervised_on", unsupervised_on)
         if self.latent not in LATENTS:
             raise ValueError(f"{self.method!r} declares latent={self.latent!r}; valid: {', '.join(LATENTS)}")
@@ -285,19 +293,24 @@ class SteeringModule(FrozenLMModule):
         if not isinstance(method, (str, dict)):  # a config that builds it again (checkpoints hold no objects)
             self.hparams.method = {"class_path": class_path(self.method), "init_args": init_args(self.method)}
         self.automatic_optimization = self._trains
-        self._frozen: dict[str, object] = {"tokens": []}  # the LM and collected states: not in state_dict
         self.dictionary: ConceptDictionary | None = None
         if concept_names is not None:
             self._build(list(concept_names))
 
     @property
+    def method(self) -> ConceptDictionary | Any:
+        """The concept method: a trained concept dictionary (once its rows are allocated, the
+        module's `dictionary` itself) or a direction estimator."""
+        return self._frozen["method"]
+
+    @property
     def latent(self) -> str:
-        """How a latent is read from h·w: the trained method's `latent`, "linear" for a direction."""
+        """How a latent is read from h·w: the trained dictionary's `latent`, "linear" for a direction."""
         return self.method.latent if self._trains else "linear"
 
     @property
     def unit_norm(self) -> bool:
-        """Whether the rows stay unit norm: the trained method's `unit_norm`; a direction always is."""
+        """Whether the rows stay unit norm: the trained dictionary's `unit_norm`; a direction always is."""
         return self.method.unit_norm if self._trains else True
 
     # --- set-up ------------------------------------------------------------------------------
@@ -306,14 +319,11 @@ class SteeringModule(FrozenLMModule):
         if not concepts or len(set(concepts)) != len(concepts):
             raise ValueError(f"concepts must be a non-empty list of distinct names; got {concepts!r}")
         self.hparams.concept_names = [str(c) for c in concepts]
-        n = len(concepts)
-        self.dictionary = ConceptDictionary(
-            n,
-            self._hidden_size,
-            unit_norm=self.unit_norm,
-            seed=self.hparams.direction_seed,
-            fill=self.method.init if self._trains else 0.0,
-        )
+        n, seed = len(concepts), self.hparams.direction_seed
+        if self._trains:  # the method's own rows, trained
+            self.dictionary = self.method.allocate(n, self._hidden_size, seed)
+        else:  # the rows the direction estimator fits
+            self.dictionary = ConceptDictionary(n, self._hidden_size, unit_norm=True, seed=seed)
         self.register_buffer("max_activations", torch.full((n,), float("nan")))
 
     def configure_model(self) -> None:
@@ -357,25 +367,26 @@ class SteeringModule(FrozenLMModule):
     def _steered_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(−log p(response) of the trained rows under the intervention, the L1 term) for a batch."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        where = self.intervention_mask(batch)  # (batch, seq)
         trained = self.trained_rows(batch)  # (batch,)
-        w = self.dictionary.weight[batch["concept_id"].clamp(min=0)]  # (batch, d); unused on untrained rows
-        seen: dict[str, torch.Tensor] = {}
-        intervene = self.method.intervention(w, where, trained, seen)
-        penalised = isinstance(self.method, L1Penalised)
+        context = {"concept_id": batch["concept_id"], "where": self.intervention_mask(batch), "rows": trained}
+
+        def edit(hidden):  # Φ at the layer, (batch, seq, d): the dictionary's training form
+            return intervene(self.dictionary, hidden, **context)
+
+        penalised = isinstance(self.dictionary, Penalised)
         targets = batch["response_mask"][:, 1:].bool() & trained[:, None]  # token t+1 is predicted at t
         if targets.any():
-            with residual_hook(self.lm, self.hparams.layer, intervene, self.device):
+            with residual_hook(self.lm, self.hparams.layer, edit, self.device):
                 final = run_body(self.lm, ids, mask).last_hidden_state  # (batch, seq, d)
             logits = final_logits(self.lm, final[:, :-1][targets])  # (n_targets, vocab)
             lm_loss = F.cross_entropy(logits.float(), ids[:, 1:][targets])
         else:  # nothing to predict (the sum keeps the graph for DDP)
             lm_loss = self.dictionary.weight.sum() * 0.0
             if penalised:
-                intervene(self.states(batch))  # the L1 term needs only the states at the layer
+                edit(self.states(batch))  # the L1 term needs only the states at the layer
         if not penalised:
             return lm_loss, lm_loss.detach() * 0.0
-        return lm_loss, self.method.l1_term(seen, trained, where, self.dictionary.weight)
+        return lm_loss, self.dictionary.penalty()
 
     def on_fit_start(self):
         """The method refuses a data module that does not suit it (ReFT-r1 with `train_on_negative`
@@ -392,20 +403,17 @@ class SteeringModule(FrozenLMModule):
     def training_step(self, batch, batch_idx):
         if not self.automatic_optimization:
             return self._collect(batch)
+        if isinstance(self.dictionary, Annealed):  # ReFT-r1's λ_t = λ·step/total
+            self.dictionary.anneal(self.global_step, self.trainer.estimated_stepping_batches)
         lm_loss, l1 = self._steered_loss(batch)
-        loss = lm_loss + self.l1_coefficient() * l1
+        penalised = isinstance(self.dictionary, Penalised)
+        loss = lm_loss + (self.dictionary.penalty_weight if penalised else 0.0) * l1
         size = len(batch["label"])
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/lm_loss", lm_loss, batch_size=size)
-        if isinstance(self.method, L1Penalised):
+        if penalised:
             self.log("train/l1", l1, batch_size=size)
         return loss
-
-    def l1_coefficient(self) -> float:
-        """λ at this step, as the method weighs its L1 term (0 for a method without one)."""
-        if not isinstance(self.method, L1Penalised):
-            return 0.0
-        return self.method.l1_coefficient(self.global_step, self.trainer.estimated_stepping_batches)
 
     def on_before_optimizer_step(self, optimizer):
         self.dictionary.remove_parallel_grad()

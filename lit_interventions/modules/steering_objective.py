@@ -1,9 +1,9 @@
 """The objective of AxBench's trained concept methods (automatic optimization, AdamW + linear schedule).
 
-`SteeringModule` runs the frozen LM with the method's Φ written at the layer on the rows the
-method trains (`trained_rows`, `intervention`) and takes −log p(response) of those rows; a
-`L1Penalised` method (ReFT-r1) adds λ·its L1 term. The formulas are the methods' own
-(`lit_interventions.interventions.concept_methods`):
+`SteeringModule` runs the frozen LM with the trained dictionary's Φ (its `forward` with no
+factor) written at the layer on the rows it trains (`trained_rows`) and takes −log p(response) of
+those rows; a `Penalised` one (ReFT-r1) adds λ_t·`penalty()`, its L1 term. The formulas are the
+dictionaries' own (`lit_interventions.interventions.additive`):
 
 - ReFT-r1: Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c, loss −log p(response) +
   λ·Σ_{non-top-k}|latent| (AxBench eqs. 9–10), λ ramped up from 0 (`l1_ramp`); by default
