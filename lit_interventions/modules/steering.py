@@ -288,9 +288,10 @@ class SteeringModule(FrozenLMModule):
         self.unsupervised_on = options.get("unsupervised_on", unsupervised_on)
         if self.latent not in LATENTS:
             raise ValueError(f"{self.method!r} declares latent={self.latent!r}; valid: {', '.join(LATENTS)}")
-        self.save_hyperparameters()
+        given = isinstance(method, (str, dict))
+        self.save_hyperparameters(ignore=None if given else ["method"])
         self.hparams.layer = layer
-        if not isinstance(method, (str, dict)):  # a config that builds it again (checkpoints hold no objects)
+        if not given:  # a config that builds it again (checkpoints hold no objects)
             self.hparams.method = {"class_path": class_path(self.method), "init_args": init_args(self.method)}
         self.automatic_optimization = self._trains
         self.dictionary: ConceptDictionary | None = None
