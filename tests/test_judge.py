@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -192,7 +193,7 @@ def test_openai_judge_against_loopback_server_with_tiny_lm(loopback, tiny_lm_dir
         urllib.request.urlopen(urllib.request.Request(base_url + "/chat/completions", data=b'{"messages": []}'))
     assert err.value.code == 400
     with urllib.request.urlopen(base_url + "/models", timeout=30) as response:
-        assert json.loads(response.read())["data"] == [{"id": lm, "object": "model", "owned_by": "local"}]
+        assert json.loads(response.read())["data"] == [{"id": Path(lm).name, "object": "model", "owned_by": "local"}]
 
     judge = make_judge("openai", base_url=base_url, model="tiny", max_tokens=6, workers=2)
     judge.check()

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lit_interventions.artifacts.dictionary import Dictionary
-from tests.helpers import ROOT, time_limit
+from tests.helpers import ROOT, run_command, time_limit
 
 TEST_LIMIT = 180  # seconds, per test
 PROMPT = "The dog is here."
@@ -231,3 +231,45 @@ def test_a_request_naming_no_concept_is_served_with_none(serve):
     _, steered = _post(served.url, {"prompt": PROMPT, "max_tokens": 6, "concept": "dogs", "factor": 8.0})
     assert plain["choices"][0]["text"] == unsteered["choices"][0]["text"] != steered["choices"][0]["text"]
     assert served.stop()[0] == 0
+
+
+def test_serve_judge_shows_clients_the_lm_by_its_name_not_its_path(tiny_lm_dir):
+    lm = tiny_lm_dir("llama")  # a local directory: clients see its own name, e.g. "tiny-llama0"
+    command = [sys.executable, "-m", "lit_interventions", "serve-judge", "--lm", lm, "--port", "0"]
+    process = subprocess.Popen(
+        [*command, "--max_new_tokens", "3"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = process.stdout.readline().strip()
+        assert line.startswith(f"serving {lm} at http://127.0.0.1:"), line  # the operator sees the path
+        url = line.rpartition(" at ")[2].removesuffix("/chat/completions")
+        with urllib.request.urlopen(url + "/models", timeout=30) as response:
+            models = response.read().decode()
+        assert json.loads(models)["data"] == [{"id": Path(lm).name, "object": "model", "owned_by": "local"}]
+        status, reply = _post(url, {"messages": [{"role": "user", "content": PROMPT}]}, "/chat/completions")
+        assert status == 200 and reply["model"] == Path(lm).name
+        for text in (models, json.dumps(reply)):
+            assert lm not in text and str(Path(lm).parent) not in text
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0 and "Traceback" not in stderr
+
+
+def test_a_second_serve_on_a_port_in_use_is_one_line_before_anything_loads(serve, dictionary_dir, tmp_path):
+    served = serve("--max_new_tokens", "4")
+    port = served.address[1]
+    missing = str(tmp_path / "no-such-lm")  # loading it would be another error: the port is checked first
+    for command in (
+        ("serve", "--artifact", dictionary_dir, "--port", str(port)),
+        ("serve-judge", "--lm", missing, "--port", str(port)),
+    ):
+        second = run_command(*command, timeout=120)
+        assert second.returncode == 2 and second.stdout == ""
+        assert second.stderr.splitlines() == [
+            f"error: --port={port}: 127.0.0.1:{port} is in use (another server listens there); "
+            "stop that one or choose another --port (0: a free one)"
+        ]
+    assert _post(served.url, {"prompt": PROMPT, "max_tokens": 2})[0] == 200  # the first one serves on
+    code, stderr = served.stop()
+    assert code == 0 and "Traceback" not in stderr

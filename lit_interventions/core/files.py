@@ -3,10 +3,13 @@
 - `write_atomically`: every file the package writes (artifacts, results, figures, caches,
   downloads) goes through a temporary file beside it and `os.replace`, so a reader sees the old
   file or the new one, never half of one; the file gets the permissions `open` would give it.
+  `being_written` tells such a temporary file (another writer's, at work in the same directory).
 - `read_utf8`: a data file's text (without the byte-order mark spreadsheets and Windows editors
   write first), or one error naming the file and the first byte that is not UTF-8.
 - `read_weights`: the tensors of a safetensors file (never a pickle), or one error naming it.
 - `disk_full`: whether a write failed because the disk is full, whichever writer raised it.
+- `unchanged_files`: the sha256 of a run's data files, a resume refused in one line when one of
+  them changed in place since the run's meta.json recorded it.
 - `check_finite` refuses tensors with NaN or infinite values before they are written or used;
   `finite_values` keeps the finite numbers of a metrics dict (a model card's, a config's).
 """
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import codecs
 import errno
+import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -26,6 +31,7 @@ import torch
 
 _UMASK = os.umask(0o022)  # read once, at import (it can only be read by setting it)
 os.umask(_UMASK)
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # write_atomically's: .NAME.<mkstemp's 8 random characters>.tmp
 
 
 def read_utf8(path: str | Path) -> str:
@@ -65,6 +71,40 @@ def write_atomically(path: str | Path, content: str | bytes | Callable[[Path], o
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def being_written(path: str | Path) -> bool:
+    """Whether `path` is named as `write_atomically`'s temporary files are (`.NAME.XXXXXXXX.tmp`):
+    a file another writer is writing now, renamed over NAME once whole (or left by a killed one)."""
+    return _TEMPORARY.fullmatch(Path(path).name) is not None
+
+
+FILE_DIGESTS = "data_sha256"  # the key of a meta.json under which `unchanged_files` records them
+
+
+def unchanged_files(meta: str | Path, files: Mapping[str, str | Path], digest: Callable[[str], str]) -> dict:
+    """{key: sha256} of the data `files` ({key: path}), each by `digest(path)`; a ValueError, one
+    line naming the file and what to do, when `meta` (the meta.json of the output directory a run
+    resumes) records under FILE_DIGESTS another sha256 for the same key: the file changed in place,
+    and results computed on its old content would be mixed with results on its new one. A
+    meta.json that is absent, damaged (claiming the directory reports that) or records no digest
+    of a key refuses nothing."""
+    meta = Path(meta)
+    digests = {key: digest(str(path)) for key, path in files.items()}
+    try:
+        recorded = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return digests
+    recorded = recorded.get(FILE_DIGESTS) if isinstance(recorded, dict) else None
+    if not isinstance(recorded, dict):
+        return digests
+    for key, path in files.items():
+        if recorded.get(key, digests[key]) != digests[key]:
+            raise ValueError(
+                f"{path} changed since {meta.parent} was written (its sha256 is not the one {meta.name} records); "
+                f"restore the file to resume, or give a new --out to start over on it"
+            )
+    return digests
 
 
 def disk_full(err: BaseException, path: str | Path) -> bool:

@@ -95,12 +95,14 @@ def check_format(to: object) -> Format:
 def check_out(out: Path, fmt: Format, to: str) -> None:
     """`out` may receive the export: absent, its nearest existing folder a directory that can be
     written; or a directory that can be written holding only files `fmt` writes (an earlier export
-    of the same format), which are replaced. Nothing is created."""
+    of the same format), which are replaced, and the temporary files of another export writing
+    there at the same time (`layout.in_flight`: the last one to finish leaves its files, each
+    whole). Nothing is created."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory (it is created if missing)")
     if out.is_dir():
         for entry in sorted(out.iterdir()):
-            if not fmt.owns(entry):
+            if not layout.in_flight(entry) and not fmt.owns(entry):
                 raise ValueError(
                     f"--out {out} already holds {entry.name}, which a {to} export does not write; "
                     "give an empty or new directory"

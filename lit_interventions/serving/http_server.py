@@ -20,8 +20,8 @@ What uvicorn gives as it is, and what `GuardedH11Protocol` adds:
 
 Body deadlines, body sizes and request slots are the app's (`json_api.read_body`): the ASGI app
 sees the request once its headers are in. `HTTPServer` binds its socket at construction (port 0:
-a free one, see `server_address`) and serves with `serve_forever()` (blocking) or
-`serve_in_background(server)`; `shutdown()` (or SIGTERM/SIGINT to `serve_forever` in the main
+a free one, see `server_address`), or takes one bound before (`listen`), and serves with
+`serve_forever()` (blocking) or `serve_in_background(server)`; `shutdown()` (or SIGTERM/SIGINT to `serve_forever` in the main
 thread) stops it with uvicorn's graceful shutdown: no new connections, and the open requests get
 up to `shutdown_timeout` seconds to end. `on_stop` (called on the event loop as the shutdown
 begins) lets the app end its requests at once; a request task that uvicorn still has to cancel at
@@ -42,7 +42,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-__all__ = ["GuardedH11Protocol", "HTTPServer", "ServerLimits", "error_payload", "serve_in_background"]
+__all__ = ["GuardedH11Protocol", "HTTPServer", "ServerLimits", "error_payload", "listen", "serve_in_background"]
 
 
 def error_payload(status: int, message: str, field: str | None = None) -> dict:
@@ -199,14 +199,16 @@ class _QuietWhenStopping:
                 raise
 
 
-def _bind(host: str, port: int, backlog: int) -> socket.socket:
-    """A listening TCP socket on (host, port), IPv4 or IPv6 as the host is."""
+def listen(host: str, port: int, max_connections: int = ServerLimits.max_connections) -> socket.socket:
+    """A TCP socket listening on (host, port), IPv4 or IPv6 as the host is, with a backlog of
+    2 × `max_connections`; an OSError when the port is taken (EADDRINUSE) or the host is not this
+    machine's."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT, not one in use
         sock.bind((host, port))
-        sock.listen(backlog)
+        sock.listen(2 * max_connections)
     except OSError:
         sock.close()
         raise
@@ -216,7 +218,8 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
 
 class HTTPServer:
     """`app` (ASGI) served by uvicorn on (host, port) under `limits`; bound, not yet serving.
-    `on_stop`: called on the server's event loop when its shutdown begins (see the module doc)."""
+    `on_stop`: called on the server's event loop when its shutdown begins (see the module doc).
+    `sock`: a socket already listening (`listen`), served instead of binding (host, port)."""
 
     def __init__(
         self,
@@ -225,10 +228,11 @@ class HTTPServer:
         port: int = 0,
         limits: ServerLimits | None = None,
         on_stop: Callable[[], None] | None = None,
+        sock: socket.socket | None = None,
     ):
         self.limits = limits or ServerLimits()
         backlog = 2 * self.limits.max_connections
-        self.socket = _bind(host, port, backlog)
+        self.socket = sock if sock is not None else listen(host, port, self.limits.max_connections)
         self.server_address = self.socket.getsockname()
         protocol = type("Protocol", (GuardedH11Protocol,), {"limits": self.limits})
         guarded = _QuietWhenStopping(app)

@@ -9,7 +9,9 @@ Starlette routes; at most `max_concurrent` requests past their headers hold a sl
 others wait up to `timeout` seconds, then get 503), so memory stays bounded. Answers the subset of
 the API the judge uses: `messages`, `max_tokens` (or `max_completion_tokens`; capped by
 --max_new_tokens), and the usual response shape with `choices[0].message.content` and `usage`.
-GET /v1/models lists the one model.
+GET /v1/models lists the one model by its name (`public_name`: a local directory's or a .gguf
+file's own name, an embedded model's name or a hub id as given), never its path; a reply's
+`model` is the request's, else that name.
 
 Every field is checked (type and range): a bad one is a 400 reply naming it. A body over
 `max_body_bytes` is 413 (without reading it), a missing Content-Length 411 (chunked bodies
@@ -27,6 +29,7 @@ bounded body reads in `json_api.py`, and the server with its connection limits i
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import torch
@@ -41,6 +44,8 @@ from lit_interventions.serving.server_options import (
     add_server_options,
     check_server_options,
     limit_options,
+    open_port,
+    public_name,
     serve_until_stopped,
     server_limits,
 )
@@ -49,10 +54,10 @@ __all__ = ["ChatLM", "main", "make_server", "parser"]
 
 
 class ChatLM:
-    """Greedy chat completions of one local LM."""
+    """Greedy chat completions of one local LM; `name` is what clients see of it (never a path)."""
 
     def __init__(self, lm: str = "smollm2-135m-instruct", max_new_tokens: int = 256, dtype: str = "float32"):
-        self.name, self.max_new_tokens = lm, max_new_tokens
+        self.name, self.max_new_tokens = public_name(lm), max_new_tokens
         self.model, self.tokenizer = load_lm(lm, dtype), load_tokenizer(lm)
         self.lock = threading.Lock()
 
@@ -93,11 +98,13 @@ def make_server(
     keep_alive_timeout: float = 5.0,
     max_connections: int = 64,
     max_connections_per_client: int = 16,
+    sock: socket.socket | None = None,
 ) -> HTTPServer:
     """A server bound to (host, port) (port 0: a free one; see `server.server_address`), not yet
     serving (`serve_forever()`, or `serve_in_background(server)`; stop with `shutdown()`). `chat`:
     any object with `name`, `max_new_tokens` and `complete(messages, max_tokens)` (default: a
-    `ChatLM` of `lm`). `header_timeout` None: the smaller of 10 s and `timeout`."""
+    `ChatLM` of `lm`). `header_timeout` None: the smaller of 10 s and `timeout`. `sock`: a socket
+    already listening (`http_server.listen`), served instead of binding (host, port)."""
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     limits = server_limits(
@@ -111,7 +118,7 @@ def make_server(
     )
     chat = chat if chat is not None else ChatLM(lm, max_new_tokens, dtype)
     app = json_app(chat_routes(chat, max_body_bytes, timeout, max_concurrent))
-    return HTTPServer(app, host, port, limits)
+    return HTTPServer(app, host, port, limits, sock=sock)
 
 
 def parser():
@@ -135,5 +142,6 @@ def main(args=None) -> None:
         check_dtype(ns.dtype)
     except ValueError as err:
         fail(str(err))
-    server = make_server(ns.lm, ns.host, ns.port, ns.max_new_tokens, ns.dtype, **limit_options(ns))
+    sock = open_port(ns)  # a port in use is refused before the LM loads
+    server = make_server(ns.lm, ns.host, ns.port, ns.max_new_tokens, ns.dtype, **limit_options(ns), sock=sock)
     serve_until_stopped(server, ns.lm, "/v1/chat/completions")

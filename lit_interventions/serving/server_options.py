@@ -1,18 +1,22 @@
 """What every server command shares: where it listens and its limits, as one set of options
 (`add_server_options`), one check of them (`check_server_options`), the `ServerLimits` they make
-(`server_limits`), and serving until stopped (`serve_until_stopped`). The judge server
-(`serve-judge`) and the steered server (`serve`) both use them."""
+(`server_limits`), serving until stopped (`serve_until_stopped`), and the name clients see of a
+model or an artifact (`public_name`: never a local path). The judge server (`serve-judge`) and
+the steered server (`serve`) both use them."""
 
 from __future__ import annotations
 
+import errno
 import signal
+import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from lit_interventions.cli.parsing import fail
 from lit_interventions.core.signals import Stopped, consume_pending
 from lit_interventions.serving.chat_request import is_int, is_number
-from lit_interventions.serving.http_server import HTTPServer, ServerLimits
+from lit_interventions.serving.http_server import HTTPServer, ServerLimits, listen
 
 # the options that become make_server's keyword arguments
 LIMITS = (
@@ -24,6 +28,13 @@ LIMITS = (
     "max_connections",
     "max_connections_per_client",
 )
+
+
+def public_name(where: str) -> str:
+    """What clients are told an LM or an artifact is: the name of a local directory or file
+    (its last component), never its path; an embedded model's name or a hub id as it is."""
+    path = Path(where).expanduser()
+    return path.resolve().name if path.exists() else where
 
 
 def add_server_options(parser, max_concurrent: int) -> None:
@@ -57,6 +68,21 @@ def check_server_options(ns, positive: tuple[str, ...] = ()) -> None:
         value = getattr(ns, name)
         if value is not None and not 0 < value < float("inf"):
             fail(f"--{name}={value} must be > 0 seconds")
+
+
+def open_port(ns) -> socket.socket:
+    """The socket the command serves on, bound and listening at --host and --port before anything
+    loads (and held while it does); a port another process holds, or a host that is not this
+    machine's, is one error line (exit status 2)."""
+    try:
+        return listen(ns.host, ns.port, ns.max_connections)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            fail(
+                f"--port={ns.port}: {ns.host}:{ns.port} is in use (another server listens there); "
+                "stop that one or choose another --port (0: a free one)"
+            )
+        fail(f"cannot listen on {ns.host}:{ns.port}: {err.strerror or err}")
 
 
 def limit_options(ns) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,13 +32,7 @@ from lit_interventions.serving.chat_request import chat_text, is_int
 from lit_interventions.serving.completion_request import Options, Steering
 from lit_interventions.serving.json_api import BadRequest
 from lit_interventions.serving.reply_stream import Reply
-
-
-def public_name(where: str) -> str:
-    """What clients are told an artifact (or a local LM) is: the name of a local directory or
-    file, never its path; a hub id (or any name that is not a local path) as it is."""
-    path = Path(where).expanduser()
-    return path.resolve().name if path.exists() else where
+from lit_interventions.serving.server_options import public_name
 
 
 def _eos_ids(model: nn.Module) -> tuple[int, ...]:

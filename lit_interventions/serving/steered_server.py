@@ -15,7 +15,8 @@ own steering); a batch waits at most --batch_wait_ms for its rows.
 The limits are the judge server's (`judge_server`): loopback unless --host says otherwise, a body
 over --max_body_bytes is 413, one not in within --timeout seconds 408, malformed JSON or a bad
 field 400 naming it, at most --max_concurrent requests hold a slot (the others wait up to
---timeout, then 503), and the connection caps and deadlines of `http_server.ServerLimits`.
+--timeout, then 503), and the connection caps and deadlines of `http_server.ServerLimits`. The
+port is bound before anything loads: one in use is one error line (exit status 2).
 
 This module holds the server (`make_server`) and its command line; the model and its batching
 live in `steered_lm.py` and `batcher.py`, the routes in `steered_routes.py`, the request checks in
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_device, check_dtype
@@ -36,6 +38,7 @@ from lit_interventions.serving.server_options import (
     add_server_options,
     check_server_options,
     limit_options,
+    open_port,
     serve_until_stopped,
     server_limits,
 )
@@ -56,10 +59,12 @@ def make_server(
     keep_alive_timeout: float = 5.0,
     max_connections: int = 64,
     max_connections_per_client: int = 16,
+    sock: socket.socket | None = None,
 ) -> HTTPServer:
     """A server of `steered` bound to (host, port) (port 0: a free one; see
-    `server.server_address`), not yet serving (`serve_forever()`, or
-    `serve_in_background(server)`; stop with `shutdown()`, then `steered.close()`). As the
+    `server.server_address`), or on `sock` (a socket already listening, `http_server.listen`),
+    not yet serving (`serve_forever()`, or `serve_in_background(server)`; stop with
+    `shutdown()`, then `steered.close()`). As the
     server stops, the requests waiting, queued or generating end at once with 503
     (`SteeredLM.stop`). `header_timeout` None: the smaller of 10 s and `timeout`."""
     limits = server_limits(
@@ -78,7 +83,7 @@ def make_server(
         steered.stop()
 
     app = json_app(steered_routes(steered, max_body_bytes, timeout, max_concurrent, stopping))
-    return HTTPServer(app, host, port, limits, on_stop=stop)
+    return HTTPServer(app, host, port, limits, on_stop=stop, sock=sock)
 
 
 def parser() -> Parser:
@@ -117,6 +122,7 @@ def main(args: list[str] | None = None) -> None:
     """`lit-interventions serve`."""
     ns = parser().parse_args(resolve_configs(args))
     check_options(ns)
+    sock = open_port(ns)  # a port in use is refused before anything loads
     artifacts, lm = command_artifacts(ns.artifact, ns.lm, ns.concept, ns.trust_remote_code)
     try:
         steered = SteeredLM(
@@ -133,5 +139,5 @@ def main(args: list[str] | None = None) -> None:
         )
     except ValueError as err:
         fail(str(err).splitlines()[0])
-    server = make_server(steered, ns.host, ns.port, **limit_options(ns))
+    server = make_server(steered, ns.host, ns.port, **limit_options(ns), sock=sock)
     serve_until_stopped(server, f"{steered.lm_name} with {', '.join(ns.artifact)}", "/v1", steered.close)

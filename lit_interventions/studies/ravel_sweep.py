@@ -25,6 +25,8 @@ figure that cannot be written (a full disk) is one `error:` line naming it, exit
 results kept. It resumes: a rerun skips the (method, attribute) cells already done. Finished
 cells are kept in `DIR/results.sqlite` (one transaction per cell) and the CSVs exported from it,
 whole, after each (`lit_interventions.artifacts.results`); one run at a time holds `DIR/.lock`.
+`DIR/meta.json` records the settings and the sha256 of each data file: a rerun with other settings,
+or on a data file changed in place, is refused in one line before the LM loads.
 
 Under torchrun or srun each process takes the next cell left whenever it is free, and writes
 `DIR/ranks/rank-R/`, and rank 0 merges them into the files one process would have written
@@ -47,12 +49,12 @@ from lit_interventions.artifacts.plots import attribute_figure, report_figures, 
 from lit_interventions.artifacts.results import Table
 from lit_interventions.callbacks.progress import LoopProgress
 from lit_interventions.cli.studies import choose_layers, choose_names, read_rows, run_cli
-from lit_interventions.core.files import write_atomically
+from lit_interventions.core.files import FILE_DIGESTS, unchanged_files, write_atomically
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
 from lit_interventions.datamodules.ravel import ACCURACIES, RavelDataModule
-from lit_interventions.datamodules.ravel_files import load_ravel
+from lit_interventions.datamodules.ravel_files import BUILTIN_RAVEL, FILES, load_ravel
 from lit_interventions.interventions.base import import_class
 from lit_interventions.interventions.capabilities import Fitted
 from lit_interventions.interventions.directions import METHODS as DIRECTION_METHODS
@@ -65,6 +67,7 @@ from lit_interventions.interventions.registry import (
 )
 from lit_interventions.metrics.disentangle import AVERAGES
 from lit_interventions.studies import distributed
+from lit_interventions.studies.causalgym_tasks import pairs_digest
 from lit_interventions.studies.configs import build_module, model_section
 
 ALL = ["das", "mdas", "dbm", "mdbm", "pca_features", "full_swap"]  # `all`: the paper's (sae needs a trained SAE)
@@ -247,20 +250,38 @@ def run_ravel_sweep(
         "average": average,
         "seed": seed,
     }
-    meta = {**data_options, "ravel_dir": ravel_dir or "builtin", "layer": layer, "k": k, "epochs": epochs}
+    meta = run_meta(out, data_options, layer, k, epochs)
     cells = [(m, a) for m in methods for a in attributes]
 
     def plan(store) -> tuple[list[tuple[str, str]], None]:
         done = {(r["method"], r["attribute"]) for r in store.rows("summary")}
         return [cell for cell in cells if cell not in done], None
 
-    with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY]) as run:
+    with distributed.ShardedRun(ranks, out, meta, [CHANGES, SUMMARY], ignore=(FILE_DIGESTS,)) as run:
         todo, _ = run.start(plan)
         _run_cells(run, todo, method_options, data_options, seed, data.attributes)
         lines = run.finish(_position(cells), lambda store: summarise(out, methods, attributes))
         if ranks.is_main:  # the figures last: one not written leaves the results as they are
             write_heatmaps(out, methods, attributes, data.attributes)
         return lines
+
+
+def run_meta(out: Path, data_options: dict, layer, k, epochs) -> dict:
+    """What DIR/meta.json records of a run, and a resume must find unchanged: the data options,
+    the site's settings and the sha256 of each data file of the entity type (a resume on a file
+    changed in place is refused in one line naming it, `unchanged_files`)."""
+    ravel_dir, entity_type = data_options["ravel_dir"], data_options["entity_type"]
+    directory = Path(ravel_dir) if ravel_dir is not None else BUILTIN_RAVEL
+    files = {name: directory / name for name in (pattern.format(entity_type) for pattern in FILES.values())}
+    digests = unchanged_files(out / "meta.json", files, pairs_digest)
+    return {
+        **data_options,
+        "ravel_dir": ravel_dir or "builtin",
+        "layer": layer,
+        "k": k,
+        "epochs": epochs,
+        FILE_DIGESTS: digests,
+    }
 
 
 def _run_cells(run, todo, method_options: dict, data_options: dict, seed: int, all_attributes: list[str]) -> None:

@@ -20,7 +20,9 @@ is chosen; its scores on the other half are reported.
 
 Writes DIR/generations.jsonl (one line per generation, with the judge's replies), DIR/factors.csv
 (every factor × half), DIR/summary.csv (the reported scores per concept) and DIR/steering.png.
-A rerun skips the (concept, factor) cells already in generations.jsonl.
+A rerun skips the (concept, factor) cells already in generations.jsonl; DIR/meta.json records the
+settings and the instruction file's sha256, and a rerun with other settings, or on an instruction
+file changed in place, is refused in one line before the LM loads.
 
 The file reads in that order: plan (every check, and the artifacts read, before the LM loads),
 run (generate and judge each cell), report, then `run_steer_eval` and `main`.
@@ -45,10 +47,11 @@ import torch
 from lit_interventions.artifacts.plots import report_figures, save_figure
 from lit_interventions.artifacts.results import claim_out_dir
 from lit_interventions.cli.studies import run_cli
-from lit_interventions.core.files import read_utf8, write_atomically
+from lit_interventions.core.files import FILE_DIGESTS, read_utf8, unchanged_files, write_atomically
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
 from lit_interventions.core.sharding import LoadOptions
+from lit_interventions.datamodules.axbench_files import BUILTIN_DIR
 from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
 from lit_interventions.interventions.capabilities import is_source_free
@@ -56,6 +59,7 @@ from lit_interventions.metrics.judge import make_judge
 from lit_interventions.metrics.judge_base import Judge
 from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
 from lit_interventions.metrics.judge_prompts import ASPECTS
+from lit_interventions.studies.causalgym_tasks import pairs_digest
 
 FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]  # AxBench's steering factors
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
@@ -269,8 +273,10 @@ def plan_steer_eval(
     pool = load_instructions(instruction_file)
     if len(pool) < instructions:
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
-    judge = ready_judge(judge)
     out = Path(out)
+    instruction_path = instruction_file or BUILTIN_DIR / "instructions.json"
+    digests = unchanged_files(out / "meta.json", {"instruction_file": instruction_path}, pairs_digest)
+    judge = ready_judge(judge)
     meta = {
         "lm": lm,
         "method": "+".join(sorted({artifact_method(a) for a in artifacts})),
@@ -281,8 +287,9 @@ def plan_steer_eval(
         "temperature": temperature,
         "top_k": top_k,
         "seed": seed,
+        FILE_DIGESTS: digests,  # a resume on an instruction file changed in place is refused, naming it
     }
-    claim_out_dir(out, meta, what="a steering evaluation")
+    claim_out_dir(out, meta, what="a steering evaluation", ignore=(FILE_DIGESTS,))
     return SteerPlan(
         lm,
         placement,
