@@ -18,13 +18,14 @@ against it.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import yaml
+
+from lit_interventions.core.files import file_sha256
 
 FIELDS = ("data", "training_data", "command")  # the card fields that may name the user's files
 # an absolute path inside a command line: /… or C:\… up to a quote, space or '=' (after --x=)
@@ -71,7 +72,7 @@ def _path_text(text: str) -> str:
     name = path.name or text
     try:
         if path.is_file():
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            digest = file_sha256(path)
             return f"{name} (sha256 {digest})"
     except OSError:
         pass

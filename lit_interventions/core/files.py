@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import errno
+import hashlib
 import json
 import math
 import os
@@ -82,7 +83,14 @@ def being_written(path: str | Path) -> bool:
 FILE_DIGESTS = "data_sha256"  # the key of a meta.json under which `unchanged_files` records them
 
 
-def unchanged_files(meta: str | Path, files: Mapping[str, str | Path], digest: Callable[[str], str]) -> dict:
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, in hex."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def unchanged_files(
+    meta: str | Path, files: Mapping[str, str | Path], digest: Callable[[str], str] = file_sha256
+) -> dict:
     """{key: sha256} of the data `files` ({key: path}), each by `digest(path)`; a ValueError, one
     line naming the file and what to do, when `meta` (the meta.json of the output directory a run
     resumes) records under FILE_DIGESTS another sha256 for the same key: the file changed in place,

@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 from lit_interventions.cli.studies import choose_names
+from lit_interventions.core.files import file_sha256
 from lit_interventions.datamodules.base import BenchmarkDataModule
 from lit_interventions.datamodules.causalgym import CausalGymDataModule, EmptyRegionError, split_pairs
 from lit_interventions.datamodules.pairs import REGIONS as PAIRS_REGIONS
@@ -120,7 +121,7 @@ def pairs_digest(path: str) -> str:
     """The sha256 of a pairs file's bytes; of a dataset directory or a hub id, of its rows as read
     (`read_pairs`, each row's fields without its place)."""
     if Path(path).is_file():
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return file_sha256(path)
     rows = [{k: v for k, v in asdict(row).items() if k != "where"} for row in read_pairs(path)]
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
@@ -131,7 +132,7 @@ def sweep_tasks(tasks, templates, pairs, control: bool, lm: str, sizes: dict) ->
     refused) and the sizes. `--pairs` with `--tasks`, `--templates` or `--control` is refused."""
     if pairs is None:
         found = template_tasks(DEFAULT_TASK if tasks is None else tasks, templates, lm, sizes)
-        digest = hashlib.sha256((Path(templates) if templates else BUILTIN_TEMPLATES).read_bytes()).hexdigest()
+        digest = file_sha256(Path(templates) if templates else BUILTIN_TEMPLATES)
         return found, {"templates": templates or "builtin", "templates_sha256": digest, **sizes}
     if not isinstance(pairs, str) or not pairs.strip():
         raise ValueError(

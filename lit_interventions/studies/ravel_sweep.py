@@ -67,7 +67,6 @@ from lit_interventions.interventions.registry import (
 )
 from lit_interventions.metrics.disentangle import AVERAGES
 from lit_interventions.studies import distributed
-from lit_interventions.studies.causalgym_tasks import pairs_digest
 from lit_interventions.studies.configs import build_module, model_section
 
 ALL = ["das", "mdas", "dbm", "mdbm", "pca_features", "full_swap"]  # `all`: the paper's (sae needs a trained SAE)
@@ -273,7 +272,7 @@ def run_meta(out: Path, data_options: dict, layer, k, epochs) -> dict:
     ravel_dir, entity_type = data_options["ravel_dir"], data_options["entity_type"]
     directory = Path(ravel_dir) if ravel_dir is not None else BUILTIN_RAVEL
     files = {name: directory / name for name in (pattern.format(entity_type) for pattern in FILES.values())}
-    digests = unchanged_files(out / "meta.json", files, pairs_digest)
+    digests = unchanged_files(out / "meta.json", files)
     return {
         **data_options,
         "ravel_dir": ravel_dir or "builtin",

@@ -59,7 +59,6 @@ from lit_interventions.metrics.judge import make_judge
 from lit_interventions.metrics.judge_base import Judge
 from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
 from lit_interventions.metrics.judge_prompts import ASPECTS
-from lit_interventions.studies.causalgym_tasks import pairs_digest
 
 FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]  # AxBench's steering factors
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
@@ -275,7 +274,7 @@ def plan_steer_eval(
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
     out = Path(out)
     instruction_path = instruction_file or BUILTIN_DIR / "instructions.json"
-    digests = unchanged_files(out / "meta.json", {"instruction_file": instruction_path}, pairs_digest)
+    digests = unchanged_files(out / "meta.json", {"instruction_file": instruction_path})
     judge = ready_judge(judge)
     meta = {
         "lm": lm,
