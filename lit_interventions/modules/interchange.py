@@ -235,13 +235,8 @@ class InterchangeModule(SiteModule):
     @torch.no_grad()
     def fit_intervention(self, data) -> None:
         """Fit a closed-form intervention on the site's train states and their classes
-        (`fit_states`; every process reads the whole split), by `fit_closed_form`, and say so in
-        one line (rank 0): what it found (`Summarised`) or its name, on how many states of how
-        many classes."""
-        states, labels = fit_states(self, data)
-        sides, classes = " and ".join(data.FIT_SIDES), len(set(labels))
-        fitted = f"fitted in closed form on {len(labels)} {sides} states of {classes} classes"
-        self.intervention = fit_closed_form(self.intervention, states, labels)
+        (`fit_states`; every process reads the whole split), by `fit_closed_form`."""
+        self.intervention = fit_closed_form(self.intervention, *fit_states(self, data))
         self.intervention.to(self.device)
         candidates = self.intervention.dev_candidates() if isinstance(self.intervention, DevCandidates) else {}
         if candidates and isinstance(data, BenchmarkDataModule) and data.dev_metric() is not None:
@@ -252,9 +247,7 @@ class InterchangeModule(SiteModule):
                 "default among its candidates"
             )
         if isinstance(self.intervention, Summarised):
-            self.print(f"{self.intervention.summary()} ({fitted})")
-        else:
-            self.print(f"{type(self.intervention).__name__} {fitted}")
+            self.print(self.intervention.summary())
 
     @torch.no_grad()
     def dev_scores(self, data, candidates: dict[str, nn.Module]) -> dict[str, dict]:
