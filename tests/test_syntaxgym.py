@@ -6,6 +6,7 @@ import copy
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,11 @@ from lit_interventions.core.surprisal import (
     region_surprisals,
     token_surprisals,
 )
-from lit_interventions.studies.syntaxgym.cli import main
+from lit_interventions.studies.syntaxgym.cli import main, score_line
 from lit_interventions.studies.syntaxgym.formulas import FormulaError, parse_formula
 from lit_interventions.studies.syntaxgym.score import SuiteResult, evaluate_suite, sg_score, write_csv
 from lit_interventions.studies.syntaxgym.suites import load_suite, suite_from_json, suite_paths
+from tests.helpers import run_command
 
 REAL_SUITES = Path(__file__).resolve().parents[2] / "shared" / "data" / "syntaxgym"
 
@@ -376,6 +378,37 @@ def test_bad_formula_stops_the_command(tmp_path):
     bad["predictions"][0]["formula"] = "(3;%match%) <"
     message = _error_of(["--suites", str(_write(tmp_path, bad)), "--lm", "unused", "--out", str(tmp_path / "o.csv")])
     assert "suite 'tiny_agreement'" in message and "'(3;%match%) <'" in message
+
+
+def test_the_command_prints_the_sg_score_once_and_ends_with_the_file_it_wrote(tiny_lm_dir, tmp_path):
+    """`lit-interventions syntaxgym` as a user runs it: a line per suite, one SG score line (the
+    official analysis's; the all-suites mean beside it when a suite is left out of it) and, last,
+    the CSV it wrote; the printed figures are the CSV's."""
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    _write(suites, TINY_SUITE, "tiny.json")
+    dropped = copy.deepcopy(TINY_SUITE)  # a suite the official analysis leaves out (gardenpath*)
+    dropped["meta"]["name"] = "gardenpath_tiny"
+    for item in dropped["items"]:
+        item["conditions"][0]["condition_name"], item["conditions"][1]["condition_name"] = "mismatch", "match"
+    _write(suites, dropped, "gardenpath.json")
+    out = tmp_path / "runs" / "sg.csv"
+    done = run_command("syntaxgym", "--suites", str(suites), "--lm", tiny_lm_dir("gpt2"), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row[0]: row for row in csv.reader(out.open())}
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines[:2]] == ["gardenpath_tiny", "tiny_agreement"]
+    official, every = float(rows["SG score"][2]), float(rows["SG score (all suites)"][2])
+    assert official != every  # the left-out suite changes the all-suites mean
+    score_lines = [line for line in lines if line.startswith("SG score")]
+    assert score_lines == [f"{'SG score':<28} suites  1  accuracy {official:.3f}  (all 2 suites: {every:.3f})"]
+    assert re.fullmatch(rf"wrote {re.escape(str(out))} \(\d+\.\d s with model loading\)", lines[-1]), lines
+    assert len(lines) == 4 and "files in" not in done.stdout
+
+
+def test_the_sg_score_line_of_counted_suites_alone_has_no_all_suites_figure():
+    results = [SuiteResult("number_src", [True, False], [{}, {}]), SuiteResult("subordination", [True], [{}])]
+    assert score_line(results) == f"{'SG score':<28} suites  2  accuracy 0.750"  # (0.5 + 1) / 2
 
 
 # ---------------------------------------------------------------- the real suites

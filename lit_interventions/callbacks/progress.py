@@ -1,6 +1,7 @@
 """The callbacks every Lightning run gets for its output: the final metrics table with the run
-directory (`RunSummary`) and line-based progress when stdout is not a terminal (`LineProgress`);
-and the one a study's own loops get (`LoopProgress`: their batches as stages of its progress)."""
+directory (`RunSummary`, which also hides Lightning's no-optimizer warnings from a fit in closed
+form) and line-based progress when stdout is not a terminal (`LineProgress`); and the one a
+study's own loops get (`LoopProgress`: their batches as stages of its progress)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
 from lit_interventions.core.progress import Progress, stage
+from lit_interventions.core.quiet import NoOptimizerExpected
+from lit_interventions.interventions.capabilities import Fitted, is_trained
 
 
 def _scalars(metrics) -> dict[str, float]:
@@ -31,6 +34,16 @@ def metrics_table(metrics: dict[str, float]) -> str:
     return "\n".join(
         f"{name:<{width}}  {value:.4f}" if math.isfinite(value) else f"{name:<{width}}  {value}"
         for name, value in metrics.items()
+    )
+
+
+def fitted_in_closed_form(pl_module) -> bool:
+    """Whether a module's method is fitted in closed form, with no optimizer step: a `Fitted`
+    method that does not train, as a `SteeringModule`'s direction estimator (`method`) or an
+    `InterchangeModule`'s closed-form direction or featurizer (`intervention`)."""
+    return any(
+        isinstance(found, Fitted) and not is_trained(found)
+        for found in (getattr(pl_module, name, None) for name in ("method", "intervention"))
     )
 
 
@@ -63,7 +76,23 @@ def end_progress_display(trainer, pl_module, hook: str | None = None) -> None:
 class RunSummary(Callback):
     """At the end of fit, validate and test, rank 0 prints the last value of every logged metric
     (sorted, aligned) and the run directory, below the finished progress bar (the last lines on
-    screen)."""
+    screen). A fit in closed form (`fitted_in_closed_form`) shows what it fits (the module prints
+    it) and not Lightning's warnings for a fit with no optimizer (`NoOptimizerExpected`), from
+    `setup` (before Lightning asks for the optimizers) to `teardown`."""
+
+    def __init__(self):
+        super().__init__()
+        self._no_optimizer = NoOptimizerExpected()
+
+    def setup(self, trainer, pl_module, stage):
+        if stage == "fit" and fitted_in_closed_form(pl_module):
+            self._no_optimizer.start()
+
+    def teardown(self, trainer, pl_module, stage):
+        self._no_optimizer.stop()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._no_optimizer.stop()
 
     def _report(self, trainer, pl_module, what: str, hook: str | None = None) -> None:
         directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
@@ -88,12 +117,18 @@ class RunSummary(Callback):
 
 class LineProgress(ProgressBar):
     """Progress as plain lines (flushed), for stdout that is not a terminal (`> log.txt`): one line
-    every `every` training steps (default: about 20 lines an epoch) and one per validation."""
+    every `every` training steps (default: about 20 lines an epoch) and one per validation. A
+    step of a fit in closed form, which has no loss, says so."""
 
     def __init__(self, every: int | None = None):
         super().__init__()
         self.every = every
         self._enabled = True
+        self._closed_form = False
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        self._closed_form = fitted_in_closed_form(pl_module)  # before the fit replaces the method
 
     def disable(self) -> None:
         self._enabled = False
@@ -123,13 +158,12 @@ class LineProgress(ProgressBar):
         done = batch_idx + 1
         if done % every == 0 or done == total:
             shown = int(total) if math.isfinite(total) else "?"
-            self._print(
-                f"epoch {trainer.current_epoch} step {done}/{shown}  {self._values(trainer, pl_module, 'train')}"
-            )
+            values = self._values(trainer, pl_module, "train") or ("closed form, no loss" if self._closed_form else "")
+            self._print(f"epoch {trainer.current_epoch} step {done}/{shown}  {values}".rstrip())
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking and trainer.state.fn == "fit":
-            self._print(f"epoch {trainer.current_epoch} validation  {self._values(trainer, pl_module, 'val')}")
+            self._print(f"epoch {trainer.current_epoch} validation  {self._values(trainer, pl_module, 'val')}".rstrip())
 
     def on_validation_start(self, trainer, pl_module):
         if trainer.state.fn == "validate":

@@ -53,6 +53,35 @@ def quiet_lightning() -> None:
         warnings.formatwarning = _one_line(warnings.formatwarning)
 
 
+# Lightning's warnings for a fit with no optimizer step: expected of a closed-form fit
+NO_OPTIMIZER_WARNINGS = (
+    r"`LightningModule.configure_optimizers` returned `None`, this fit will run with no optimizer",
+    r"`training_step` returned `None`",
+)
+
+
+class NoOptimizerExpected:
+    """Lightning's warnings for a fit with no optimizer step (`NO_OPTIMIZER_WARNINGS`: "this fit
+    will run with no optimizer", "`training_step` returned `None`") hidden from `start()` to
+    `stop()`, for a fit in closed form, where they are expected; every other warning is shown
+    as before. `stop()` restores the warning filters of `start()`; both are idempotent."""
+
+    def __init__(self):
+        self._saved: warnings.catch_warnings | None = None
+
+    def start(self) -> None:
+        if self._saved is None:
+            self._saved = warnings.catch_warnings()
+            self._saved.__enter__()
+            for message in NO_OPTIMIZER_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
+
+    def stop(self) -> None:
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self._saved = None
+
+
 class _NoOptionalKernel(logging.Filter):
     """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (logged when peft
     imports it, in every run): an optional faster 4-bit kernel from the `kernels` hub package,

@@ -438,10 +438,15 @@ class SteeringModule(FrozenLMModule):
 
     @torch.no_grad()
     def fit_closed_form(self) -> None:
-        """Fit every concept's row from the tokens collected so far (all processes)."""
+        """Fit every concept's row from the tokens collected so far (all processes), saying so in
+        one line (rank 0): the method, its positive tokens and concepts, its negative tokens."""
         if not self._frozen.pop("pending", False):
             return
         hidden, labels = gathered_tokens(self._frozen["tokens"], self._hidden_size, self.device)
+        self.print(
+            f"fitting {self.method_name} in closed form on {int((labels >= 0).sum())} response tokens of "
+            f"{len(self.concepts)} concepts and {int((labels == -1).sum())} negative tokens"
+        )
         bad = ~torch.isfinite(hidden).all(-1)
         if bad.any():
             raise NonFiniteError(

@@ -84,11 +84,17 @@ def main(argv: list[str] | None = None) -> list[SuiteResult]:
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
     write_csv(results, out)
-    for name, suites, _, score in score_rows(results):
-        print(f"{name:<28} suites {suites:>2}  accuracy {score:.3f}")
-    print(f"wrote {out} ({time.perf_counter() - started:.1f} s with model loading)")
-    print(f"files in {out.parent}", flush=True)
+    print(score_line(results))
+    print(f"wrote {out} ({time.perf_counter() - started:.1f} s with model loading)", flush=True)
     return results
+
+
+def score_line(results: list[SuiteResult]) -> str:
+    """The SG score, once: over the suites the official analysis counts, and over every suite
+    given (the CSV's `SG score (all suites)`) beside it when that counts more suites."""
+    (_, every, _, all_score), (name, suites, _, score) = score_rows(results)
+    line = f"{name:<28} suites {suites:>2}  accuracy {score:.3f}"
+    return line if every == suites else f"{line}  (all {every} suites: {all_score:.3f})"
 
 
 def _flat(values) -> list[str]:
