@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from lit_interventions.datamodules.axbench import AxBenchDataModule
 
 from lit_interventions.callbacks.progress import RunSummary, fitted_in_closed_form
-from lit_interventions.interventions.concept_methods import ReFTR1Method
+from lit_interventions.interventions.additive import ReFTR1Dictionary
 from lit_interventions.interventions.directions import DiffMeanDirection
 from lit_interventions.interventions.fitted import DirectionInterchange
 from lit_interventions.interventions.rotation import FullSubspaceSwap, RotatedSpaceIntervention
@@ -84,12 +84,12 @@ def test_the_no_optimizer_warning_is_hidden_only_during_a_closed_form_fit():
     # what is fitted in closed form: a direction estimator, a Fitted intervention; not a trained one
     assert fitted_in_closed_form(SimpleNamespace(method=DiffMeanDirection()))
     assert fitted_in_closed_form(SimpleNamespace(intervention=DirectionInterchange(8)))
-    assert not fitted_in_closed_form(SimpleNamespace(method=ReFTR1Method()))
+    assert not fitted_in_closed_form(SimpleNamespace(method=ReFTR1Dictionary()))
     assert not fitted_in_closed_form(SimpleNamespace(intervention=RotatedSpaceIntervention(8)))
     assert not fitted_in_closed_form(SimpleNamespace(intervention=FullSubspaceSwap(8)))  # fixed: nothing to fit
 
     summary = RunSummary()
-    closed, trained = SimpleNamespace(method=DiffMeanDirection()), SimpleNamespace(method=ReFTR1Method())
+    closed, trained = SimpleNamespace(method=DiffMeanDirection()), SimpleNamespace(method=ReFTR1Dictionary())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         summary.setup(None, trained, "fit")
