@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 
 import yaml
-from jsonargparse import ArgumentError
+from jsonargparse import ArgumentError, get_loader, set_loader
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.callbacks import ProgressBar
@@ -37,6 +37,7 @@ from lit_interventions.cli.help import short_help
 from lit_interventions.cli.parsing import LINKED, SHARED, fail, first_reason, resolve_configs
 from lit_interventions.core.pair_checks import IdenticalPairsError
 from lit_interventions.core.quiet import quiet_lightning
+from lit_interventions.modules.steering import current_method_config
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
 
@@ -121,6 +122,26 @@ def _parameters(class_path: str) -> set[str]:
 # ----------------------------------------------------------------------------- fit / validate / test
 
 
+RUN_CONFIG_MODE = "lit_interventions_yaml"  # YAML, with older runs' method configs read as current ones
+
+
+def _current_methods(document):
+    """A loaded YAML document with an AxBench method config of an older run
+    (`model.init_args.method` naming a removed class path, `steering.RUN_CONFIG_METHODS`) replaced
+    by the registered method it stands for, and the SteeringModule options it sets; any other
+    document as it is."""
+    model = document.get("model") if isinstance(document, dict) else None
+    init_args = model.get("init_args") if isinstance(model, dict) else None
+    method = init_args.get("method") if isinstance(init_args, dict) else None
+    if isinstance(method, dict):
+        init_args["method"], options = current_method_config(method)
+        init_args.update(options)
+    return document
+
+
+set_loader(RUN_CONFIG_MODE, lambda text: _current_methods(get_loader("yaml")(text)), exceptions=(yaml.YAMLError,))
+
+
 class InterventionCLI(LightningCLI):
     """LightningCLI with `--model.lm` (and `region`, `multitask`) shared by the data module, bad
     input as one `error:` line, and the run conveniences in this module's docstring."""
@@ -147,7 +168,8 @@ class InterventionCLI(LightningCLI):
             seed_log.setLevel(level)
 
     def init_parser(self, **kwargs):
-        return super().init_parser(**kwargs, exit_on_error=False)  # subcommand parsers too
+        # subcommand parsers too; configs read by `_current_methods`
+        return super().init_parser(**kwargs, exit_on_error=False, parser_mode=RUN_CONFIG_MODE)
 
     def parse_arguments(self, parser, args):
         """A bad value found while parsing (the data module validates its task when the parser

@@ -174,6 +174,17 @@ def method_of_config(method: str | dict) -> tuple[MethodSpec, str | None, dict]:
     return MethodSpec(name, spec.class_path, {**spec.init_args, **args}), name, options
 
 
+def current_method_config(method: dict) -> tuple[dict, dict]:
+    """(the {class_path, init_args} of the registered method an older run's config stands for,
+    SteeringModule options it sets) for a class path of `RUN_CONFIG_METHODS`; any other config as
+    it is, with no options. What a run config's YAML is read as (`cli.lightning`), so the parser
+    never imports a class path that no longer exists."""
+    if method.get("class_path") not in RUN_CONFIG_METHODS:
+        return method, {}
+    spec, _, options = method_of_config(method)
+    return {"class_path": spec.class_path, "init_args": dict(spec.init_args)}, options
+
+
 def build_method(method: Any, hidden: int, seed: int) -> tuple[Any, str, dict]:
     """(the built method, the name its dictionary card carries, SteeringModule options its config
     sets) of a registered name, a class path, a {class_path, init_args} config or an instance. A
