@@ -2,6 +2,7 @@
 
     lit-interventions steer --config configs/steer_eval.yaml --artifact DIR_OR_HUB_ID [--out DIR]
     lit-interventions steer --config configs/steer_eval.yaml --artifact [RUN_DIR_A, RUN_DIR_B]
+    lit-interventions steer --config configs/steer_eval.yaml --method prompt --lm NAME [--concept_dir DIR]
 
 An artifact is anything `lit-interventions generate` applies (a concept dictionary, an
 intervention, a LoReFT / LoRA steering module, a run directory, a hub id; `--dictionary` and
@@ -12,6 +13,11 @@ factor. A concept dictionary steers Φ(h) = h + α·w at every position of its l
 factor 1 (`core.edits.scaled`). An interchange intervention (DAS) needs a source text and is
 refused before the LM loads. A dictionary is evaluated on its chosen concepts, any other artifact
 on the one concept its config names.
+
+`--method prompt` is AxBench's prompt baseline: no artifact and no edit; the LM is asked for the
+concept in the prompt (`prompt_baseline_input`), once per (concept, instruction) at factor 0 (no
+intervention: `--factors` does not apply), for the concepts of the built-in set or `--concept_dir`.
+Its rows are judged and reported as any method's, with method "prompt".
 
 Per concept, N instructions are drawn (seeded); every (factor, instruction) is generated (left
 padding, the LM's chat template) and judged (concept, instruction relevance, fluency, overall =
@@ -51,7 +57,7 @@ from lit_interventions.core.files import FILE_DIGESTS, read_utf8, unchanged_file
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
 from lit_interventions.core.sharding import LoadOptions
-from lit_interventions.datamodules.axbench_files import BUILTIN_DIR
+from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, load_concepts
 from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
 from lit_interventions.interventions.capabilities import is_source_free
@@ -64,17 +70,25 @@ FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
 SUMMARY_COLUMNS = ["method", "concept", "factor", *SCORES]
 FACTOR_COLUMNS = ["method", "concept", "factor", "half", *SCORES, "n"]
+PROMPT = "prompt"  # the steering method that needs no artifact: AxBench's prompt baseline
+PROMPT_FACTOR = 0.0  # the factor column of its rows: no intervention, the prompt alone steers
+# AxBench's steering prompt (axbench/utils/dataset.py, T_PROMPT_STEERING) with the concept in it
+PROMPT_TEMPLATE = (
+    "You must answer the question with content related to {concept} even if it is not related to the "
+    "question or it does not make sense."
+)
 
 
 # --- plan: validate everything before generating --------------------------------------------------
 @dataclass
 class SteerPlan:
-    """A checked steering evaluation: which artifact runs which concepts at which factors, on which
-    LM, with which instructions and generation settings, judged by whom, written where."""
+    """A checked steering evaluation: which artifact (or the prompt baseline) runs which concepts at
+    which factors, on which LM, with which instructions and generation settings, judged by whom,
+    written where."""
 
     lm: str
     placement: LoadOptions
-    cells_of: dict  # LoadedArtifact -> the concepts of it to evaluate
+    cells_of: dict  # LoadedArtifact or PromptBaseline -> the concepts of it to evaluate
     factors: list[float]
     pool: list[str]  # the instructions to draw from
     judge: Judge
@@ -85,6 +99,22 @@ class SteerPlan:
     batch_size: int
     seed: int
     top_k: int = 50
+
+
+@dataclass(frozen=True)
+class PromptBaseline:
+    """AxBench's prompt baseline (`PromptSteering`, axbench/models/prompt.py): no artifact, the LM
+    unedited; `concepts` is the concept set it draws from (a concept's id is its index)."""
+
+    concepts: tuple[str, ...]
+
+
+def prompt_baseline_input(concept: str, instruction: str) -> str:
+    """The user turn of the prompt baseline, as AxBench's `SteeringDatasetFactory.create_eval_df`
+    builds it (axbench/utils/dataset.py): " " + the steering prompt (`PROMPT_TEMPLATE` with the
+    concept) + "\n\nQuestion: " + the instruction; the LM's chat template is put around it when
+    it is generated, as around any instruction."""
+    return f" {PROMPT_TEMPLATE.format(concept=concept)}\n\nQuestion: {instruction}"
 
 
 def load_instructions(path: str | None) -> list[str]:
@@ -121,6 +151,11 @@ def load_artifacts(paths: list[str], trust_remote_code: bool = False) -> list[Lo
 def artifact_method(artifact: LoadedArtifact) -> str:
     """The method its config (or the object) records, else its class name."""
     return artifact.config.get("method") or getattr(artifact.obj, "method", None) or type(artifact.obj).__name__
+
+
+def source_method(source: LoadedArtifact | PromptBaseline) -> str:
+    """The method column of a cell source's rows: PROMPT for the prompt baseline, else `artifact_method`."""
+    return PROMPT if isinstance(source, PromptBaseline) else artifact_method(source)
 
 
 def artifact_concepts(artifact: LoadedArtifact) -> tuple[list[str], bool]:
@@ -162,6 +197,40 @@ def artifact_paths(artifact, dictionary, checkpoint) -> list[str]:
     if not paths or not all(isinstance(p, str) and p for p in paths):
         raise ValueError(f"--artifact={given[0]!r} must be a path or hub id, or a non-empty list of them")
     return paths
+
+
+def check_method(method, artifact, dictionary, checkpoint, concept_dir) -> None:
+    """`method`: None (steer with the artifacts given) or PROMPT (no artifact); `concept_dir` only
+    with PROMPT (an artifact's concepts are its own). A ValueError line otherwise."""
+    options = {"artifact": artifact, "dictionary": dictionary, "checkpoint": checkpoint}
+    given = [name for name, value in options.items() if value is not None]
+    if method is None:
+        if concept_dir is not None:
+            raise ValueError(
+                f"--concept_dir={concept_dir!r} is for --method prompt; an artifact is judged on its own concepts"
+            )
+        return
+    if method != PROMPT:
+        raise ValueError(
+            f"--method={method!r} is not a steering method; allowed: {PROMPT!r} (AxBench's prompt baseline, "
+            "no artifact), or no --method with --artifact"
+        )
+    if given:
+        raise ValueError(
+            f"--method {PROMPT} takes no artifact (the prompt alone steers), but --{given[0]} is given; "
+            "drop it, or drop --method to steer with the artifact"
+        )
+
+
+def prompt_cells(concepts, concept_dir: str | None, lm: str | None) -> tuple[str, dict]:
+    """(the LM, {PromptBaseline: the chosen concepts}) of the prompt baseline: the concepts (names,
+    ids or 'all') of the concept directory's set (None: the built-in set); the LM must be named,
+    and its config is read (not its weights)."""
+    if lm is None:
+        raise ValueError(f"--method {PROMPT} needs --lm, the LM to prompt (no artifact names one)")
+    names = load_concepts(concept_dir).concepts
+    load_config(lm)  # an LM that is not there: refused before the judge is built
+    return lm, {PromptBaseline(tuple(names)): pick_concepts(concepts, names)}
 
 
 def check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k):
@@ -258,28 +327,38 @@ def plan_steer_eval(
     quantization,
     trust_remote_code=False,
     top_k=50,
+    method=None,
+    concept_dir=None,
 ) -> SteerPlan:
     """Check every argument, read the artifacts (their tensors: an interchange intervention is
     refused here, before the LM loads), draw up the cells and claim the output directory
     (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
     placement = LoadOptions(device_map, quantization)
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
-    paths = artifact_paths(artifact, dictionary, checkpoint)
+    check_method(method, artifact, dictionary, checkpoint, concept_dir)
+    paths = [] if method == PROMPT else artifact_paths(artifact, dictionary, checkpoint)
     factors = check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k)
-    artifacts = load_artifacts(paths, trust_remote_code)
-    lm = steered_lm(artifacts, lm)
-    cells_of = concept_cells(concepts, artifacts)
+    if method == PROMPT:
+        lm, cells_of = prompt_cells(concepts, concept_dir, lm)
+        factors, files = [PROMPT_FACTOR], {"concept_metadata": Path(concept_dir or BUILTIN_DIR) / "metadata.jsonl"}
+        methods = PROMPT
+    else:
+        artifacts = load_artifacts(paths, trust_remote_code)
+        lm = steered_lm(artifacts, lm)
+        cells_of, files = concept_cells(concepts, artifacts), {}
+        methods = "+".join(sorted({artifact_method(a) for a in artifacts}))
     pool = load_instructions(instruction_file)
     if len(pool) < instructions:
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
     out = Path(out)
-    instruction_path = instruction_file or BUILTIN_DIR / "instructions.json"
-    digests = unchanged_files(out / "meta.json", {"instruction_file": instruction_path})
+    files["instruction_file"] = instruction_file or BUILTIN_DIR / "instructions.json"
+    digests = unchanged_files(out / "meta.json", files)
     judge = ready_judge(judge)
     meta = {
         "lm": lm,
-        "method": "+".join(sorted({artifact_method(a) for a in artifacts})),
+        "method": methods,
         "artifact": paths,
+        **({"concept_dir": concept_dir} if method == PROMPT else {}),
         "instructions": instructions,
         "instruction_file": instruction_file,
         "max_new_tokens": max_new_tokens,
@@ -342,33 +421,33 @@ def generate(
         )
 
 
-def _run_cell(plan: SteerPlan, model, tokenizer, artifact: LoadedArtifact, concept: str, factor: float) -> list[dict]:
+def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: float) -> list[dict]:
     """The rows of one cell: N instructions drawn for the concept (seeded by concept), generated
-    with the artifact applied at the factor (`apply`), judged; the first N//2 are the "select" half."""
-    names, told = artifact_concepts(artifact)
+    with the artifact applied at the factor (`apply`), or, for the prompt baseline, generated by
+    the LM unedited from `prompt_baseline_input` (the row's "prompt"); judged on the instruction;
+    the first N//2 are the "select" half."""
     chosen = random.Random(f"{plan.seed}:{concept}").sample(plan.pool, plan.instructions)
-    with apply(model, artifact, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
-        responses = generate(
-            steered,
-            tokenizer,
-            chosen,
-            plan.max_new_tokens,
-            plan.temperature,
-            plan.batch_size,
-            seed=zlib.crc32(f"{plan.seed}:{concept}:{factor}".encode()),
-            top_k=plan.top_k,
-        )
+    sampling = {"seed": zlib.crc32(f"{plan.seed}:{concept}:{factor}".encode()), "top_k": plan.top_k}
+    settings = (plan.max_new_tokens, plan.temperature, plan.batch_size)
+    if isinstance(source, PromptBaseline):
+        names, prompts = list(source.concepts), [prompt_baseline_input(concept, text) for text in chosen]
+        responses = generate(model, tokenizer, prompts, *settings, **sampling)
+    else:
+        (names, told), prompts = artifact_concepts(source), None
+        with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+            responses = generate(steered, tokenizer, chosen, *settings, **sampling)
     scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
     select = plan.instructions // 2
     return [
         {
-            "method": artifact_method(artifact),
+            "method": source_method(source),
             "concept": concept,
             "concept_id": names.index(concept),
             "factor": float(factor),
             "half": "select" if k < select else "report",
             "instruction_index": k,
             "instruction": text,
+            **({"prompt": prompts[k]} if prompts else {}),
             "response": response,
             **score.as_dict(),
         }
@@ -406,9 +485,9 @@ def run_cells(plan: SteerPlan) -> list[dict]:
     work = [(s, c, f) for s, names in plan.cells_of.items() for c in names for f in plan.factors]
     todo = [(s, c, f) for s, c, f in work if done[(c, float(f))] < plan.instructions]
     with path.open("a") as sink, Progress(len(work), "steering cells", "cell", len(work) - len(todo)) as shown:
-        for artifact, concept, factor in todo:
+        for source, concept, factor in todo:
             shown.note(f"{concept}, factor {factor}")
-            cell = _run_cell(plan, model, tokenizer, artifact, concept, factor)
+            cell = _run_cell(plan, model, tokenizer, source, concept, factor)
             sink.write("".join(json.dumps(r) + "\n" for r in cell))
             sink.flush()
             rows += cell
@@ -553,6 +632,8 @@ def run_steer_eval(
     device_map: str | int | dict | None = None,
     quantization: str | None = None,
     trust_remote_code: bool = False,
+    method: str | None = None,
+    concept_dir: str | None = None,
 ) -> list[dict]:
     """Run (or resume) the steering evaluation; returns the summary rows.
 
@@ -562,10 +643,18 @@ def run_steer_eval(
             directory or .ckpt, a hub id). A dictionary is evaluated on its concepts, any other
             artifact on the one concept its config names.
         dictionary, checkpoint: other spellings of `artifact` (give exactly one of the three).
-        lm: the LM to steer (default: the model the artifacts were trained on; must match it).
-        concepts: names or ids among the artifacts' concepts, or 'all'.
+        method: 'prompt' for AxBench's prompt baseline, which takes no artifact: the concept asked
+            for in the prompt (`prompt_baseline_input`), the LM unedited, one generation per
+            instruction (factor column 0); None (default) steers with the artifact.
+        concept_dir: the prompt baseline's concept set, a directory in the AxBench layout (its
+            metadata.jsonl; default: the built-in concepts).
+        lm: the LM to steer (default: the model the artifacts were trained on; must match it;
+            the prompt baseline needs it).
+        concepts: names or ids among the artifacts' concepts (the prompt baseline: the concept
+            set's), or 'all'.
         factors: steering factors (default the paper's 14), each run for every artifact: a
             dictionary's α = factor × max activation; any other edit f* is scaled, h + factor·(f* − h).
+            Not used by the prompt baseline.
         instructions: N instructions per concept: the first N//2 choose the factor, the rest report.
         instruction_file: a JSON list or a text file of instructions (default: the AxBench data module's).
         max_new_tokens, temperature, top_k: generation (AxBench: 128, 1.0 and transformers' default
@@ -597,6 +686,8 @@ def run_steer_eval(
         device_map=device_map,
         quantization=quantization,
         trust_remote_code=trust_remote_code,
+        method=method,
+        concept_dir=concept_dir,
     )
     rows = run_cells(plan)
     cells = {(c, float(f)) for names in plan.cells_of.values() for c in names for f in plan.factors}
