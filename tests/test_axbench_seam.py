@@ -315,6 +315,31 @@ def test_the_cli_takes_a_short_name_a_class_path_and_its_init_args(tiny_lm_dir):
     assert type(cli.model.method) is LATDirection and cli.model.unsupervised_on == "all"
 
 
+def test_the_cli_reads_an_old_run_config_as_the_method_it_stands_for(tmp_path, tiny_lm_dir):
+    """A run config.yaml naming a removed class path with init_args (which the parser would try to
+    import) parses as the registered method: ReFTR1Method's options carry over, ProbeMethod gets
+    AxBench's defaults under the given ones, LATMethod's pairs becomes unsupervised_on."""
+    lm, old = tiny_lm_dir("llama"), "lit_interventions.interventions.concept_methods"
+    cases = [
+        ({"class_path": f"{old}.ReFTR1Method", "init_args": {"topk": 3, "l1": 0.01}}, ReFTR1Dictionary, "positives"),
+        ({"class_path": f"{old}.ProbeMethod", "init_args": {"l2": 0.01}}, ProbeDirection, "positives"),
+        ({"class_path": f"{old}.LATMethod", "init_args": {"pairs": "all"}}, LATDirection, "all"),
+    ]
+    for i, (method, cls, unsupervised_on) in enumerate(cases):
+        config = yaml.safe_load((ROOT / "configs" / "reft_r1.yaml").read_text())
+        config["model"]["init_args"].update(lm=lm, layer=1, method=method)
+        config["data"]["init_args"]["lm"] = lm
+        path = tmp_path / f"old{i}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cli = train_main(["--config", str(path)], run=False)
+        assert type(cli.model.method) is cls and cli.model.unsupervised_on == unsupervised_on
+    assert (cli.model.method_name, cli.model.hparams.method["class_path"]) == ("lat", method_spec("lat").class_path)
+    cli = train_main(["--config", str(tmp_path / "old0.yaml")], run=False)
+    assert (cli.model.method.topk, cli.model.method.l1, cli.model.method_name) == (3, 0.01, "reft_r1")
+    cli = train_main(["--config", str(tmp_path / "old1.yaml")], run=False)
+    assert (cli.model.method.l2, cli.model.method.bias) == (0.01, False)
+
+
 def test_a_dictionary_reads_its_latent_from_the_card_and_old_cards_by_name(tmp_path):
     vectors, hidden = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[[-2.0, 3.0]]])
     mine = Dictionary(vectors, torch.ones(2), ["a", "b"], "m", 1, "planted_ssv", latent="relu")
