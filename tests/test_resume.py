@@ -133,3 +133,39 @@ def test_a_loader_resumed_mid_pass_gives_the_rest_of_that_pass_then_the_next_one
     resumed.load_state_dict(state)
     assert state["batches"] == 2 and _passes(resumed, 3) == [rest, *later]
     assert len(used + rest) == 4
+
+
+def test_a_fit_killed_with_sigkill_resumes_from_its_last_checkpoint_exactly(tmp_path, tiny_lm_dir):
+    """`kill -9` mid-epoch, as a crash or an out-of-memory kill does: every checkpoint the killed
+    run left is whole (written to a temporary file and renamed), and `fit --ckpt_path` from the
+    newest gives the uninterrupted run's direction bit for bit."""
+    import signal
+    import sys
+    import time
+
+    lm, longer = tiny_lm_dir("gpt2"), ["--data.train_pairs=40"]  # 20 steps an epoch: time to kill
+    command = [sys.executable, "-m", "lit_interventions", *_args(lm, tmp_path / "killed", *longer, *EVERY_STEP)]
+    checkpoints = tmp_path / "killed" / "agr_sv_num_pp" / "layer1" / "version_0" / "checkpoints"
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (checkpoints / "step=3.ckpt").exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        assert process.wait(timeout=60) == -signal.SIGKILL  # killed mid-epoch, not finished
+    left = sorted(checkpoints.iterdir(), key=lambda p: p.stat().st_mtime)
+    assert left and all(p.suffix == ".ckpt" or p.name.startswith(".") for p in left)
+    steps = [p for p in left if p.suffix == ".ckpt"]
+    for path in steps:  # whole files: each one loads
+        torch.load(path, map_location="cpu", weights_only=True)
+    newest = max(steps, key=lambda p: int(p.stem.removeprefix("step=")))
+    assert 3 <= int(newest.stem.removeprefix("step=")) < 20
+    for root, extra in ((tmp_path / "whole", []), (tmp_path / "resumed", [f"--ckpt_path={newest}"])):
+        done = run_command(*_args(lm, root, *longer, *extra), env={"PYTHONPATH": str(ROOT)}, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    bases = [
+        load_file(root / "agr_sv_num_pp" / "layer1" / "version_0" / "intervention.safetensors")["basis"]
+        for root in (tmp_path / "whole", tmp_path / "resumed")
+    ]
+    assert torch.equal(bases[0], bases[1]), (bases[0] - bases[1]).abs().max().item()
