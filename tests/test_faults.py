@@ -324,3 +324,36 @@ def test_a_cut_generations_line_is_reported_and_cut_off(tmp_path):
     with pytest.warns(UserWarning, match=r"generations\.jsonl: line 2 is incomplete or damaged"):
         assert read_generations(path) == [{"concept": "a", "factor": 1.0}]
     assert path.read_text() == whole  # the redone cell is appended after a whole line, not glued onto a cut one
+
+
+def test_runs_started_at_once_on_one_root_reserve_distinct_versions(tmp_path):
+    """`reserved_version` makes version_N itself: eight runs asking at once get eight directories,
+    after the highest one there (a gap is not reused)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lit_interventions.cli.lightning import reserved_version
+
+    (tmp_path / "task" / "version_0").mkdir(parents=True)
+    (tmp_path / "task" / "version_2").mkdir()
+    with ThreadPoolExecutor(8) as pool:
+        versions = sorted(pool.map(lambda _: reserved_version(tmp_path, "task"), range(8)))
+    assert versions == list(range(3, 11))
+    assert sorted(p.name for p in (tmp_path / "task").iterdir()) == sorted(f"version_{n}" for n in [0, 2, *versions])
+
+
+def test_two_fits_on_one_root_at_once_each_write_a_run_of_their_own(tmp_path, tiny_lm_dir):
+    args = ["train.py", "fit", "--config", "configs/das.yaml", f"--model.lm={tiny_lm_dir('gpt2')}", "--model.layer=1"]
+    args += [f"--trainer.default_root_dir={tmp_path}", "--data.train_pairs=12", "--data.eval_pairs=4"]
+    args += ["--trainer.enable_progress_bar=false", "--trainer.max_epochs=1"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = [
+        subprocess.Popen([sys.executable, *args], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [run.communicate(timeout=600) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    made = sorted(p.name for p in (tmp_path / "agr_sv_num_pp" / "layer1").iterdir())
+    assert made == ["version_0", "version_1"]
+    for version in made:  # each run whole: its own weights, card and checkpoint
+        files = {p.name for p in (tmp_path / "agr_sv_num_pp" / "layer1" / version).iterdir()}
+        assert {"intervention.safetensors", "config.json", "checkpoints"} <= files

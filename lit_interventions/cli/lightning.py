@@ -264,7 +264,8 @@ class InterventionCLI(LightningCLI):
                     scored.parent, name="", version=scored.name, sub_dir=self.subcommand
                 )
             else:
-                config["logger"] = TensorBoardLogger(save_dir=root, name=run_name(self.model, self.datamodule))
+                name = run_name(self.model, self.datamodule)
+                config["logger"] = TensorBoardLogger(save_dir=root, name=name, version=reserved_version(root, name))
         listed = [*(config.get("callbacks") or []), *callbacks]
         if (
             config.get("enable_progress_bar") is not False
@@ -276,6 +277,24 @@ class InterventionCLI(LightningCLI):
             return super()._instantiate_trainer(config, callbacks)
         except MisconfigurationException as err:  # a trainer setting Lightning refuses (max_steps -5, ...)
             fail(first_reason(str(err)))
+
+
+def reserved_version(root: str | os.PathLike, name: str) -> int | None:
+    """The next free N of ROOT/NAME/version_N, its directory made here: `mkdir` fails on one that
+    another run started at the same moment made first, so two runs on one root never share a
+    directory. None in a distributed run's other processes (Lightning gives them rank 0's)."""
+    if int(os.environ.get("LOCAL_RANK", 0)) or int(os.environ.get("NODE_RANK", 0)):
+        return None
+    parent = Path(root) / name
+    parent.mkdir(parents=True, exist_ok=True)
+    taken = [p.name.removeprefix("version_") for p in parent.glob("version_*") if p.is_dir()]
+    version = max((int(n) for n in taken if n.isdigit()), default=-1) + 1
+    while True:
+        try:
+            (parent / f"version_{version}").mkdir()
+            return version
+        except FileExistsError:
+            version += 1
 
 
 def scored_run(subcommand: str, ckpt_path: str | None) -> Path | None:
