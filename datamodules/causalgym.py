@@ -8,7 +8,7 @@ Validation uses dev, test uses eval.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from lit_interventions.datamodules.base import BenchmarkDataModule
@@ -24,6 +24,8 @@ from lit_interventions.core.surprisal import bos_prefix
 from lit_interventions.core.tokens import token_covering
 
 CONTROL_TASKS = {"dog_give": [" dog", " give"]}
+OWN, OFFICIAL = "own", "official"  # where a pair's source is read (`check_positions`)
+POSITIONS = (OWN, OFFICIAL)
 
 
 class EmptyRegionError(ValueError):
@@ -114,6 +116,29 @@ def tokenize_pairs(
     return examples
 
 
+def check_positions(positions: str) -> str:
+    """`positions` if it is one of `POSITIONS`; else one ValueError line naming it and them."""
+    if positions not in POSITIONS:
+        raise ValueError(
+            f"positions={positions!r}; choose 'own' (each side at the last token of its own region) "
+            "or 'official' (the source at the base's token index, as CausalGym's code reads it)"
+        )
+    return positions
+
+
+def at_base_index(example: Example) -> Example:
+    """`example` with the official code's source positions: for each region r both sentences
+    have, p_s(r) = min(p_b(r), n_s - 1), p_b(r) the last token of the base's region and n_s the
+    source's length in tokens. CausalGym's code gives pyvene `{"sources->base": ([None, b], [s,
+    b])}` (`train.py:62`, `eval.py:31`; `Batch.compute_pos` returns [source, base] positions,
+    `data.py:115-142`): f(s) is read at the base's index b. Where b is past the source's end
+    (the base is longer before the region) that code reads a padding token's state after the
+    source; here, the source's last token, the last state that has read the whole source."""
+    last = len(example.source_ids) - 1
+    aligned = {r: min(p, last) for r, p in example.base_positions.items() if r in example.source_positions}
+    return replace(example, source_positions=aligned)
+
+
 def split_pairs(
     template: TaskTemplate, train_pairs: int, eval_pairs: int, seed: int, dev_seed: int = 1, multitask: bool = False
 ) -> dict[str, list[Pair]]:
@@ -161,6 +186,13 @@ class CausalGymDataModule(BenchmarkDataModule):
         multitask: add as many Iso pairs to train (both sentences of one type, every other
             variable sampled apart: the base's answer must not change) for the multi-task loss of
             MDAS / MDBM (`objectives.CauseIsoLoss(multitask=True)`). Dev and eval stay Cause pairs.
+        positions: where the source is read. `own` (default): each side at the last token of its
+            own region, the paper's rule (§3: "we align representations at the last token of each
+            template region"). `official`: the source at the base's token index, as CausalGym's
+            code reads it (`at_base_index`); its closed-form methods are fitted on base states at
+            the source's index, which, the train split holding each pair and its swap, are the
+            same states as the source side's here: `FIT_SIDES` is then ("source",), each state
+            classed by its own sentence's type. The base side is the same either way.
     """
 
     SPLITS = {"train": "train", "val": "dev", "test": "eval"}
@@ -181,9 +213,13 @@ class CausalGymDataModule(BenchmarkDataModule):
         dev_seed: int = 1,
         padding_side: str = "right",
         multitask: bool = False,
+        positions: str = OWN,
     ):
         super().__init__()
         self.save_hyperparameters()
+        check_positions(positions)
+        if positions == OFFICIAL:  # base states at the source's index = the swaps' source states (see above)
+            self.FIT_SIDES = ("source",)
         self.template = load_task(task, templates)  # validates the file and the task name
         if region is None:
             region = self.template.label_region
@@ -221,6 +257,8 @@ class CausalGymDataModule(BenchmarkDataModule):
         for split, pairs in self.pairs.items():
             kind = ISO if split == "train_iso" else CAUSE
             examples = tokenize_pairs(pairs, self.tokenizer, label_ids, self.hparams.control, kind)
+            if self.hparams.positions == OFFICIAL:
+                examples = [at_base_index(e) for e in examples]
             kept = [e for e in examples if self.region in e.base_positions and self.region in e.source_positions]
             if len(kept) < len(examples):
                 warnings.warn(

@@ -7,7 +7,9 @@
 The tasks are a template file's (default: CausalGym's 29) or, with `--pairs`, one counterfactual
 pairs file's (its stem the task's name, its regions `site` and `last`; `causalgym_tasks`): each a
 name, its regions, the regions its overall odds count, and a data factory the sweep asks for a
-region's data module.
+region's data module. `--positions official` reads a template task's source at the base's token
+index, as CausalGym's code does (`CausalGymDataModule`; default `own`: each side at the last token
+of its own region); meta.json records it, so a resumed run at the other setting is refused.
 
 The methods are entries of the one registry (`lit_interventions.interventions.registry`): a
 registered name (`--methods "[das,probe]"`; `all`: CausalGym's das, probe, diffmean, lda, pca,
@@ -100,6 +102,7 @@ from lit_interventions.core.lm import DEFAULT_LM, DTYPES, hidden_size, load_conf
 from lit_interventions.core.parts import site_tap
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
+from lit_interventions.datamodules.causalgym import OWN
 from lit_interventions.interventions.registry import (
     TRAINED,
     MethodSpec,
@@ -256,16 +259,20 @@ def check_found(lm: str, dtype: str, component: str, layer: int, head: int | Non
     site_tap(load_lm(lm, dtype), layer, component, head)
 
 
-def check_component(out: Path, component: str) -> None:
-    """Refuse an output directory that holds a sweep of another component (meta.json's
-    `component`; none: block_output) before it is claimed."""
-    path = Path(out) / "meta.json"
+RECORDED = {"component": BLOCK_OUTPUT, "positions": OWN}  # in meta.json only where a sweep's differs from these
+
+
+def check_recorded(out: Path, **settings: str) -> None:
+    """Refuse an output directory that holds a sweep at another of `settings` (meta.json's
+    `component` and `positions`; absent: `RECORDED`'s) before it is claimed."""
     try:
-        found = json.loads(path.read_text()).get("component", BLOCK_OUTPUT)
+        recorded = json.loads((Path(out) / "meta.json").read_text())
+        found = {key: recorded.get(key, RECORDED[key]) for key in settings}
     except (OSError, ValueError, AttributeError):
         return  # no directory yet, or a damaged meta.json, which claiming it reports
-    if found != component:
-        raise ValueError(f"{out} holds a sweep of component={found!r}, not {component!r}: choose another --out")
+    for key, value in settings.items():
+        if found[key] != value:
+            raise ValueError(f"{out} holds a sweep of {key}={found[key]!r}, not {value!r}: choose another --out")
 
 
 def sweep_units(
@@ -755,6 +762,7 @@ def run_sweep(
     stacked_scoring: bool = True,
     component: str = "block_output",
     heads: str | int | list[int] | None = None,
+    positions: str = OWN,
 ) -> list[dict]:
     """Run (or resume) the sweep; returns the summary rows.
 
@@ -790,7 +798,8 @@ def run_sweep(
         component: the sites swept (`core.blocks.COMPONENTS`): block_output (the residual stream)
             or, site by site (`run_components`), any other: attention_head, query, key and
             value per head.
-        heads: a head component's heads, a list (default or 'all': every one it has)."""
+        heads: a head component's heads, a list (default or 'all': every one it has).
+        positions: `own` or `official`, where a template task's source is read (`CausalGymDataModule`)."""
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
@@ -799,12 +808,11 @@ def run_sweep(
     sizes = {"train_pairs": train_pairs, "eval_pairs": eval_pairs, "seed": seed}
     # every input is checked before the output directory is claimed: a refused run leaves nothing
     specs = choose_methods(methods)
-    found, data_meta = sweep_tasks(tasks, templates, pairs, control, lm, sizes)
-    names = [spec.name for spec in specs]
+    found, data_meta = sweep_tasks(tasks, templates, pairs, control, lm, sizes, positions)
     config = load_config(lm)
     layers = choose_layers(layers, num_layers(config))
     heads = choose_heads(component, heads, config, layers)
-    check_component(Path(out), component)
+    check_recorded(Path(out), component=component, positions=positions)
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     units = sweep_units(list(found), layers, layers_per_unit)
@@ -815,7 +823,7 @@ def run_sweep(
     meta = {"lm": lm, "dtype": dtype, **data_meta}  # a data file is known by its sha256, not its path
     if heads is not None:  # a component sweep's directory holds that component's sites only
         return run_components(ranks, Path(out), meta | {"component": component}, units, layers, heads, setup, ACCURACY)
-    return _claimed_run(ranks, Path(out), meta, units, names, layers, setup)
+    return _claimed_run(ranks, Path(out), meta, units, [spec.name for spec in specs], layers, setup)
 
 
 def main(args=None) -> None:

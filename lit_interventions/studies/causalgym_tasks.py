@@ -10,8 +10,12 @@ Two sources give them, checked before the output directory is claimed and the mo
   file's stem, regions `site` and `last`, both scored, the file's own splits (its rows without a
   split divided by the seed, as `train.py` divides them), no control task.
 
+A template task's sentences are read where `positions` says (`CausalGymDataModule`: `own`, each
+side at its own region's last token, or `official`, the source at the base's token index); a
+pairs file's rows name each side's position themselves, so it takes `own` only.
+
 What a resumed run must find unchanged is recorded in its meta.json (`data_meta`): the template
-file's or the pairs file's sha256, the sizes and the seed.
+file's or the pairs file's sha256, the sizes and the seed, and `positions` where it is not `own`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from pathlib import Path
 from lit_interventions.cli.studies import choose_names
 from lit_interventions.core.files import file_sha256
 from lit_interventions.datamodules.base import BenchmarkDataModule
-from lit_interventions.datamodules.causalgym import CausalGymDataModule, EmptyRegionError, split_pairs
+from lit_interventions.datamodules.causalgym import (
+    OWN,
+    CausalGymDataModule,
+    EmptyRegionError,
+    check_positions,
+    split_pairs,
+)
 from lit_interventions.datamodules.pairs import REGIONS as PAIRS_REGIONS
 from lit_interventions.datamodules.pairs import PairsDataModule
 from lit_interventions.datamodules.pairs_files import read_pairs
@@ -67,29 +77,34 @@ def check_sizes(tasks: list[str], templates: str | None, sizes: dict) -> None:
         split_pairs(template, sizes["train_pairs"], sizes["eval_pairs"], sizes["seed"])
 
 
-def template_tasks(tasks: str | list[str], templates: str | None, lm: str, sizes: dict) -> dict[str, SweepTask]:
+def template_tasks(
+    tasks: str | list[str], templates: str | None, lm: str, sizes: dict, positions: str = OWN
+) -> dict[str, SweepTask]:
     """{name: SweepTask} of the template file's tasks asked for (a name, a list or 'all'),
-    `sizes` ({train_pairs, eval_pairs, seed}) checked against each (`check_sizes`)."""
+    `sizes` ({train_pairs, eval_pairs, seed}) checked against each (`check_sizes`), their data
+    read at `positions` (`CausalGymDataModule`)."""
     path = Path(templates) if templates else BUILTIN_TEMPLATES
     names = choose_names(tasks, list(load_templates(path)), "tasks")
     check_sizes(names, templates, sizes)
     found = {}
     for name in names:
         template = load_task(name, templates)
-        data = partial(_template_data, name, templates, lm, sizes)
+        data = partial(_template_data, name, templates, lm, sizes, positions)
         found[name] = SweepTask(name, template.regions, template.scored_regions, data)
     return found
 
 
-def _template_data(task, templates, lm, sizes, region, kind=None):
+def _template_data(task, templates, lm, sizes, positions, region, kind=None):
     """A template task's data module at `region` (kind: None, or the control task), set up."""
-    return _region_data(task, templates, lm, region, kind, sizes)
+    return _region_data(task, templates, lm, region, kind, sizes, positions)
 
 
-def _region_data(task, templates, lm, region, control, sizes) -> CausalGymDataModule | None:
+def _region_data(task, templates, lm, region, control, sizes, positions=OWN) -> CausalGymDataModule | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pairs where this region is empty are expected: skipped quietly
-        data = CausalGymDataModule(task=task, templates=templates, lm=lm, region=region, control=control, **sizes)
+        data = CausalGymDataModule(
+            task=task, templates=templates, lm=lm, region=region, control=control, positions=positions, **sizes
+        )
         try:
             data.setup("fit")
         except EmptyRegionError:
@@ -126,14 +141,19 @@ def pairs_digest(path: str) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
-def sweep_tasks(tasks, templates, pairs, control: bool, lm: str, sizes: dict) -> tuple[dict[str, SweepTask], dict]:
+def sweep_tasks(
+    tasks, templates, pairs, control: bool, lm: str, sizes: dict, positions: str = OWN
+) -> tuple[dict[str, SweepTask], dict]:
     """The sweep's tasks ({name: SweepTask}: a pairs file's one, else the template file's) and
     what meta.json records of their data: the file's sha256 (a resumed run on a changed file is
-    refused) and the sizes. `--pairs` with `--tasks`, `--templates` or `--control` is refused."""
+    refused), the sizes and, where it is not `own`, `positions`. `--pairs` with `--tasks`,
+    `--templates`, `--control` or `--positions official` is refused."""
+    check_positions(positions)
     if pairs is None:
-        found = template_tasks(DEFAULT_TASK if tasks is None else tasks, templates, lm, sizes)
+        found = template_tasks(DEFAULT_TASK if tasks is None else tasks, templates, lm, sizes, positions)
         digest = file_sha256(Path(templates) if templates else BUILTIN_TEMPLATES)
-        return found, {"templates": templates or "builtin", "templates_sha256": digest, **sizes}
+        meta = {"templates": templates or "builtin", "templates_sha256": digest, **sizes}
+        return found, meta | ({} if positions == OWN else {"positions": positions})
     if not isinstance(pairs, str) or not pairs.strip():
         raise ValueError(
             f"pairs={pairs!r}: give a .jsonl or .csv file, a dataset directory or a Hugging Face dataset id"
@@ -148,6 +168,11 @@ def sweep_tasks(tasks, templates, pairs, control: bool, lm: str, sizes: dict) ->
         raise ValueError(
             f"control=True with pairs={pairs!r}: the dog/give control relabels a template task's types, "
             "a pairs file has none; leave --control false"
+        )
+    if positions != OWN:
+        raise ValueError(
+            f"positions={positions!r} with pairs={pairs!r}: a pairs file's rows name each side's position "
+            "themselves; leave --positions own"
         )
     task = pairs_task(pairs, lm, sizes["seed"])
     return {task.name: task}, {"pairs": pairs, "pairs_sha256": pairs_digest(pairs), "seed": sizes["seed"]}
