@@ -3,6 +3,7 @@
     lit-interventions steer --config configs/steer_eval.yaml --artifact DIR_OR_HUB_ID [--out DIR]
     lit-interventions steer --config configs/steer_eval.yaml --artifact [RUN_DIR_A, RUN_DIR_B]
     lit-interventions steer --config configs/steer_eval.yaml --method prompt --lm NAME [--concept_dir DIR]
+    lit-interventions steer --config configs/steer_eval.yaml --artifact DIR --mode suppress --side_effects true
 
 An artifact is anything `lit-interventions generate` applies (a concept dictionary, an
 intervention, a LoReFT / LoRA steering module, a run directory, a hub id; `--dictionary` and
@@ -19,13 +20,26 @@ concept in the prompt (`prompt_baseline_input`), once per (concept, instruction)
 intervention: `--factors` does not apply), for the concepts of the built-in set or `--concept_dir`.
 Its rows are judged and reported as any method's, with method "prompt".
 
+`--mode suppress` is AxBench's suppression evaluation (`AlpacaEval_Suppress`,
+axbench/utils/dataset.py): every instruction is put to the LM as the prompt baseline's user turn,
+which asks for the concept (`prompt_baseline_input`), and the artifact steers against it: each
+factor f is applied as −f (AxBench negates every steering factor). The rows carry `mode` and the
+applied (negative) factor, are judged on the bare instruction as in `steer` mode, and the factor
+is chosen the same way (the judge's scores unchanged: a lower concept score is a stronger
+suppression). The prompt baseline in this mode is the unsuppressed reference: the same prompt, no edit.
+
+`--side_effects true` measures each cell's side effect, `kl_neutral` (`kl_neutral`, below), on our
+neutral prompts (`data/axbench/neutral_prompts.json`), with the same edit as the cell's
+generations; the prompt baseline has no edit, so its kl_neutral is 0.
+
 Per concept, N instructions are drawn (seeded); every (factor, instruction) is generated (left
 padding, the LM's chat template) and judged (concept, instruction relevance, fluency, overall =
 their harmonic mean). The factor with the best mean overall on the first half of the instructions
 is chosen; its scores on the other half are reported.
 
 Writes DIR/generations.jsonl (one line per generation, with the judge's replies), DIR/factors.csv
-(every factor × half), DIR/summary.csv (the reported scores per concept) and DIR/steering.png.
+(every factor × half), DIR/summary.csv (the reported scores per concept) and DIR/steering.png;
+with `--mode suppress` the CSVs gain a `mode` column, with `--side_effects true` a `kl_neutral` one.
 A rerun skips the (concept, factor) cells already in generations.jsonl; DIR/meta.json records the
 settings and the instruction file's sha256, and a rerun with other settings, or on an instruction
 file changed in place, is refused in one line before the LM loads.
@@ -56,7 +70,7 @@ from lit_interventions.cli.studies import run_cli
 from lit_interventions.core.files import FILE_DIGESTS, read_utf8, unchanged_files, write_atomically
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
-from lit_interventions.core.sharding import LoadOptions
+from lit_interventions.core.sharding import LoadOptions, input_device
 from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, load_concepts
 from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
@@ -72,6 +86,9 @@ SUMMARY_COLUMNS = ["method", "concept", "factor", *SCORES]
 FACTOR_COLUMNS = ["method", "concept", "factor", "half", *SCORES, "n"]
 PROMPT = "prompt"  # the steering method that needs no artifact: AxBench's prompt baseline
 PROMPT_FACTOR = 0.0  # the factor column of its rows: no intervention, the prompt alone steers
+MODES = ("steer", "suppress")  # steer toward the concept, or against it where the prompt asks for it
+SIDE_EFFECT = "kl_neutral"  # the side-effect column of the rows and CSVs (--side_effects true)
+NEUTRAL_PROMPTS = BUILTIN_DIR / "neutral_prompts.json"  # our own 20 neutral sentences
 # AxBench's steering prompt (axbench/utils/dataset.py, T_PROMPT_STEERING) with the concept in it
 PROMPT_TEMPLATE = (
     "You must answer the question with content related to {concept} even if it is not related to the "
@@ -99,6 +116,8 @@ class SteerPlan:
     batch_size: int
     seed: int
     top_k: int = 50
+    mode: str = "steer"  # one of MODES
+    neutral: list[str] | None = None  # the neutral prompts of kl_neutral (None: no side effects measured)
 
 
 @dataclass(frozen=True)
@@ -233,6 +252,23 @@ def prompt_cells(concepts, concept_dir: str | None, lm: str | None) -> tuple[str
     return lm, {PromptBaseline(tuple(names)): pick_concepts(concepts, names)}
 
 
+def check_mode(mode, side_effects) -> None:
+    """`mode` one of MODES and `side_effects` a bool; a ValueError line otherwise."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(
+            f"--mode={mode!r} is not a steering mode; allowed: 'steer' (toward the concept) or 'suppress' "
+            "(the prompt asks for the concept and the artifact steers against it)"
+        )
+    if not isinstance(side_effects, bool):
+        raise ValueError(f"--side_effects={side_effects!r} must be true or false")
+
+
+def applied_factors(factors: list[float], mode: str) -> list[float]:
+    """The factors as applied and written in the rows: as given in `steer` mode, negated in
+    `suppress` mode (AxBench's `AlpacaEval_Suppress` applies −f for every steering factor f)."""
+    return [0.0 - f for f in factors] if mode == "suppress" else factors
+
+
 def check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k):
     """The factors (default FACTORS), once the settings that need no file are checked."""
     factors = list(FACTORS if factors is None else factors)
@@ -307,6 +343,37 @@ def ready_judge(judge: dict | Judge | None) -> Judge:
     return judge
 
 
+def same_options(meta_path: Path, mode: str, side_effects: bool) -> None:
+    """A directory is resumed only in the mode, and with or without the side effects, its
+    meta.json records (neither recorded: `steer` mode without side effects); a ValueError line
+    otherwise. An absent or damaged meta.json refuses nothing (claiming the directory reports it)."""
+    try:
+        old = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return
+    for key, value, default in (("mode", mode, MODES[0]), ("side_effects", side_effects, False)):
+        recorded = old.get(key, default) if isinstance(old, dict) else value
+        if recorded != value:
+            raise ValueError(
+                f"{meta_path.parent} holds a steering evaluation with --{key}={json.dumps(recorded)}, this run has "
+                f"--{key}={json.dumps(value)}; rerun with --{key}={json.dumps(recorded)} to resume it, or choose another --out"
+            )
+
+
+def cell_sources(method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode) -> tuple:
+    """(the LM, {source: its concepts}, the factors as applied, the data files to digest, the
+    method of meta.json): the prompt baseline's (factor 0, the concept set's metadata), or the
+    artifacts' (read and checked; `applied_factors`)."""
+    if method == PROMPT:
+        lm, cells_of = prompt_cells(concepts, concept_dir, lm)
+        metadata = Path(concept_dir or BUILTIN_DIR) / "metadata.jsonl"
+        return lm, cells_of, [PROMPT_FACTOR], {"concept_metadata": metadata}, PROMPT
+    artifacts = load_artifacts(paths, trust_remote_code)
+    lm = steered_lm(artifacts, lm)
+    methods = "+".join(sorted({artifact_method(a) for a in artifacts}))
+    return lm, concept_cells(concepts, artifacts), applied_factors(factors, mode), {}, methods
+
+
 def plan_steer_eval(
     *,
     artifact=None,
@@ -329,30 +396,30 @@ def plan_steer_eval(
     top_k=50,
     method=None,
     concept_dir=None,
+    mode="steer",
+    side_effects=False,
 ) -> SteerPlan:
     """Check every argument, read the artifacts (their tensors: an interchange intervention is
     refused here, before the LM loads), draw up the cells and claim the output directory
     (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
     placement = LoadOptions(device_map, quantization)
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
+    check_mode(mode, side_effects)
     check_method(method, artifact, dictionary, checkpoint, concept_dir)
     paths = [] if method == PROMPT else artifact_paths(artifact, dictionary, checkpoint)
     factors = check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k)
-    if method == PROMPT:
-        lm, cells_of = prompt_cells(concepts, concept_dir, lm)
-        factors, files = [PROMPT_FACTOR], {"concept_metadata": Path(concept_dir or BUILTIN_DIR) / "metadata.jsonl"}
-        methods = PROMPT
-    else:
-        artifacts = load_artifacts(paths, trust_remote_code)
-        lm = steered_lm(artifacts, lm)
-        cells_of, files = concept_cells(concepts, artifacts), {}
-        methods = "+".join(sorted({artifact_method(a) for a in artifacts}))
+    lm, cells_of, factors, files, methods = cell_sources(
+        method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode
+    )
     pool = load_instructions(instruction_file)
     if len(pool) < instructions:
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
     out = Path(out)
     files["instruction_file"] = instruction_file or BUILTIN_DIR / "instructions.json"
+    if side_effects:
+        files["neutral_prompts"] = NEUTRAL_PROMPTS
     digests = unchanged_files(out / "meta.json", files)
+    same_options(out / "meta.json", mode, side_effects)
     judge = ready_judge(judge)
     meta = {
         "lm": lm,
@@ -365,6 +432,8 @@ def plan_steer_eval(
         "temperature": temperature,
         "top_k": top_k,
         "seed": seed,
+        **({"mode": mode} if mode != "steer" else {}),
+        **({"side_effects": True} if side_effects else {}),
         FILE_DIGESTS: digests,  # a resume on an instruction file changed in place is refused, naming it
     }
     claim_out_dir(out, meta, what="a steering evaluation", ignore=(FILE_DIGESTS,))
@@ -382,6 +451,8 @@ def plan_steer_eval(
         batch_size,
         seed,
         top_k,
+        mode,
+        builtin_instructions(NEUTRAL_PROMPTS) if side_effects else None,
     )
 
 
@@ -421,26 +492,34 @@ def generate(
         )
 
 
-def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: float) -> list[dict]:
+def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: float, baseline=None) -> list[dict]:
     """The rows of one cell: N instructions drawn for the concept (seeded by concept), generated
     with the artifact applied at the factor (`apply`), or, for the prompt baseline, generated by
-    the LM unedited from `prompt_baseline_input` (the row's "prompt"); judged on the instruction;
-    the first N//2 are the "select" half."""
+    the LM unedited from `prompt_baseline_input` (the row's "prompt"; in `suppress` mode every
+    source's); judged on the instruction; the first N//2 are the "select" half. With neutral
+    prompts (`baseline`: their unsteered log-probs) each row carries the cell's kl_neutral."""
     chosen = random.Random(f"{plan.seed}:{concept}").sample(plan.pool, plan.instructions)
     sampling = {"seed": zlib.crc32(f"{plan.seed}:{concept}:{factor}".encode()), "top_k": plan.top_k}
     settings = (plan.max_new_tokens, plan.temperature, plan.batch_size)
+    prompts = None
+    if isinstance(source, PromptBaseline) or plan.mode == "suppress":
+        prompts = [prompt_baseline_input(concept, text) for text in chosen]
     if isinstance(source, PromptBaseline):
-        names, prompts = list(source.concepts), [prompt_baseline_input(concept, text) for text in chosen]
+        names = list(source.concepts)
         responses = generate(model, tokenizer, prompts, *settings, **sampling)
     else:
-        (names, told), prompts = artifact_concepts(source), None
+        names, told = artifact_concepts(source)
         with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
-            responses = generate(steered, tokenizer, chosen, *settings, **sampling)
+            responses = generate(steered, tokenizer, prompts or chosen, *settings, **sampling)
     scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
+    side = {}
+    if plan.neutral:
+        side[SIDE_EFFECT] = cell_side_effect(model, tokenizer, source, concept, factor, plan.neutral, baseline)
     select = plan.instructions // 2
     return [
         {
             "method": source_method(source),
+            "mode": plan.mode,
             "concept": concept,
             "concept_id": names.index(concept),
             "factor": float(factor),
@@ -450,6 +529,7 @@ def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: f
             **({"prompt": prompts[k]} if prompts else {}),
             "response": response,
             **score.as_dict(),
+            **side,
         }
         for k, (text, response, score) in enumerate(zip(chosen, responses, scores))
     ]
@@ -469,6 +549,45 @@ def _judged(judge: Judge, concepts: list[str], instructions: list[str], response
     return scores
 
 
+# --- side effects: kl_neutral on neutral prompts -------------------------------------------------
+def neutral_log_probs(model, tokenizer, prompts: list[str]) -> list[torch.Tensor]:
+    """log p(· | x_1..x_t) at every position t = 1..T of each prompt: the prompt tokenized as its
+    tokenizer does by default (its special tokens, e.g. BOS, included; no chat template), one
+    forward pass a prompt (no padding); float32 [T, vocabulary] tensors on the CPU."""
+    device, out = input_device(model), []
+    with torch.no_grad():
+        for text in prompts:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
+            out.append(torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1).cpu())
+    return out
+
+
+def kl_neutral(unsteered: list[torch.Tensor], steered: list[torch.Tensor]) -> float:
+    """The mean KL divergence of the unsteered next-token distribution p from the steered q, over
+    the N neutral prompts, each averaged over every one of its T_i positions (`neutral_log_probs`):
+
+        kl_neutral = 1/N · Σ_i 1/T_i · Σ_{t=1..T_i} KL(p(·|x_i,≤t) ‖ q(·|x_i,≤t)),
+        KL(p ‖ q) = Σ_v p(v) · (log p(v) − log q(v))      (nats; in float64)
+
+    0 exactly where the edit changes nothing (factor 0)."""
+    per_prompt = [
+        torch.nn.functional.kl_div(q.double(), p.double(), reduction="none", log_target=True).sum(-1).mean()
+        for p, q in zip(unsteered, steered)
+    ]
+    return float(torch.stack(per_prompt).mean())
+
+
+def cell_side_effect(model, tokenizer, source, concept: str, factor: float, neutral, baseline) -> float:
+    """kl_neutral of one cell on the `neutral` prompts (`baseline`: their unsteered log-probs): the
+    edit its generations have (`apply` at the cell's concept and factor); the prompt baseline has
+    no edit, so 0."""
+    if isinstance(source, PromptBaseline):
+        return 0.0
+    told = artifact_concepts(source)[1]
+    with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+        return kl_neutral(baseline, neutral_log_probs(steered, tokenizer, neutral))
+
+
 def run_cells(plan: SteerPlan) -> list[dict]:
     """Every row of DIR/generations.jsonl: those already there, then each cell not yet complete,
     generated, judged and appended (flushed) one cell at a time."""
@@ -484,10 +603,11 @@ def run_cells(plan: SteerPlan) -> list[dict]:
     )
     work = [(s, c, f) for s, names in plan.cells_of.items() for c in names for f in plan.factors]
     todo = [(s, c, f) for s, c, f in work if done[(c, float(f))] < plan.instructions]
+    baseline = neutral_log_probs(model, tokenizer, plan.neutral) if plan.neutral and todo else None
     with path.open("a") as sink, Progress(len(work), "steering cells", "cell", len(work) - len(todo)) as shown:
         for source, concept, factor in todo:
             shown.note(f"{concept}, factor {factor}")
-            cell = _run_cell(plan, model, tokenizer, source, concept, factor)
+            cell = _run_cell(plan, model, tokenizer, source, concept, factor, baseline)
             sink.write("".join(json.dumps(r) + "\n" for r in cell))
             sink.flush()
             rows += cell
@@ -499,16 +619,20 @@ def run_cells(plan: SteerPlan) -> list[dict]:
 def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """(summary rows, factor rows) from judged generations of one method.
 
-    Per concept: mean scores per (factor, half); the factor with the best mean overall on the
-    "select" half (ties: the smaller factor) is chosen, and its "report" half is the summary."""
+    Per concept: mean scores (and kl_neutral, where the rows carry it) per (factor, half); the
+    factor with the best mean overall on the "select" half (ties: the smaller |factor|) is chosen,
+    and its "report" half is the summary. A row of `suppress` generations carries their mode."""
     cells = defaultdict(list)
     for row in rows:
         cells[(row["method"], row["concept"], float(row["factor"]), row["half"])].append(row)
     factor_rows = []
     for (method, concept, factor, half), group in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])):
-        means = {s: float(np.mean([float(r[s]) for r in group])) for s in SCORES}
+        measured = [*SCORES, *([SIDE_EFFECT] if all(SIDE_EFFECT in r for r in group) else [])]
+        means = {s: float(np.mean([float(r[s]) for r in group])) for s in measured}
+        mode = group[0].get("mode", MODES[0])
         factor_rows.append(
-            {"method": method, "concept": concept, "factor": factor, "half": half, **means, "n": len(group)}
+            {"method": method, **({"mode": mode} if mode != MODES[0] else {}), "concept": concept, "factor": factor}
+            | {"half": half, **means, "n": len(group)}
         )
     summary = []
     by_concept = defaultdict(dict)
@@ -518,10 +642,12 @@ def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
         selectable = sorted(f for f, h in table if h == "select")
         if not selectable:
             continue
-        best = max(selectable, key=lambda f: (table[(f, "select")]["overall"], -f))
+        best = max(selectable, key=lambda f: (table[(f, "select")]["overall"], -abs(f)))
         report = table.get((best, "report"))
         if report is not None:
-            summary.append({"method": method, "concept": concept, "factor": best, **{s: report[s] for s in SCORES}})
+            measured = {s: report[s] for s in (*SCORES, SIDE_EFFECT) if s in report}
+            moded = {"mode": report["mode"]} if "mode" in report else {}
+            summary.append({"method": method, **moded, "concept": concept, "factor": best, **measured})
     return summary, factor_rows
 
 
@@ -602,12 +728,15 @@ def keep_whole_cells(path: Path, rows: list[dict], instructions: int) -> list[di
 
 def write_report(out: Path, rows: list[dict], cells: set[tuple[str, float]]) -> list[dict]:
     """Choose and report from the rows of the (concept, factor) `cells` of this run (others in the
-    file are left out): DIR/factors.csv and DIR/summary.csv, then DIR/steering.png (a figure not
+    file are left out): DIR/factors.csv and DIR/summary.csv (a `mode` column after `method` in
+    `suppress` mode, a last `kl_neutral` column where the rows carry it), then DIR/steering.png (a figure not
     written is `plots.FigureNotWritten`, the CSVs kept); the summary rows."""
     rows = [r for r in rows if (r["concept"], float(r["factor"])) in cells]
     summary, factor_rows = choose_and_report(rows)
-    write_csv(out / "factors.csv", factor_rows, FACTOR_COLUMNS)
-    write_csv(out / "summary.csv", summary, SUMMARY_COLUMNS)
+    moded = ["mode"] if any("mode" in r for r in factor_rows) else []
+    measured = [SIDE_EFFECT] if any(SIDE_EFFECT in r for r in factor_rows) else []
+    write_csv(out / "factors.csv", factor_rows, [FACTOR_COLUMNS[0], *moded, *FACTOR_COLUMNS[1:], *measured])
+    write_csv(out / "summary.csv", summary, [SUMMARY_COLUMNS[0], *moded, *SUMMARY_COLUMNS[1:], *measured])
     plot_factors(factor_rows, out / "steering.png")
     return summary
 
@@ -634,6 +763,8 @@ def run_steer_eval(
     trust_remote_code: bool = False,
     method: str | None = None,
     concept_dir: str | None = None,
+    mode: str = "steer",
+    side_effects: bool = False,
 ) -> list[dict]:
     """Run (or resume) the steering evaluation; returns the summary rows.
 
@@ -666,29 +797,12 @@ def run_steer_eval(
             e.g. "auto" and "4bit".
         trust_remote_code: import a class path an artifact names that is not registered (only for
             artifacts whose source you trust: importing runs its code).
+        mode: 'steer' (default: toward the concept) or 'suppress' (AxBench's suppression: the
+            prompt asks for the concept, `prompt_baseline_input`, and each factor f is applied as −f).
+        side_effects: measure each cell's kl_neutral (`kl_neutral`) on the built-in neutral
+            prompts, with the cell's edit; a `kl_neutral` column in factors.csv and summary.csv.
     """
-    plan = plan_steer_eval(
-        artifact=artifact,
-        dictionary=dictionary,
-        checkpoint=checkpoint,
-        lm=lm,
-        concepts=concepts,
-        factors=factors,
-        instructions=instructions,
-        instruction_file=instruction_file,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        batch_size=batch_size,
-        judge=judge,
-        out=out,
-        seed=seed,
-        device_map=device_map,
-        quantization=quantization,
-        trust_remote_code=trust_remote_code,
-        method=method,
-        concept_dir=concept_dir,
-    )
+    plan = plan_steer_eval(**locals())  # every argument above, by name: nothing else is bound yet
     rows = run_cells(plan)
     cells = {(c, float(f)) for names in plan.cells_of.values() for c in names for f in plan.factors}
     return write_report(plan.out, rows, cells)
