@@ -186,13 +186,9 @@ class CausalGymDataModule(BenchmarkDataModule):
         multitask: add as many Iso pairs to train (both sentences of one type, every other
             variable sampled apart: the base's answer must not change) for the multi-task loss of
             MDAS / MDBM (`objectives.CauseIsoLoss(multitask=True)`). Dev and eval stay Cause pairs.
-        positions: where the source is read. `own` (default): each side at the last token of its
-            own region, the paper's rule (§3: "we align representations at the last token of each
-            template region"). `official`: the source at the base's token index, as CausalGym's
-            code reads it (`at_base_index`); its closed-form methods are fitted on base states at
-            the source's index, which, the train split holding each pair and its swap, are the
-            same states as the source side's here: `FIT_SIDES` is then ("source",), each state
-            classed by its own sentence's type. The base side is the same either way.
+        positions: `own` (default): each side read at the last token of its own region (the
+            paper's rule); `official`: the source at the base's token index and the closed forms
+            fitted on the source side, as CausalGym's code (`at_base_index`, docs/causalgym.md).
     """
 
     SPLITS = {"train": "train", "val": "dev", "test": "eval"}
