@@ -214,8 +214,8 @@ class CausalGymDataModule(BenchmarkDataModule):
         super().__init__()
         self.save_hyperparameters()
         check_positions(positions)
-        if positions == OFFICIAL:  # base states at the source's index = the swaps' source states (see above)
-            self.FIT_SIDES = ("source",)
+        if positions == OFFICIAL:  # the official fit states, base states at the source's index, are the
+            self.FIT_SIDES = ("source",)  # source states of the swaps (train holds each pair and its swap)
         self.template = load_task(task, templates)  # validates the file and the task name
         if region is None:
             region = self.template.label_region
