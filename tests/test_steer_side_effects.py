@@ -134,16 +134,7 @@ def test_the_kl_neutral_column_from_the_command_line(planted, tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["side_effects"] is True and "neutral_prompts" in meta[FILE_DIGESTS]
     with pytest.raises(ValueError, match="holds a steering evaluation with --side_effects=true, this run has"):
-        steer.run_steer_eval(
-            dictionary=path,
-            lm=lm,
-            concepts=["dogs"],
-            factors=[0.0, 2.0],
-            instructions=2,
-            instruction_file=instructions,
-            out=str(out),
-            judge={"backend": "local", "lm": "no-such-lm"},
-        )
+        _rerun_in_steer_mode(lm, path, instructions, out)
 
 
 def test_suppression_prompts_for_the_concept_and_steers_against_it(planted, tmp_path):
@@ -171,16 +162,21 @@ def test_suppression_prompts_for_the_concept_and_steers_against_it(planted, tmp_
     assert json.loads((out / "meta.json").read_text())["mode"] == "suppress"
     # the directory resumes in its own mode only, refused before any LM loads
     with pytest.raises(ValueError, match=r"holds a steering evaluation with --mode=\"suppress\", this run has"):
-        steer.run_steer_eval(
-            dictionary=path,
-            lm=lm,
-            concepts=["dogs"],
-            factors=[0.0, 2.0],
-            instructions=2,
-            instruction_file=instructions,
-            out=str(out),
-            judge={"backend": "local", "lm": "no-such-lm"},
-        )
+        _rerun_in_steer_mode(lm, path, instructions, out)
+
+
+def _rerun_in_steer_mode(lm, path, instructions, out):
+    """`run_steer_eval` on `out` in `steer` mode without side effects (refused before the LM loads)."""
+    steer.run_steer_eval(
+        dictionary=path,
+        lm=lm,
+        concepts=["dogs"],
+        factors=[0.0, 2.0],
+        instructions=2,
+        instruction_file=instructions,
+        out=str(out),
+        judge={"backend": "local", "lm": "no-such-lm"},
+    )
 
 
 def test_suppression_factors_are_negative():
