@@ -128,6 +128,7 @@ def test_the_console_script_refuses_identical_pairs_in_one_line(tmp_path, tiny_l
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith("error: every train pair of task 'same' has the same tokens as base and source")
     assert "Traceback" not in done.stderr and not list(tmp_path.rglob("*.ckpt"))
+    assert not list(tmp_path.rglob("version_*"))  # the run's reserved directory is not left behind empty
 
 
 def test_the_console_script_shows_the_warning_as_one_line(tmp_path, tiny_lm_dir):

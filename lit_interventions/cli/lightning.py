@@ -14,6 +14,7 @@ import importlib
 import inspect
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -234,7 +235,26 @@ class InterventionCLI(LightningCLI):
             if check is not None and self.datamodule is not None:
                 check(self.datamodule)
         except (ValueError, FileNotFoundError, ImportError) as err:
+            self._release_version()
             fail(first_reason(str(err)))
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            self._release_version()
+            raise
+
+    def _release_version(self) -> None:
+        """After a run that failed before its first step: the version_N directory it reserved
+        (`reserved_version`) removed when it holds nothing but TensorBoard's event files (Lightning's
+        logger opens them when it closes), so that no empty run is left behind."""
+        reserved = getattr(self, "_reserved", None)
+        trainer = getattr(self, "trainer", None)
+        if reserved is None or not reserved.is_dir() or getattr(trainer, "global_step", 0):
+            return
+        if all(p.is_file() and p.name.startswith("events.out.tfevents.") for p in reserved.iterdir()):
+            shutil.rmtree(reserved)
 
     def _refuse_untrained_test(self) -> None:
         """`test` without `--ckpt_path` on a module with parameters to learn would score them as
@@ -265,7 +285,9 @@ class InterventionCLI(LightningCLI):
                 )
             else:
                 name = run_name(self.model, self.datamodule)
-                config["logger"] = TensorBoardLogger(save_dir=root, name=name, version=reserved_version(root, name))
+                version = reserved_version(root, name)
+                self._reserved = None if version is None else Path(root) / name / f"version_{version}"
+                config["logger"] = TensorBoardLogger(save_dir=root, name=name, version=version)
         listed = [*(config.get("callbacks") or []), *callbacks]
         if (
             config.get("enable_progress_bar") is not False
