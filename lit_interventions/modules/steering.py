@@ -178,7 +178,7 @@ def current_method_config(method: dict) -> tuple[dict, dict]:
     """(the {class_path, init_args} of the registered method an older run's config stands for,
     SteeringModule options it sets) for a class path of `RUN_CONFIG_METHODS`; any other config as
     it is, with no options. What a run config's YAML is read as (`cli.lightning`), so the parser
-    never imports a class path that no longer exists."""
+    never tries to import a class path of `RUN_CONFIG_METHODS` (none of them exists)."""
     if method.get("class_path") not in RUN_CONFIG_METHODS:
         return method, {}
     spec, _, options = method_of_config(method)
