@@ -197,11 +197,16 @@ class ConceptDictionary(Intervention):
                 f"{tuple(base.shape)}: pass a factor to steer"
             )
 
+    @staticmethod
+    def _tokens(base: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
+        """The intervened tokens, (batch, seq) bool: `where`, or every token when None."""
+        return torch.ones(base.shape[:2], dtype=torch.bool, device=base.device) if where is None else where.bool()
+
     def _trained_edit(
         self, base: torch.Tensor, steered: torch.Tensor, where: torch.Tensor | None, rows: torch.Tensor | None
     ) -> torch.Tensor:
         """`steered` on the `rows` (batch,) at the `where` tokens (batch, seq), `base` elsewhere."""
-        keep = torch.ones(base.shape[:2], dtype=torch.bool, device=base.device) if where is None else where.bool()
+        keep = self._tokens(base, where)
         if rows is not None:
             keep = rows[:, None] & keep
         return torch.where(keep[:, :, None], steered, base)
@@ -255,7 +260,7 @@ class ReFTR1Dictionary(ConceptDictionary):
         if factor is not None:
             return super().forward(base, source, concept_id=concept_id, factor=factor)
         self._check_sequence(base, source)
-        where = torch.ones(base.shape[:2], dtype=torch.bool, device=base.device) if where is None else where.bool()
+        where = self._tokens(base, where)
         rows = torch.ones(base.shape[0], dtype=torch.bool, device=base.device) if rows is None else rows
         w = self.weight[concept_id.clamp(min=0)]  # (batch, d); unused outside `rows`
         steered, latents, chosen = reft_r1_intervention(base, w, where, self.topk)
