@@ -179,7 +179,9 @@ def test_a_component_the_architecture_lacks_is_one_line_before_any_sweep_work(ti
 
 def test_a_directory_of_another_component_is_refused(swept, tiny_lm_dir):
     out, _, rows = swept["value"]
-    with pytest.raises(ValueError, match=r"holds a sweep of component='value', not 'mlp_neuron'"):
+    with pytest.raises(
+        ValueError, match=r'holds a sweep with --component="value", this run has --component="mlp_neuron"'
+    ):
         _sweep(tiny_lm_dir("llama"), out, "mlp_neuron")
     assert csv_rows(out / "results.csv") == rows
 

@@ -198,7 +198,9 @@ def test_bad_heads_or_component_fail_before_any_model_work(tiny_lm_dir, tmp_path
 
 def test_a_directory_of_the_other_component_is_refused(swept, tiny_lm_dir):
     out, _, rows = swept
-    with pytest.raises(ValueError, match=r"holds a sweep of component='attention_head', not 'block_output'"):
+    with pytest.raises(
+        ValueError, match=r'holds a sweep with --component="attention_head", this run has --component="block_output"'
+    ):
         sweep.run_sweep(lm=tiny_lm_dir("llama"), out=str(out), methods=["diffmean"], layers=[1], **SIZES)
     assert csv_rows(out / "results.csv") == rows
 

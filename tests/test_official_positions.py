@@ -181,7 +181,7 @@ def test_a_sweep_run_both_ways_and_a_resume_at_the_other_setting_is_refused(tmp_
         assert own[(method, "object")] != official[(method, "object")]
     with pytest.raises(SystemExit):
         sweep.main([*common, f"--out={tmp_path / 'own'}", "--positions=official"])
-    assert "holds a sweep of positions='own', not 'official'" in capsys.readouterr().err
+    assert 'holds a sweep with --positions="own", this run has --positions="official"' in capsys.readouterr().err
     with pytest.raises(SystemExit):
         sweep.main([*common, f"--out={tmp_path / 'official'}"])
-    assert "holds a sweep of positions='official', not 'own'" in capsys.readouterr().err
+    assert 'holds a sweep with --positions="official", this run has --positions="own"' in capsys.readouterr().err

@@ -119,6 +119,25 @@ def claim_out_dir(out: Path, meta: dict, what: str = "results", ignore: tuple = 
     write_atomically(path, json.dumps(meta, indent=2) + "\n")
 
 
+def check_recorded(out: Path, settings: dict, defaults: dict, what: str = "results") -> None:
+    """Refuse to resume `out` at other `settings` than its meta.json records, before it is claimed;
+    meta.json records a setting only where it differs from `defaults`, so an absent one reads as its
+    default. An absent or damaged meta.json refuses nothing (`claim_out_dir` reports a damaged one)."""
+    try:
+        old = json.loads((Path(out) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(old, dict):
+        return
+    for key, value in settings.items():
+        recorded = old.get(key, defaults[key])
+        if recorded != value:
+            raise ValueError(
+                f"{out} holds {what} with --{key}={json.dumps(recorded)}, this run has --{key}={json.dumps(value)}; "
+                f"rerun with --{key}={json.dumps(recorded)} to resume it, or choose another --out"
+            )
+
+
 # --- the store ---
 
 

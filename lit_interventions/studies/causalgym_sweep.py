@@ -81,7 +81,6 @@ import csv
 import dataclasses
 import functools
 import io
-import json
 import math
 import warnings
 from collections import defaultdict
@@ -93,7 +92,7 @@ import numpy as np
 import torch
 
 from lit_interventions.artifacts.plots import DPI, heatmap_figure, report_figures, save_figures
-from lit_interventions.artifacts.results import Table
+from lit_interventions.artifacts.results import Table, check_recorded
 from lit_interventions.cli.studies import choose_layers, choose_names, run_cli
 from lit_interventions.core.blocks import BLOCK_OUTPUT, COMPONENTS, HEAD_COMPONENTS, KEY, VALUE, head_counts
 from lit_interventions.core.cache import ActivationCache
@@ -260,19 +259,6 @@ def check_found(lm: str, dtype: str, component: str, layer: int, head: int | Non
 
 
 RECORDED = {"component": BLOCK_OUTPUT, "positions": OWN}  # in meta.json only where a sweep's differs from these
-
-
-def check_recorded(out: Path, **settings: str) -> None:
-    """Refuse an output directory that holds a sweep at another of `settings` (meta.json's
-    `component` and `positions`; absent: `RECORDED`'s) before it is claimed."""
-    try:
-        recorded = json.loads((Path(out) / "meta.json").read_text())
-        found = {key: recorded.get(key, RECORDED[key]) for key in settings}
-    except (OSError, ValueError, AttributeError):
-        return  # no directory yet, or a damaged meta.json, which claiming it reports
-    for key, value in settings.items():
-        if found[key] != value:
-            raise ValueError(f"{out} holds a sweep of {key}={found[key]!r}, not {value!r}: choose another --out")
 
 
 def sweep_units(
@@ -812,7 +798,7 @@ def run_sweep(
     config = load_config(lm)
     layers = choose_layers(layers, num_layers(config))
     heads = choose_heads(component, heads, config, layers)
-    check_recorded(Path(out), component=component, positions=positions)
+    check_recorded(Path(out), {"component": component, "positions": positions}, RECORDED, "a sweep")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     units = sweep_units(list(found), layers, layers_per_unit)

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from lit_interventions.artifacts.plots import report_figures, save_figure
-from lit_interventions.artifacts.results import claim_out_dir
+from lit_interventions.artifacts.results import check_recorded, claim_out_dir
 from lit_interventions.cli.studies import run_cli
 from lit_interventions.core.files import FILE_DIGESTS, read_utf8, unchanged_files, write_atomically
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
@@ -87,6 +87,7 @@ FACTOR_COLUMNS = ["method", "concept", "factor", "half", *SCORES, "n"]
 PROMPT = "prompt"  # the steering method that needs no artifact: AxBench's prompt baseline
 PROMPT_FACTOR = 0.0  # the factor column of its rows: no intervention, the prompt alone steers
 MODES = ("steer", "suppress")  # steer toward the concept, or against it where the prompt asks for it
+RECORDED = {"mode": MODES[0], "side_effects": False}  # in meta.json only where a run's differs from these
 SIDE_EFFECT = "kl_neutral"  # the side-effect column of the rows and CSVs (--side_effects true)
 NEUTRAL_PROMPTS = BUILTIN_DIR / "neutral_prompts.json"  # our own 20 neutral sentences
 # AxBench's steering prompt (axbench/utils/dataset.py, T_PROMPT_STEERING) with the concept in it
@@ -343,23 +344,6 @@ def ready_judge(judge: dict | Judge | None) -> Judge:
     return judge
 
 
-def same_options(meta_path: Path, mode: str, side_effects: bool) -> None:
-    """A directory is resumed only in the mode, and with or without the side effects, its
-    meta.json records (neither recorded: `steer` mode without side effects); a ValueError line
-    otherwise. An absent or damaged meta.json refuses nothing (claiming the directory reports it)."""
-    try:
-        old = json.loads(meta_path.read_text())
-    except (OSError, ValueError):
-        return
-    for key, value, default in (("mode", mode, MODES[0]), ("side_effects", side_effects, False)):
-        recorded = old.get(key, default) if isinstance(old, dict) else value
-        if recorded != value:
-            raise ValueError(
-                f"{meta_path.parent} holds a steering evaluation with --{key}={json.dumps(recorded)}, this run has "
-                f"--{key}={json.dumps(value)}; rerun with --{key}={json.dumps(recorded)} to resume it, or choose another --out"
-            )
-
-
 def cell_sources(method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode) -> tuple:
     """(the LM, {source: its concepts}, the factors as applied, the data files to digest, the
     method of meta.json): the prompt baseline's (factor 0, the concept set's metadata), or the
@@ -419,7 +403,7 @@ def plan_steer_eval(
     if side_effects:
         files["neutral_prompts"] = NEUTRAL_PROMPTS
     digests = unchanged_files(out / "meta.json", files)
-    same_options(out / "meta.json", mode, side_effects)
+    check_recorded(out, {"mode": mode, "side_effects": side_effects}, RECORDED, "a steering evaluation")
     judge = ready_judge(judge)
     meta = {
         "lm": lm,
