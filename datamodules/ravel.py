@@ -39,6 +39,7 @@ from lit_interventions.metrics.disentangle import AVERAGES, DevDisentangle
 
 SPLIT_SETTINGS = ("entity", "context")
 SOURCES = ("attribute", "wikipedia", "mixed")
+ENTITY_TEMPLATES = ("all", "train")  # the entity split's templates: every one, or the `train` ones
 CAUSE_LABELS = ("model", "gold")
 ACCURACIES = {"three_tokens": 3, "first_token": 1}  # answer tokens generated and compared
 
@@ -61,6 +62,11 @@ class RavelDataModule(BenchmarkDataModule):
         target_attribute: A*.
         split: `entity` (entities split, templates shared) or `context` (templates split,
             entities shared). The files' `val` is our dev (val_dataloader), `test` is test.
+        entity_templates: with `split: entity`, the templates of every split's bases and
+            sources: `all` (every template of the attribute, the paper's §2.1: "the same set of
+            prompt templates across the three splits") or `train` (those the prompt split marks
+            `train`, Wikipedia prompts too: the official `generate_ravel_instance.py`,
+            `gen_entity_test_split` and `gen_train_split`). `split: context` takes `all`.
         source: `attribute` (an attribute prompt of another entity), `wikipedia` (a Wikipedia
             prompt that mentions E'), or `mixed` (each source drawn from one of the two).
         multitask: train batches also hold Iso examples (MDAS / MDBM); otherwise Cause only.
@@ -88,6 +94,7 @@ class RavelDataModule(BenchmarkDataModule):
         target_attribute: str = "Country",
         split: str = "entity",
         source: str = "attribute",
+        entity_templates: str = "all",
         multitask: bool = False,
         cause_label: str = "model",
         accuracy: str = "three_tokens",
@@ -106,6 +113,13 @@ class RavelDataModule(BenchmarkDataModule):
             raise ValueError(f"split={split!r}; choose one of {', '.join(SPLIT_SETTINGS)}")
         if source not in SOURCES:
             raise ValueError(f"source={source!r}; choose one of {', '.join(SOURCES)}")
+        if entity_templates not in ENTITY_TEMPLATES:
+            raise ValueError(f"entity_templates={entity_templates!r}; choose one of {', '.join(ENTITY_TEMPLATES)}")
+        if entity_templates != "all" and split != "entity":
+            raise ValueError(
+                f"entity_templates={entity_templates!r} applies to split='entity'; split={split!r} splits the "
+                "templates themselves: leave entity_templates 'all'"
+            )
         if cause_label not in CAUSE_LABELS:
             raise ValueError(f"cause_label={cause_label!r}; choose one of {', '.join(CAUSE_LABELS)}")
         if accuracy not in ACCURACIES:
@@ -184,13 +198,20 @@ class RavelDataModule(BenchmarkDataModule):
         d = self.data
         if self.hparams.split == "entity":
             entities = [e for e in self.entity_names if d.entity_split.get(e) == split]
-            templates = d.prompts[attribute]
+            templates = [t for t in d.prompts[attribute] if self._official_template(t)]
         else:
             entities = self.entity_names
             templates = [t for t in d.prompts[attribute] if d.prompt_split.get(t) == split]
         pairs = [(e, t) for t in templates for e in entities if d.entities[e].get(attribute)]
         rng = random.Random(f"{self.hparams.seed}-{split}-{attribute}")
         return rng.sample(pairs, min(len(pairs), self.hparams.max_candidates))
+
+    def _official_template(self, template: str, split: str | None = None) -> bool:
+        """Whether the entity split uses `template` (`entity_templates`): every one with `all`;
+        with `train`, those whose split (`split`, else the prompt split's) is `train`."""
+        if self.hparams.entity_templates == "all":
+            return True
+        return (split if split is not None else self.data.prompt_split.get(template)) == "train"
 
     def encode(self, entity: str, template: str, attribute: str | None) -> Query:
         """Fill %s with the entity; the site is the token holding the entity's last character."""
@@ -241,7 +262,11 @@ class RavelDataModule(BenchmarkDataModule):
         if self.hparams.source in ("wikipedia", "mixed"):
             d = self.data
             if self.hparams.split == "entity":  # the source entity comes from the split's entities
-                wiki = [(p, e) for p, e, _ in d.wikipedia if d.entity_split.get(e) == split]
+                wiki = [
+                    (p, e)
+                    for p, e, s in d.wikipedia
+                    if d.entity_split.get(e) == split and self._official_template(p, s)
+                ]
             else:  # the prompt comes from the split's prompts
                 wiki = [(p, e) for p, e, s in d.wikipedia if s == split]
             pools["wikipedia"] = [self.encode(e, p, None) for p, e in wiki]
