@@ -44,6 +44,18 @@ CAUSE_LABELS = ("model", "gold")
 ACCURACIES = {"three_tokens": 3, "first_token": 1}  # answer tokens generated and compared
 
 
+def check_entity_templates(entity_templates: str, split: str) -> None:
+    """`entity_templates` is one of ENTITY_TEMPLATES, and other than 'all' only on the entity split:
+    a ValueError line otherwise."""
+    if entity_templates not in ENTITY_TEMPLATES:
+        raise ValueError(f"entity_templates={entity_templates!r}; choose one of {', '.join(ENTITY_TEMPLATES)}")
+    if entity_templates != "all" and split != "entity":
+        raise ValueError(
+            f"entity_templates={entity_templates!r} applies to split='entity'; split={split!r} splits the "
+            "templates themselves: leave entity_templates 'all'"
+        )
+
+
 class RavelDataModule(BenchmarkDataModule):
     """RAVEL Cause / Iso interchange examples for one entity type and target attribute A*.
 
@@ -113,13 +125,7 @@ class RavelDataModule(BenchmarkDataModule):
             raise ValueError(f"split={split!r}; choose one of {', '.join(SPLIT_SETTINGS)}")
         if source not in SOURCES:
             raise ValueError(f"source={source!r}; choose one of {', '.join(SOURCES)}")
-        if entity_templates not in ENTITY_TEMPLATES:
-            raise ValueError(f"entity_templates={entity_templates!r}; choose one of {', '.join(ENTITY_TEMPLATES)}")
-        if entity_templates != "all" and split != "entity":
-            raise ValueError(
-                f"entity_templates={entity_templates!r} applies to split='entity'; split={split!r} splits the "
-                "templates themselves: leave entity_templates 'all'"
-            )
+        check_entity_templates(entity_templates, split)
         if cause_label not in CAUSE_LABELS:
             raise ValueError(f"cause_label={cause_label!r}; choose one of {', '.join(CAUSE_LABELS)}")
         if accuracy not in ACCURACIES:

@@ -84,6 +84,8 @@ def test_sweep_writes_summary_changes_and_heatmaps_then_resumes(tiny_sweep, monk
         (["--attributes=[Mayor]"], "Unknown attributes ['Mayor']"),
         (["--entity_type=planet"], "planet"),
         (["--layer=9"], "out of range"),
+        (["--entity_templates=test"], "entity_templates='test'; choose one of all, train"),
+        (["--entity_templates=train", "--split=context"], "applies to split='entity'"),
     ],
 )
 def test_bad_input_fails_before_any_work(tiny_sweep, monkeypatch, capsys, extra, message):
@@ -94,6 +96,26 @@ def test_bad_input_fails_before_any_work(tiny_sweep, monkeypatch, capsys, extra,
     with pytest.raises(SystemExit) as exit_info:
         sweep.main([*args, *extra])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_official_entity_templates_are_recorded_and_a_resume_at_the_other_is_refused(tiny_sweep, monkeypatch):
+    args, out = tiny_sweep
+    seen = []
+    real = RavelDataModule.setup
+
+    def recording(self, *a, **k):
+        seen.append(self.hparams.entity_templates)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(RavelDataModule, "setup", recording)
+    sweep.main([*args, "--methods=[full_swap]", "--attributes=[Country]", "--entity_templates=train"])
+    assert seen and set(seen) == {"train"}  # every cell's data module takes the official templates
+    assert json.loads((out / "meta.json").read_text())["entity_templates"] == "train"
+    with pytest.raises(
+        ValueError, match='holds a sweep with --entity_templates="train", this run has --entity_templates="all"'
+    ):
+        run_ravel_sweep(methods=["full_swap"], attributes=["Country"], lm=args[2].split("=", 1)[1], layer=1, k=4,
+                        out=str(out), train_size=16, eval_size=12, max_candidates=40)  # fmt: skip
 
 
 def test_out_dir_of_another_model_is_refused(tiny_sweep, tiny_lm_dir, monkeypatch):

@@ -46,14 +46,14 @@ import yaml
 from torch import nn
 
 from lit_interventions.artifacts.plots import attribute_figure, report_figures, save_figures
-from lit_interventions.artifacts.results import Table
+from lit_interventions.artifacts.results import Table, check_recorded
 from lit_interventions.callbacks.progress import LoopProgress
 from lit_interventions.cli.studies import choose_layers, choose_names, read_rows, run_cli
 from lit_interventions.core.files import FILE_DIGESTS, unchanged_files, write_atomically
 from lit_interventions.core.lm import DEFAULT_LM, load_config, num_layers
 from lit_interventions.core.progress import Progress, line_seconds
 from lit_interventions.core.signals import raise_pending
-from lit_interventions.datamodules.ravel import ACCURACIES, RavelDataModule
+from lit_interventions.datamodules.ravel import ACCURACIES, RavelDataModule, check_entity_templates
 from lit_interventions.datamodules.ravel_files import BUILTIN_RAVEL, FILES, load_ravel
 from lit_interventions.interventions.base import import_class
 from lit_interventions.interventions.capabilities import Fitted
@@ -190,6 +190,7 @@ def run_ravel_sweep(
     ravel_dir: str | None = None,
     split: str = "entity",
     source: str = "attribute",
+    entity_templates: str = "all",
     lm: str = DEFAULT_LM,
     layer: int | None = None,
     k: int | None = None,
@@ -213,6 +214,8 @@ def run_ravel_sweep(
         ravel_dir: the published RAVEL directory (default: our built-in data).
         split: entity or context.
         source: attribute, wikipedia or mixed (where source prompts come from).
+        entity_templates: all (every template serves every split, the paper's §2.1) or train (the
+            entity split's bases and sources from the `train` templates alone, the official code).
         lm: the LM; layer: the site's layer (default: each method config's layer).
         k: the DAS / MDAS rank; epochs: training epochs (default: the method configs', or 1).
         configs: the directory of the method configs.
@@ -229,6 +232,7 @@ def run_ravel_sweep(
         raise ValueError(f"accuracy={accuracy!r}; choose one of {', '.join(ACCURACIES)}")
     if average not in AVERAGES:
         raise ValueError(f"average={average!r}; choose one of {', '.join(AVERAGES)}")
+    check_entity_templates(entity_templates, split)
     chosen = choose_methods(methods, Path(configs))
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     attributes = choose_names(attributes, data.attributes, "attributes")
@@ -242,6 +246,7 @@ def run_ravel_sweep(
         "entity_type": entity_type,
         "split": split,
         "source": source,
+        **({"entity_templates": entity_templates} if entity_templates != "all" else {}),
         "train_size": train_size,
         "eval_size": eval_size,
         "max_candidates": max_candidates,
@@ -249,6 +254,7 @@ def run_ravel_sweep(
         "average": average,
         "seed": seed,
     }
+    check_recorded(out, {"entity_templates": entity_templates}, {"entity_templates": "all"}, "a sweep")
     meta = run_meta(out, data_options, layer, k, epochs)
     cells = [(m, a) for m in methods for a in attributes]
 
