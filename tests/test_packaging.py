@@ -1,7 +1,7 @@
 """The package's shape: one top-level package in site-packages, every package listed for the
 build, an import graph without circles and without project imports inside functions, and the
-public API a notebook imports; the README's set-up: its quickstart in the docs, and the chat
-model's install line above every example that runs on it."""
+public API a notebook imports; the README's set-up: its quickstart in the docs, the chat model's
+install line above every example that runs on it, and the `serve` extra's above every server."""
 
 import ast
 import json
@@ -265,3 +265,33 @@ def test_every_readme_example_on_the_chat_model_has_its_install_line_above_it():
     # the test command line stays as .ci/run runs it
     ci_last = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert f"```bash\n{ci_last}\n```" in readme
+
+
+SERVE_INSTALL = 'pip install -e ".[serve]"'  # the servers' extra (pyproject's optional-dependencies)
+
+
+def _servers_without_their_install(text: str) -> list[str]:
+    """The `lit-interventions serve` / `serve-judge` commands of `text` with no `SERVE_INSTALL`
+    line before them in their section."""
+    return [
+        command
+        for _, command, before in _readme_commands(text)
+        if command.split()[:2] in (["lit-interventions", "serve"], ["lit-interventions", "serve-judge"])
+        and not any(SERVE_INSTALL in earlier for earlier in before)
+    ]
+
+
+def test_every_readme_server_example_has_the_serve_extra_above_it():
+    """uvicorn and starlette are the `serve` extra, not command 1's install: each README example
+    that starts a server has `pip install -e ".[serve]"` above it in its section, and the
+    quickstart (shown on the docs' home page too) names the extra."""
+    readme = (ROOT / "README.md").read_text()
+    servers = [c for _, c, _ in _readme_commands(readme) if c.startswith("lit-interventions serve")]
+    assert servers  # the checker sees the examples it is for
+    assert _servers_without_their_install(readme) == []
+    stripped = "\n".join(line for line in readme.splitlines() if line.strip() != SERVE_INSTALL)
+    assert _servers_without_their_install(stripped) == servers
+    quickstart = readme[readme.index("[start:quickstart]") : readme.index("[end:quickstart]")]
+    assert SERVE_INSTALL in quickstart
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "serve" in extras

@@ -34,7 +34,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from lit_interventions.cli.parsing import PROG, Parser
+from lit_interventions.cli.parsing import PROG, Parser, fail
+from lit_interventions.core.extras import MissingExtra
 from lit_interventions.core.quiet import quiet_lightning
 from lit_interventions.core.signals import stop_on_signals
 
@@ -79,11 +80,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def resolve(target: str) -> Callable[[list[str]], object]:
-    """The function a table entry names, `"package.module:function"`, imported now."""
+    """The function a table entry names, `"package.module:function"`, imported now. A command
+    whose optional packages are not installed (`core.extras.MissingExtra`) is one `error:` line
+    naming the extra to install, exit code 2."""
     module, _, name = target.partition(":") if isinstance(target, str) else ("", "", "")
     if not module or not name:
         raise ValueError(f"command target {target!r} must be 'package.module:function'")
-    function = getattr(importlib.import_module(module), name, None)
+    try:
+        imported = importlib.import_module(module)
+    except MissingExtra as error:
+        fail(str(error))
+    function = getattr(imported, name, None)
     if not callable(function):
         raise ValueError(f"command target {target!r}: {module} has no function {name!r}")
     return function
