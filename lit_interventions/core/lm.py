@@ -132,7 +132,9 @@ def weights_record(name: str) -> dict:
     return {"weights": name, "sha256": None}
 
 
-CONVERSION_TIME = "30-100 s, depending on the CPU's speed and load"  # both embedded models, 2 idle cores
+# Both embedded models: 6 s (SmolLM2) and 17 s (gemma) of CPU time, 20-60 s of wall time on 2 cores
+# under a load of 20 (docs/models.md)
+CONVERSION_TIME = "10-70 s, depending on the CPU's speed and load"
 # How a conversion's time divides between its steps (percent, measured on both embedded models):
 # its progress counts these units, so that its ETA follows where the time goes. Each line shows
 # the step under way and the share of the steps before it.
