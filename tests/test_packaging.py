@@ -175,7 +175,7 @@ def test_the_docs_home_page_takes_its_quickstart_from_the_readme():
     assert "python train.py fit --config configs/das.yaml" in quickstart and "python -m pytest" in quickstart
     assert '--8<-- "README.md:quickstart"' in index and "pip install" not in index  # the commands: the README's only
     assert "snippets" in (ROOT / "mkdocs.yml").read_text()
-    conversion = "dequantises every weight on the CPU: 30–100 s, depending on the CPU's speed and load"
+    conversion = "dequantises every weight on the CPU: 10–70 s, depending on the CPU's speed and load"
     assert conversion in " ".join(readme.split()) and conversion in " ".join(index.split())
     assert not re.search(r"about \d+ s\)", index)
 

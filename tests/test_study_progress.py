@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from lightning.pytorch import Callback
 from lit_interventions.datamodules.ravel import RavelDataModule
 
 from lit_interventions.artifacts.dictionary import Dictionary
+from lit_interventions.core import progress
 from lit_interventions.core.progress import ENV, Progress, TokenSteps, current, line_seconds, stage
 from lit_interventions.interventions.feature_selection import feature_sweep
 from lit_interventions.studies import calm, causalgym_sweep, causalgym_training, ravel_sweep, steer
@@ -264,3 +267,25 @@ def test_a_bad_interval_stops_each_study_before_any_work(main, args, tmp_path, m
         f"error: {ENV}='soon' must be a number of seconds >= 0 (between two progress lines) or 'off'"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_level_on_stderr_and_its_heartbeat_lines_while_nothing_counts(monkeypatch, capsys):
+    monkeypatch.setenv(ENV, "0")
+    monkeypatch.setattr(progress, "HEARTBEAT_MIN_SECONDS", 0.05)
+    shown = Progress(100, "converting tiny.gguf", "%", file=sys.stderr, note="reading")
+    with shown, progress.heartbeat(shown):
+        time.sleep(0.4)  # one library call that counts nothing: the line comes again, counts unchanged
+        shown.update(100)
+    out, err = capsys.readouterr()
+    assert out == ""
+    parsed = [_levels(line) for line in err.splitlines()]
+    assert all(parsed), err
+    assert parsed[0] == [dict(parsed[0][0], desc="converting tiny.gguf", n="0", total="100", note="reading", eta="?")]
+    beats = [levels[0] for levels in parsed[1:] if levels[0]["n"] == "0"]
+    assert len(beats) >= 3 and {b["note"] for b in beats} == {"reading"}  # 0.4 s / 0.05 s, some slack
+    assert [levels[0]["n"] for levels in parsed if levels[0]["n"] != "0"] == ["100"]
+    monkeypatch.setenv(ENV, "off")
+    quiet = Progress(3, "converting", file=sys.stderr)
+    with quiet, progress.heartbeat(quiet):
+        time.sleep(0.1)
+    assert capsys.readouterr() == ("", "")

@@ -8,14 +8,17 @@
 - a Hugging Face hub id such as `EleutherAI/pythia-70m` (downloaded once; without network, or with
   HF_HUB_OFFLINE=1, its cached copy is loaded, and an id the cache lacks is one error at once).
 
-GGUF weights are dequantized by transformers, which takes 30-100 s on a CPU; the result is cached once as
+GGUF weights are dequantized by transformers on the CPU (CONVERSION_TIME); the result is cached once as
 safetensors under `$LIT_INTERVENTIONS_CACHE` (default `~/.cache/lit_interventions`), so later
-loads take seconds. The cache's layout, manifests and integrity checks are `model_cache.py`;
-`convert_gguf` writes one entry.
+loads take seconds. The file is parsed once per conversion (transformers alone parses it three
+times: for the config, the tokenizer and the weights) and the conversion shows its progress on
+stderr from its first second (`progress.py`'s convention). The cache's layout, manifests and
+integrity checks are `model_cache.py`; `convert_gguf` writes one entry.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -23,11 +26,17 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
+import gguf as gguf_py
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import modeling_gguf_pytorch_utils as hf_gguf
+from transformers.utils import logging as hf_logging
 
 from lit_interventions.core.model_cache import (
     LOCK,
@@ -42,6 +51,7 @@ from lit_interventions.core.model_cache import (
     hub_offline_reason,
     write_manifest,
 )
+from lit_interventions.core.progress import Progress, current, heartbeat
 from lit_interventions.core.sharding import LoadOptions, check_module_names, keep_4bit_differentiable
 
 DEFAULT_LM = "gemma-3-270m"
@@ -122,10 +132,109 @@ def weights_record(name: str) -> dict:
     return {"weights": name, "sha256": None}
 
 
+# Both embedded models: 6 s (SmolLM2) and 17 s (gemma) of CPU time, 20-60 s of wall time on 2 cores
+# under a load of 20 (docs/models.md)
+CONVERSION_TIME = "10-70 s, depending on the CPU's speed and load"
+# How a conversion's time divides between its steps (percent, measured on both embedded models):
+# its progress counts these units, so that its ETA follows where the time goes. Each line shows
+# the step under way and the share of the steps before it.
+CONVERSION_SHARES = {"metadata": 15, "model": 30, "tensors": 25, "tokenizer": 15, "writing": 10, "manifest": 5}
+READING = "reading the GGUF's metadata"  # a conversion's first step
+
+
+class _PlainGGUFReader(gguf_py.GGUFReader):
+    """gguf's reader over a plain ndarray view of the file's memory map: the same bytes, parsed by
+    gguf's own code, without np.memmap's bookkeeping on each of the small slices a vocabulary is
+    read from (two per token: gemma-3-270m has 262,144)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = np.asarray(value)  # a view: the memory map stays open under it
+
+
+@contextmanager
+def _read_once(gguf: Path, reader: gguf_py.GGUFReader, on_tensor: Callable[[int], None]) -> Iterator[None]:
+    """While the block runs, transformers' GGUF loader reads `gguf` once: it gets `reader` (parsed
+    once) where it would parse the file for the config, the tokenizer and the weights (three
+    times); its metadata-only result is computed once and its config copied to each caller; gguf's tensor-name
+    map (a pure function of architecture and depth, built once per module otherwise) once. Each
+    tensor it dequantizes calls `on_tensor(its element count)`. transformers looks these names up
+    at each call, so they are swapped here and restored after; every value they compute, and the
+    dequantization itself (gguf's), is unchanged."""
+    target = gguf.resolve()
+    make_reader, dequantize, name_map = gguf_py.GGUFReader, gguf_py.dequantize, gguf_py.get_tensor_name_map
+    load_checkpoint, bars = hf_gguf.load_gguf_checkpoint, hf_gguf.tqdm
+    metadata: dict = {}
+
+    def reader_for(path, mode="r"):
+        return reader if mode == "r" and Path(path).resolve() == target else make_reader(path, mode)
+
+    def counted(data, qtype):
+        weights = dequantize(data, qtype)
+        on_tensor(int(weights.size))
+        return weights
+
+    def load_once(path, return_tensors=False, **options):
+        if return_tensors or options or Path(path).resolve() != target:
+            return load_checkpoint(path, return_tensors, **options)
+        if "parsed" not in metadata:
+            metadata["parsed"] = load_checkpoint(path)
+        parsed = metadata["parsed"]  # its callers take the config (copied: they may change it)
+        return {**parsed, "config": copy.deepcopy(parsed["config"])}
+
+    gguf_py.GGUFReader, gguf_py.dequantize, gguf_py.get_tensor_name_map = reader_for, counted, lru_cache(name_map)
+    hf_gguf.load_gguf_checkpoint, hf_gguf.tqdm = load_once, lambda iterable, **_: iterable
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader, gguf_py.dequantize, gguf_py.get_tensor_name_map = make_reader, dequantize, name_map
+        hf_gguf.load_gguf_checkpoint, hf_gguf.tqdm = load_checkpoint, bars
+
+
+@contextmanager
+def _no_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars off while the block runs (a conversion shows one)."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _step(shown: Progress, note: str, done: int) -> None:
+    """A conversion's next step: `note` says what it does, `done` the share of the steps before it."""
+    shown.note(note)
+    shown.update_to(done)
+    shown.show()
+
+
 def _dequantize(gguf: Path):
-    """(model, tokenizer) of a GGUF file, dequantized to float32 (30-100 s)."""
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    """(model, tokenizer) of a GGUF file, dequantized to float32 by transformers, the file parsed
+    once. Counts its steps (CONVERSION_SHARES) in the innermost progress open."""
+    shown = current()
+    shown.note(READING)
+    reader = _PlainGGUFReader(gguf)
+    total, done = sum(int(t.n_elements) for t in reader.tensors), [0, 0]
+    _step(shown, f"building the model; {len(reader.tensors)} tensors to dequantize", CONVERSION_SHARES["metadata"])
+    start = shown.n + CONVERSION_SHARES["model"]  # where the tensors' share begins
+
+    def on_tensor(elements: int) -> None:
+        done[0], done[1] = done[0] + 1, done[1] + elements
+        left = done[0] < len(reader.tensors)
+        shown.note(f"dequantizing tensor {done[0] + 1}/{len(reader.tensors)}" if left else "loading the weights")
+        shown.update_to(start + CONVERSION_SHARES["tensors"] * done[1] // max(total, 1))
+
+    with _read_once(gguf, reader, on_tensor):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        _step(shown, "building the tokenizer", start + CONVERSION_SHARES["tensors"])
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _step(shown, "writing model.safetensors", shown.n + CONVERSION_SHARES["tokenizer"])
     # The dequantized weights are plain float tensors: drop the GGUF marker so they can be saved.
     model.config.quantization_config = None
     del model.config.quantization_config
@@ -133,9 +242,22 @@ def _dequantize(gguf: Path):
     return model, tokenizer
 
 
+def _write_converted(model, tokenizer, staging: Path) -> None:
+    """Save the model (safetensors) and tokenizer into `staging`, then its manifest."""
+    shown = current()
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / LOCK).unlink()
+    _step(shown, "hashing the files for the manifest", shown.n + CONVERSION_SHARES["writing"])
+    write_manifest(staging)
+    _step(shown, "done", shown.total)
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a `save_pretrained` directory (safetensors) and return it.
 
+    Shows its progress on stderr from its first second (a bar on a terminal, else a line every
+    `LIT_INTERVENTIONS_PROGRESS_SECONDS`): the step it is on, the share done, elapsed and ETA.
     The directory carries a manifest (size, mtime, sha256 of each file); a directory found damaged
     (truncated, modified, another model's files) is converted again, with a warning naming it.
     Staging directories of killed conversions are removed."""
@@ -153,19 +275,18 @@ def convert_gguf(gguf: Path) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=STAGING))
     lock_fd = os.open(staging / LOCK, os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while we live: others know this staging is in use
-    try:  # transformers shows a progress bar over the GGUF tensors while it dequantizes them
+    try:
         print(
-            f"converting {gguf.name} to safetensors once (30-100 s, depending on the CPU's speed and load), cached in {target}",
+            f"converting {gguf.name} to safetensors once ({CONVERSION_TIME}), cached in {target}",
             file=sys.stderr,
             flush=True,
         )
         started = time.monotonic()
-        model, tokenizer = _dequantize(gguf)
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        del model
-        (staging / LOCK).unlink()
-        write_manifest(staging)
+        shown = Progress(100, f"converting {gguf.name}", "%", file=sys.stderr, note=READING)
+        with shown, heartbeat(shown), _no_transformers_bars():
+            model, tokenizer = _dequantize(gguf)
+            _write_converted(model, tokenizer, staging)
+            del model
         try:
             staging.rename(target)  # atomic: a concurrent process (DDP rank) sees all or nothing
         except OSError:

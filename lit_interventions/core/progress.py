@@ -14,6 +14,11 @@ fit, progress is plain lines on stdout, flushed: the levels open, the innermost 
 
 one when a study's progress opens, at most one every `LIT_INTERVENTIONS_PROGRESS_SECONDS`
 seconds (default 10; 0: one per update) while it runs, and one when it ends. `off` shows nothing.
+
+A level may go to another stream (`file=sys.stderr`: the GGUF conversion, which runs under
+commands whose stdout is their result). Work that runs long without counting (one library call)
+is wrapped in `heartbeat(level)`: the level is shown again every interval (its bar refreshed, or
+its line printed again), so its elapsed time keeps moving.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 from tqdm import tqdm
@@ -58,46 +66,59 @@ def _clock(seconds: float) -> str:
 class _Lines:
     """What a study's levels share when stdout is not a terminal: when the last line was printed."""
 
-    def __init__(self, every: float):
-        self.every, self.last, self.shown = every, -math.inf, None
+    def __init__(self, every: float, file=None):
+        self.every, self.last, self.shown, self.file = every, -math.inf, None, file
 
-    def print(self, chain: list[Progress], force: bool = False) -> None:
+    def print(self, chain: list[Progress], force: bool = False, again: bool = False) -> None:
+        """The chain's line, at most once an interval (`force`: now); a line with the counts of
+        the last one is skipped unless `again` (a heartbeat: the elapsed time moved)."""
         now = time.monotonic()
         if force or now - self.last >= self.every:
             counts = [(level.desc, level.n, level.total, level.text) for level in chain]
-            if counts != self.shown:  # a level closing as its last update left it: not shown twice
-                print("  |  ".join(level.line(now) for level in chain), flush=True)
+            if again or counts != self.shown:  # a level closing as its last update left it: not shown twice
+                print("  |  ".join(level.line(now) for level in chain), file=self.file or sys.stdout, flush=True)
             self.last, self.shown = now, counts
 
 
 class Progress:
     """A level of progress: `total` units (None: unknown, no ETA), `initial` of them done before it
     opened (resumed work: not counted in the ETA's rate). Open it with `with`; it is then where the
-    stages below it nest (`stage`). A `parent` of None makes it a study's outermost level."""
+    stages below it nest (`stage`). A `parent` of None makes it a study's outermost level; `file`
+    is the stream an outermost level shows on (default stdout; a stage shows on its parent's);
+    `note` is what it is on when it opens (as `note()` sets it)."""
 
     def __init__(
-        self, total: int | None, desc: str, unit: str = "it", initial: int = 0, parent: Progress | None = None
+        self,
+        total: int | None,
+        desc: str,
+        unit: str = "it",
+        initial: int = 0,
+        parent: Progress | None = None,
+        file=None,
+        note: str = "",
     ):
         self.total, self.desc, self.unit, self.n, self.initial = total, desc, unit, initial, initial
-        self.parent, self.text, self.closed = parent, "", False
+        self.parent, self.text, self.closed = parent, note, False
         self.start = time.monotonic()
         self._bar = self._lines = None
+        self.file = parent.file if parent is not None else file or sys.stdout
         every = line_seconds() if parent is None else None
         self.shown = parent.shown if parent is not None else every is not None
         if not self.shown:
             return
-        if (parent is None and sys.stdout.isatty()) or (parent is not None and parent._bar is not None):
+        if (parent is None and self.file.isatty()) or (parent is not None and parent._bar is not None):
             self._bar = tqdm(
                 total=total,
                 desc=desc,
                 unit=unit,
                 initial=initial,
                 leave=parent is None,
-                file=sys.stdout,
+                file=self.file,
                 dynamic_ncols=True,
+                postfix=note or None,
             )
         else:
-            self._lines = parent._lines if parent is not None else _Lines(every)
+            self._lines = parent._lines if parent is not None else _Lines(every, self.file)
             if parent is None:
                 self._lines.print([self], force=True)
 
@@ -141,6 +162,14 @@ class Progress:
         if self._bar is not None:
             self._bar.set_postfix_str(text)
 
+    def show(self) -> None:
+        """Shows this level now, whatever the interval: its bar refreshed, or its line printed
+        (unless the last line showed the same counts and notes). For a step that starts."""
+        if self._bar is not None:
+            self._bar.refresh()
+        elif self._lines is not None:
+            self._lines.print(self.chain(), force=True)
+
     def close(self) -> None:
         """Ends this level (and any stage still open below it); a study's outermost level prints its last line."""
         if self.closed:
@@ -162,7 +191,7 @@ class _Silent(Progress):
 
     def __init__(self):
         self.total, self.desc, self.unit, self.n, self.initial = None, "", "it", 0, 0
-        self.parent, self.text, self.closed, self.shown = None, "", False, False
+        self.parent, self.text, self.closed, self.shown, self.file = None, "", False, False, sys.stdout
         self.start, self._bar, self._lines = time.monotonic(), None, None
 
     def update_to(self, n: float) -> None:
@@ -179,6 +208,39 @@ def current() -> Progress:
     """The innermost progress open (outside a study's progress: one that shows nothing)."""
     levels = _open.get()
     return levels[-1] if levels else _SILENT
+
+
+HEARTBEAT_MIN_SECONDS = 1.0  # a heartbeat's shortest interval (LIT_INTERVENTIONS_PROGRESS_SECONDS=0 included)
+
+
+@contextmanager
+def heartbeat(level: Progress) -> Iterator[Progress]:
+    """Shows `level` (with the levels above it) again every interval while the block runs:
+    its bar is refreshed once a second; as lines, the line is printed again every
+    `LIT_INTERVENTIONS_PROGRESS_SECONDS` (at least HEARTBEAT_MIN_SECONDS), though no count moved.
+    For a step that counts nothing (one library call), so that its elapsed time keeps moving."""
+    if not level.shown or (level._bar is None and level._lines is None):
+        yield level
+        return
+    every = HEARTBEAT_MIN_SECONDS if level._bar is not None else max(level._lines.every, HEARTBEAT_MIN_SECONDS)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            if level.closed:
+                return
+            if level._bar is not None:
+                level._bar.refresh()
+            elif time.monotonic() - level._lines.last >= every:
+                level._lines.print(level.chain(), force=True, again=True)
+
+    thread = threading.Thread(target=beat, name="progress-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield level
+    finally:
+        done.set()
+        thread.join()
 
 
 def stage(total: int | None, desc: str, unit: str = "it", initial: int = 0) -> Progress:
