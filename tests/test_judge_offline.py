@@ -244,3 +244,34 @@ def test_planted_replies_rank_in_order_under_gemma(tmp_path):
     assert off["relevance"] < on["relevance"] - 0.2 and s[2].instruct_score < s[0].instruct_score
     assert rainy["p_concept"] > on["p_concept"] + 0.5 and s[3].concept_score > s[0].concept_score
     assert min(judge.auroc.values()) >= 0.8
+
+
+def test_steer_with_a_second_judge_prints_both_side_by_side(tiny_lm_dir, tmp_path, planted, capsys):
+    """`compare`: every row carries the second judge's scores, and `steer` prints both judges'
+    means over the generations with their Spearman ρ."""
+    lm = tiny_lm_dir("llama")
+    path = Dictionary(
+        vectors=torch.nn.functional.normalize(torch.randn(2, 32), dim=-1),
+        max_activations=torch.tensor([4.0, 8.0]),
+        concepts=["dogs", "echo"],
+        model=lm,
+        layer=1,
+        method="diffmean",
+    ).save(tmp_path / "dict")
+    (tmp_path / "instructions.json").write_text(json.dumps(["The dog is here.", "Is the dog here?"]))
+    local = {"backend": "local", "lm": lm, "batch_size": 2}
+    judge = json.dumps({"backend": "offline", "lm": lm, "concept_dir": planted, "cache": None, "compare": local})
+    out = tmp_path / "o"
+    argv = ["--dictionary", str(path), "--concepts", "[dogs]", "--factors", "[0.5,2.0]", "--instructions", "2"]
+    argv += ["--instruction_file", str(tmp_path / "instructions.json"), "--max_new_tokens", "3", "--batch_size", "2"]
+    steer.main([*argv, "--judge", judge, "--out", str(out)])
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["compared"]["judge"] == "local" for r in rows)
+    printed = capsys.readouterr().out.splitlines()
+    header = printed.index("judges side by side over 4 generations: offline | local | Spearman ρ")
+    expected = {r["score"]: r for r in judge_agreement(rows)}
+    for line in printed[header + 1 : header + 5]:
+        name, ours, theirs, rho = line.split()[0], *(x.strip() for x in line.split(None, 1)[1].split("|"))
+        assert float(ours) == pytest.approx(expected[name]["ours"], abs=5e-4)
+        assert float(theirs) == pytest.approx(expected[name]["theirs"], abs=5e-4)
+        assert rho == f"{expected[name]['spearman']:.3f}"
