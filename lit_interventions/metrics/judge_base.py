@@ -1,6 +1,7 @@
 """The judge's shared part: a backend answers prompts (`Judge.ask`); `Judge.score` builds the three
 prompts of each generation, parses the replies and scores them (`JudgeScore`). The backends:
-`judge_openai.py` (an OpenAI-compatible endpoint) and `judge_local.py` (a local chat LM)."""
+`judge_openai.py` (an OpenAI-compatible endpoint), `judge_local.py` (a local chat LM) and
+`judge_offline.py` (proxies under a reference LM, which scores without prompts)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,14 @@ class JudgeScore:
     fluency_score: float
     overall: float
     replies: dict[str, str] = field(default_factory=dict)
+    compared: dict = field(default_factory=dict)  # a second judge's scores (`judge_compare.py`), if any
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Its fields; `compared` only where a second judge scored."""
+        out = asdict(self)
+        if not out["compared"]:
+            del out["compared"]
+        return out
 
 
 class Judge:
@@ -35,6 +41,10 @@ class Judge:
 
     def check(self) -> None:
         """Fail early (before any generation) when the backend cannot answer."""
+
+    def prepare(self, concepts: list[str]) -> None:
+        """Get ready to judge these concepts, or refuse one (a ValueError line) before any
+        generation; the prompt judges need nothing (the `offline` judge trains its detectors)."""
 
     def ask(self, prompts: list[str]) -> list[str]:
         raise NotImplementedError

@@ -77,6 +77,7 @@ from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifa
 from lit_interventions.interventions.capabilities import is_source_free
 from lit_interventions.metrics.judge import make_judge
 from lit_interventions.metrics.judge_base import Judge
+from lit_interventions.metrics.judge_compare import agreement_lines
 from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
 from lit_interventions.metrics.judge_prompts import ASPECTS
 
@@ -334,13 +335,15 @@ def _one_name(concepts) -> bool:
     return isinstance(concepts, str) and bool(concepts.strip()) and concepts != "all" and not concepts.isdigit()
 
 
-def ready_judge(judge: dict | Judge | None) -> Judge:
-    """The judge (default the openai backend), checked to answer (e.g. the endpoint is down: stop
-    before generating)."""
+def ready_judge(judge: dict | Judge | None, concepts: list[str] = ()) -> Judge:
+    """The judge (default the `offline` backend: proxies under a reference LM, no endpoint),
+    checked to answer (e.g. the endpoint is down) and prepared for the `concepts` (the offline
+    judge refuses one whose detector is unreliable), before generating."""
     if judge is None:
-        judge = {"backend": "openai"}
+        judge = {"backend": "offline"}
     judge = judge if isinstance(judge, Judge) else make_judge(**judge)
     judge.check()
+    judge.prepare(list(concepts))
     return judge
 
 
@@ -404,7 +407,7 @@ def plan_steer_eval(
         files["neutral_prompts"] = NEUTRAL_PROMPTS
     digests = unchanged_files(out / "meta.json", files)
     check_recorded(out, {"mode": mode, "side_effects": side_effects}, RECORDED, "a steering evaluation")
-    judge = ready_judge(judge)
+    judge = ready_judge(judge, [c for names in cells_of.values() for c in names])
     meta = {
         "lm": lm,
         "method": methods,
@@ -775,7 +778,8 @@ def run_steer_eval(
         max_new_tokens, temperature, top_k: generation (AxBench: 128, 1.0 and transformers' default
             top_k 50; top_k 0 samples from every token).
         batch_size: generation batch size.
-        judge: the judge config, {backend: openai|local, ...options} (see metrics/judge.py).
+        judge: the judge config, {backend: offline|openai|local, ...options} (see metrics/judge.py;
+            default offline); `compare: {backend: ...}` scores beside it with a second judge.
         out: output directory. seed: instruction sampling and generation seed.
         device_map, quantization: a steered LM larger than one device (`lit_interventions.core.sharding`):
             e.g. "auto" and "4bit".
@@ -793,20 +797,29 @@ def run_steer_eval(
 
 
 def main(args=None) -> None:
-    """`lit-interventions steer`: the evaluation from the command line (a --judge dict), then the mean overall."""
+    """`lit-interventions steer`: the evaluation from the command line (a --judge dict), then the
+    mean overall, and with a second judge (`compare`) both judges side by side."""
+    given = {}
 
     def customize(parser):
         parser.add_function_arguments(run_steer_eval, as_positional=False, skip={"judge"})
         parser.add_argument(
             "--judge",
             type=dict,
-            default={"backend": "openai"},
-            help="judge backend and options, e.g. {backend: openai, base_url: ..., model: ..., api_key_env: ...}",
+            default={"backend": "offline"},
+            help="judge backend and options: {backend: offline} (default: proxies under gemma-3-270m, no endpoint), "
+            "{backend: openai, base_url: ..., model: ..., api_key_env: ...}; add compare: {backend: ...} to score "
+            "beside it with a second judge (both reported, with their Spearman rank correlation)",
         )
 
+    def evaluate(**kwargs):
+        given.update(kwargs)
+        return run_steer_eval(**kwargs)
+
     with report_figures():  # steering.png not written: one line, the CSVs kept
-        summary = run_cli(
-            run_steer_eval, __doc__, args, customize, errors=(ValueError, FileNotFoundError, ConnectionError)
-        )
+        summary = run_cli(evaluate, __doc__, args, customize, errors=(ValueError, FileNotFoundError, ConnectionError))
     if summary:
         print(f"mean overall over {len(summary)} concepts: {np.mean([r['overall'] for r in summary]):.3f}")
+    if isinstance(given.get("judge"), dict) and isinstance(given["judge"].get("compare"), dict):
+        names = (given["judge"].get("backend", "openai"), given["judge"]["compare"].get("backend", "openai"))
+        print("\n".join(agreement_lines(read_generations(Path(given["out"]) / "generations.jsonl"), names)))
