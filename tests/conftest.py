@@ -4,6 +4,7 @@ a small byte-level BPE tokenizer trained offline on our template words."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -21,6 +22,13 @@ from transformers import (
 )
 
 HIDDEN, LAYERS = 32, 3
+
+# Under pytest-xdist each worker, and every command its tests start (they inherit OMP_NUM_THREADS),
+# runs torch on its share of the cores: threads that outnumber the cores spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
 
 
 def _corpus() -> list[str]:
