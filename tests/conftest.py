@@ -26,7 +26,8 @@ HIDDEN, LAYERS = 32, 3
 # Under pytest-xdist each worker, and every command its tests start (they inherit OMP_NUM_THREADS),
 # runs torch on its share of the cores: threads that outnumber the cores spin against each other.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    THREADS = max(1, CORES // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
     torch.set_num_threads(THREADS)
 
