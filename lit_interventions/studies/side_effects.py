@@ -109,7 +109,7 @@ def pareto_panel(ax, points: list[dict], other: str, score: str = "concept_score
     sign = [-1.0 if p["mode"] == "suppress" else 1.0 for p in points]
     front = [points[i] for i in pareto_front([(p[other], s * p[score]) for p, s in zip(points, sign)])]
     front.sort(key=lambda p: p[other])
-    ax.plot([p[other] for p in front], [p[score] for p in front], ":", color="gray", label="Pareto front")
+    ax.plot([p[other] for p in front], [p[score] for p in front], ":x", color="gray", label="Pareto front")
     ax.set_title(f"{score} against {other} (labels: factor)")
     ax.set_xlabel(f"{other} (mean over concepts)")
     ax.set_ylabel(f"{score} (0-2, mean over concepts)")
