@@ -28,9 +28,11 @@ applied (negative) factor, are judged on the bare instruction as in `steer` mode
 is chosen the same way (the judge's scores unchanged: a lower concept score is a stronger
 suppression). The prompt baseline in this mode is the unsuppressed reference: the same prompt, no edit.
 
-`--side_effects true` measures each cell's side effect, `kl_neutral` (`kl_neutral`, below), on our
-neutral prompts (`data/axbench/neutral_prompts.json`), with the same edit as the cell's
-generations; the prompt baseline has no edit, so its kl_neutral is 0.
+`--side_effects true` measures each cell's side effects with the same edit as the cell's
+generations (`cell_edit`): `kl_neutral` (`side_effects.kl_neutral`) on our neutral prompts
+(`data/axbench/neutral_prompts.json`), and `capability_delta`, the mean SyntaxGym suite accuracy
+steered minus unsteered (`cell_capability_delta`) on our three built-in suites
+(`data/syntaxgym/`) or `--capability_suites`; the prompt baseline has no edit, so both are 0.
 
 Per concept, N instructions are drawn (seeded); every (factor, instruction) is generated (left
 padding, the LM's chat template) and judged (concept, instruction relevance, fluency, overall =
@@ -39,7 +41,8 @@ is chosen; its scores on the other half are reported.
 
 Writes DIR/generations.jsonl (one line per generation, with the judge's replies), DIR/factors.csv
 (every factor × half), DIR/summary.csv (the reported scores per concept) and DIR/steering.png;
-with `--mode suppress` the CSVs gain a `mode` column, with `--side_effects true` a `kl_neutral` one.
+with `--mode suppress` the CSVs gain a `mode` column, with `--side_effects true` `kl_neutral` and
+`capability_delta` ones, and steering.png two Pareto panels (`pareto_panel`).
 A rerun skips the (concept, factor) cells already in generations.jsonl; DIR/meta.json records the
 settings and the instruction file's sha256, and a rerun with other settings, or on an instruction
 file changed in place, is refused in one line before the LM loads.
@@ -58,6 +61,7 @@ import random
 import warnings
 import zlib
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +74,7 @@ from lit_interventions.cli.studies import run_cli
 from lit_interventions.core.files import FILE_DIGESTS, read_utf8, unchanged_files, write_atomically
 from lit_interventions.core.lm import hidden_size, load_config, load_lm, load_tokenizer
 from lit_interventions.core.progress import Progress, TokenSteps, line_seconds, stage
-from lit_interventions.core.sharding import LoadOptions, input_device
+from lit_interventions.core.sharding import LoadOptions
 from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, load_concepts
 from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
@@ -80,6 +84,15 @@ from lit_interventions.metrics.judge_base import Judge
 from lit_interventions.metrics.judge_compare import agreement_lines
 from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
 from lit_interventions.metrics.judge_prompts import ASPECTS
+from lit_interventions.studies.side_effects import (
+    kl_neutral,
+    neutral_log_probs,
+    pareto_panel,
+    pareto_points,
+    read_suites,
+    suite_accuracy,
+)
+from lit_interventions.studies.syntaxgym.suites import Suite
 
 FACTORS = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0]  # AxBench's steering factors
 SCORES = ["concept_score", "instruct_score", "fluency_score", "overall"]
@@ -91,6 +104,8 @@ MODES = ("steer", "suppress")  # steer toward the concept, or against it where t
 RECORDED = {"mode": MODES[0], "side_effects": False}  # in meta.json only where a run's differs from these
 SIDE_EFFECT = "kl_neutral"  # the side-effect column of the rows and CSVs (--side_effects true)
 NEUTRAL_PROMPTS = BUILTIN_DIR / "neutral_prompts.json"  # our own 20 neutral sentences
+CAPABILITY = "capability_delta"  # the second side-effect column: SyntaxGym accuracy steered − unsteered
+SIDE_EFFECTS = (SIDE_EFFECT, CAPABILITY)  # the side-effect columns, in their CSV order
 # AxBench's steering prompt (axbench/utils/dataset.py, T_PROMPT_STEERING) with the concept in it
 PROMPT_TEMPLATE = (
     "You must answer the question with content related to {concept} even if it is not related to the "
@@ -120,6 +135,7 @@ class SteerPlan:
     top_k: int = 50
     mode: str = "steer"  # one of MODES
     neutral: list[str] | None = None  # the neutral prompts of kl_neutral (None: no side effects measured)
+    suites: list[Suite] | None = None  # the SyntaxGym suites of capability_delta (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -265,6 +281,19 @@ def check_mode(mode, side_effects) -> None:
         raise ValueError(f"--side_effects={side_effects!r} must be true or false")
 
 
+def side_effect_inputs(capability_suites, side_effects: bool) -> tuple[dict, list[Suite]]:
+    """(the data files to digest, the SyntaxGym suites of capability_delta): with side effects the
+    neutral prompts and the suites of `capability_suites` (`side_effects.read_suites`; None: the
+    built-in ones), else nothing, and the option refused in one line."""
+    if not side_effects:
+        if capability_suites is not None:
+            raise ValueError(f"--capability_suites={capability_suites!r} is measured only with --side_effects true")
+        return {}, []
+    suites = read_suites(capability_suites)
+    files = {"neutral_prompts": NEUTRAL_PROMPTS} | {f"capability_suite:{path.name}": path for path in suites}
+    return files, list(suites.values())
+
+
 def applied_factors(factors: list[float], mode: str) -> list[float]:
     """The factors as applied and written in the rows: as given in `steer` mode, negated in
     `suppress` mode (AxBench's `AlpacaEval_Suppress` applies −f for every steering factor f)."""
@@ -385,13 +414,14 @@ def plan_steer_eval(
     concept_dir=None,
     mode="steer",
     side_effects=False,
+    capability_suites=None,
 ) -> SteerPlan:
-    """Check every argument, read the artifacts (their tensors: an interchange intervention is
-    refused here, before the LM loads), draw up the cells and claim the output directory
-    (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
+    """Check every argument, read the artifacts and suites (an interchange intervention is refused
+    here), draw up the cells and claim DIR/meta.json, all before the LM loads; `run_steer_eval`'s arguments."""
     placement = LoadOptions(device_map, quantization)
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     check_mode(mode, side_effects)
+    side_files, suites = side_effect_inputs(capability_suites, side_effects)
     check_method(method, artifact, dictionary, checkpoint, concept_dir)
     paths = [] if method == PROMPT else artifact_paths(artifact, dictionary, checkpoint)
     factors = check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k)
@@ -402,9 +432,7 @@ def plan_steer_eval(
     if len(pool) < instructions:
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
     out = Path(out)
-    files["instruction_file"] = instruction_file or BUILTIN_DIR / "instructions.json"
-    if side_effects:
-        files["neutral_prompts"] = NEUTRAL_PROMPTS
+    files |= {"instruction_file": instruction_file or BUILTIN_DIR / "instructions.json", **side_files}
     digests = unchanged_files(out / "meta.json", files)
     check_recorded(out, {"mode": mode, "side_effects": side_effects}, RECORDED, "a steering evaluation")
     judge = ready_judge(judge, [c for names in cells_of.values() for c in names])
@@ -420,7 +448,7 @@ def plan_steer_eval(
         "top_k": top_k,
         "seed": seed,
         **({"mode": mode} if mode != "steer" else {}),
-        **({"side_effects": True} if side_effects else {}),
+        **({"side_effects": True, "capability_suites": [s.name for s in suites]} if side_effects else {}),
         FILE_DIGESTS: digests,  # a resume on an instruction file changed in place is refused, naming it
     }
     claim_out_dir(out, meta, what="a steering evaluation", ignore=(FILE_DIGESTS,))
@@ -440,6 +468,7 @@ def plan_steer_eval(
         top_k,
         mode,
         builtin_instructions(NEUTRAL_PROMPTS) if side_effects else None,
+        suites or None,
     )
 
 
@@ -483,8 +512,8 @@ def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: f
     """The rows of one cell: N instructions drawn for the concept (seeded by concept), generated
     with the artifact applied at the factor (`apply`), or, for the prompt baseline, generated by
     the LM unedited from `prompt_baseline_input` (the row's "prompt"; in `suppress` mode every
-    source's); judged on the instruction; the first N//2 are the "select" half. With neutral
-    prompts (`baseline`: their unsteered log-probs) each row carries the cell's kl_neutral."""
+    source's); judged on the instruction; the first N//2 are the "select" half. With side effects
+    (`baseline`: the `Unsteered` references) each row carries the cell's kl_neutral and capability_delta."""
     chosen = random.Random(f"{plan.seed}:{concept}").sample(plan.pool, plan.instructions)
     sampling = {"seed": zlib.crc32(f"{plan.seed}:{concept}:{factor}".encode()), "top_k": plan.top_k}
     settings = (plan.max_new_tokens, plan.temperature, plan.batch_size)
@@ -501,7 +530,12 @@ def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: f
     scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
     side = {}
     if plan.neutral:
-        side[SIDE_EFFECT] = cell_side_effect(model, tokenizer, source, concept, factor, plan.neutral, baseline)
+        side[SIDE_EFFECT] = cell_side_effect(
+            model, tokenizer, source, concept, factor, plan.neutral, baseline.log_probs
+        )
+        side[CAPABILITY] = cell_capability_delta(
+            model, tokenizer, source, concept, factor, plan.suites, baseline.accuracy
+        )
     select = plan.instructions // 2
     return [
         {
@@ -536,32 +570,23 @@ def _judged(judge: Judge, concepts: list[str], instructions: list[str], response
     return scores
 
 
-# --- side effects: kl_neutral on neutral prompts -------------------------------------------------
-def neutral_log_probs(model, tokenizer, prompts: list[str]) -> list[torch.Tensor]:
-    """log p(· | x_1..x_t) at every position t = 1..T of each prompt: the prompt tokenized as its
-    tokenizer does by default (its special tokens, e.g. BOS, included; no chat template), one
-    forward pass a prompt (no padding); float32 [T, vocabulary] tensors on the CPU."""
-    device, out = input_device(model), []
-    with torch.no_grad():
-        for text in prompts:
-            ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
-            out.append(torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1).cpu())
-    return out
+# --- side effects: kl_neutral on neutral prompts, capability_delta on SyntaxGym suites ------------
+@dataclass(frozen=True)
+class Unsteered:
+    """The references of the side effects, from the unsteered LM once a run: the neutral prompts'
+    log-probs (`neutral_log_probs`) and the mean suite accuracy (`suite_accuracy`)."""
+
+    log_probs: list[torch.Tensor]
+    accuracy: float
 
 
-def kl_neutral(unsteered: list[torch.Tensor], steered: list[torch.Tensor]) -> float:
-    """The mean KL divergence of the unsteered next-token distribution p from the steered q, over
-    the N neutral prompts, each averaged over every one of its T_i positions (`neutral_log_probs`):
-
-        kl_neutral = 1/N · Σ_i 1/T_i · Σ_{t=1..T_i} KL(p(·|x_i,≤t) ‖ q(·|x_i,≤t)),
-        KL(p ‖ q) = Σ_v p(v) · (log p(v) − log q(v))      (nats; in float64)
-
-    0 exactly where the edit changes nothing (factor 0)."""
-    per_prompt = [
-        torch.nn.functional.kl_div(q.double(), p.double(), reduction="none", log_target=True).sum(-1).mean()
-        for p, q in zip(unsteered, steered)
-    ]
-    return float(torch.stack(per_prompt).mean())
+@contextmanager
+def cell_edit(model, tokenizer, source, concept: str, factor: float):
+    """The LM with one cell's edit inside the block, as its generations have it: `apply` of the
+    artifact at the cell's concept (where the artifact is told one) and factor."""
+    told = artifact_concepts(source)[1]
+    with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+        yield steered
 
 
 def cell_side_effect(model, tokenizer, source, concept: str, factor: float, neutral, baseline) -> float:
@@ -570,9 +595,21 @@ def cell_side_effect(model, tokenizer, source, concept: str, factor: float, neut
     no edit, so 0."""
     if isinstance(source, PromptBaseline):
         return 0.0
-    told = artifact_concepts(source)[1]
-    with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+    with cell_edit(model, tokenizer, source, concept, factor) as steered:
         return kl_neutral(baseline, neutral_log_probs(steered, tokenizer, neutral))
+
+
+def cell_capability_delta(model, tokenizer, source, concept: str, factor: float, suites, unsteered: float) -> float:
+    """capability_delta of one cell: the mean suite accuracy (`suite_accuracy`) of the LM with the
+    cell's edit (`cell_edit`, as its generations and kl_neutral) minus `unsteered`, the LM's own:
+
+        capability_delta = 1/S · Σ_s acc_s(steered) − 1/S · Σ_s acc_s(unsteered)
+
+    0 exactly where the edit changes nothing (factor 0); the prompt baseline has no edit, so 0."""
+    if isinstance(source, PromptBaseline):
+        return 0.0
+    with cell_edit(model, tokenizer, source, concept, factor) as steered:
+        return suite_accuracy(steered, tokenizer, suites) - unsteered
 
 
 def run_cells(plan: SteerPlan) -> list[dict]:
@@ -590,7 +627,11 @@ def run_cells(plan: SteerPlan) -> list[dict]:
     )
     work = [(s, c, f) for s, names in plan.cells_of.items() for c in names for f in plan.factors]
     todo = [(s, c, f) for s, c, f in work if done[(c, float(f))] < plan.instructions]
-    baseline = neutral_log_probs(model, tokenizer, plan.neutral) if plan.neutral and todo else None
+    baseline = None
+    if plan.neutral and todo:
+        baseline = Unsteered(
+            neutral_log_probs(model, tokenizer, plan.neutral), suite_accuracy(model, tokenizer, plan.suites)
+        )
     with path.open("a") as sink, Progress(len(work), "steering cells", "cell", len(work) - len(todo)) as shown:
         for source, concept, factor in todo:
             shown.note(f"{concept}, factor {factor}")
@@ -606,7 +647,7 @@ def run_cells(plan: SteerPlan) -> list[dict]:
 def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """(summary rows, factor rows) from judged generations of one method.
 
-    Per concept: mean scores (and kl_neutral, where the rows carry it) per (factor, half); the
+    Per concept: mean scores (and each of SIDE_EFFECTS the rows carry) per (factor, half); the
     factor with the best mean overall on the "select" half (ties: the smaller |factor|) is chosen,
     and its "report" half is the summary. A row of `suppress` generations carries their mode."""
     cells = defaultdict(list)
@@ -614,7 +655,7 @@ def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
         cells[(row["method"], row["concept"], float(row["factor"]), row["half"])].append(row)
     factor_rows = []
     for (method, concept, factor, half), group in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])):
-        measured = [*SCORES, *([SIDE_EFFECT] if all(SIDE_EFFECT in r for r in group) else [])]
+        measured = [*SCORES, *(s for s in SIDE_EFFECTS if all(s in r for r in group))]
         means = {s: float(np.mean([float(r[s]) for r in group])) for s in measured}
         mode = group[0].get("mode", MODES[0])
         factor_rows.append(
@@ -632,7 +673,7 @@ def choose_and_report(rows: list[dict]) -> tuple[list[dict], list[dict]]:
         best = max(selectable, key=lambda f: (table[(f, "select")]["overall"], -abs(f)))
         report = table.get((best, "report"))
         if report is not None:
-            measured = {s: report[s] for s in (*SCORES, SIDE_EFFECT) if s in report}
+            measured = {s: report[s] for s in (*SCORES, *SIDE_EFFECTS) if s in report}
             moded = {"mode": report["mode"]} if "mode" in report else {}
             summary.append({"method": method, **moded, "concept": concept, "factor": best, **measured})
     return summary, factor_rows
@@ -648,14 +689,24 @@ def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
 
 
 def plot_factors(factor_rows: list[dict], path: Path) -> Path:
-    """Mean over concepts of each score against the factor, one line per half; written whole, or
-    `plots.FigureNotWritten`."""
+    """`factor_figure` written whole, or `plots.FigureNotWritten`."""
+    return save_figure(factor_figure(factor_rows), path, dpi=110)
+
+
+def factor_figure(factor_rows: list[dict]):
+    """Mean over concepts of each score against the factor, one line per half (4 panels); with
+    side effects (rows carrying capability_delta) a second row of two Pareto panels
+    (`pareto_panel`): concept score against fluency and against capability_delta."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), sharex=True)
+    pareto = any(CAPABILITY in row for row in factor_rows)
+    fig = plt.figure(figsize=(14, 6.8 if pareto else 3.2))
+    grid = fig.add_gridspec(2 if pareto else 1, 4)
+    axes = [fig.add_subplot(grid[0, 0])]
+    axes += [fig.add_subplot(grid[0, k], sharex=axes[0]) for k in range(1, 4)]
     for ax, score in zip(axes, SCORES):
         for half, style in (("select", "o-"), ("report", "s--")):
             by_factor = defaultdict(list)
@@ -669,8 +720,12 @@ def plot_factors(factor_rows: list[dict], path: Path) -> Path:
         ax.set_ylim(-0.05, 2.05)
     axes[0].set_ylabel("judge score (0-2), mean over concepts")
     axes[-1].legend()
+    if pareto:
+        points = pareto_points(factor_rows, ("concept_score", "fluency_score", CAPABILITY))
+        pareto_panel(fig.add_subplot(grid[1, :2]), points, "fluency_score")
+        pareto_panel(fig.add_subplot(grid[1, 2:]), points, CAPABILITY)
     fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return fig
 
 
 def read_generations(path: Path) -> list[dict]:
@@ -716,12 +771,12 @@ def keep_whole_cells(path: Path, rows: list[dict], instructions: int) -> list[di
 def write_report(out: Path, rows: list[dict], cells: set[tuple[str, float]]) -> list[dict]:
     """Choose and report from the rows of the (concept, factor) `cells` of this run (others in the
     file are left out): DIR/factors.csv and DIR/summary.csv (a `mode` column after `method` in
-    `suppress` mode, a last `kl_neutral` column where the rows carry it), then DIR/steering.png (a figure not
-    written is `plots.FigureNotWritten`, the CSVs kept); the summary rows."""
+    `suppress` mode, last `kl_neutral` and `capability_delta` columns where the rows carry them), then
+    DIR/steering.png (a figure not written is `plots.FigureNotWritten`, the CSVs kept); the summary rows."""
     rows = [r for r in rows if (r["concept"], float(r["factor"])) in cells]
     summary, factor_rows = choose_and_report(rows)
     moded = ["mode"] if any("mode" in r for r in factor_rows) else []
-    measured = [SIDE_EFFECT] if any(SIDE_EFFECT in r for r in factor_rows) else []
+    measured = [s for s in SIDE_EFFECTS if any(s in r for r in factor_rows)]
     write_csv(out / "factors.csv", factor_rows, [FACTOR_COLUMNS[0], *moded, *FACTOR_COLUMNS[1:], *measured])
     write_csv(out / "summary.csv", summary, [SUMMARY_COLUMNS[0], *moded, *SUMMARY_COLUMNS[1:], *measured])
     plot_factors(factor_rows, out / "steering.png")
@@ -752,6 +807,7 @@ def run_steer_eval(
     concept_dir: str | None = None,
     mode: str = "steer",
     side_effects: bool = False,
+    capability_suites: str | None = None,
 ) -> list[dict]:
     """Run (or resume) the steering evaluation; returns the summary rows.
 
@@ -787,8 +843,12 @@ def run_steer_eval(
             artifacts whose source you trust: importing runs its code).
         mode: 'steer' (default: toward the concept) or 'suppress' (AxBench's suppression: the
             prompt asks for the concept, `prompt_baseline_input`, and each factor f is applied as −f).
-        side_effects: measure each cell's kl_neutral (`kl_neutral`) on the built-in neutral
-            prompts, with the cell's edit; a `kl_neutral` column in factors.csv and summary.csv.
+        side_effects: measure each cell's side effects with its edit: kl_neutral (`side_effects.kl_neutral`) on
+            the built-in neutral prompts and capability_delta (`cell_capability_delta`) on SyntaxGym
+            suites; `kl_neutral` and `capability_delta` columns in factors.csv and summary.csv, and
+            two Pareto panels in steering.png.
+        capability_suites: the suites of capability_delta, a directory of SyntaxGym *.json or one
+            suite file (default: our built-in three, `data/syntaxgym/`); only with side_effects.
     """
     plan = plan_steer_eval(**locals())  # every argument above, by name: nothing else is bound yet
     rows = run_cells(plan)

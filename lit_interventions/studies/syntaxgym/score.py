@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_interventions.core.surprisal import region_surprisals
+import torch
+
+from lit_interventions.core.surprisal import aggregate, encode_regions, region_surprisals
+from lit_interventions.core.tokens import pad_batch
 from lit_interventions.studies.syntaxgym.formulas import RegionValues, region_refs
 from lit_interventions.studies.syntaxgym.suites import Suite
 
@@ -82,6 +85,49 @@ def evaluate_suite(
         for index in indices:
             item_values[item_index][condition, numbers[index]] = values[index]
     return judged(suite, item_values)
+
+
+def evaluate_suite_forward(
+    suite: Suite, model, tokenizer, batch_size: int = 16, attach_punctuation: bool = False
+) -> SuiteResult:
+    """`evaluate_suite` with each batch run through the LM's own forward, `model(input_ids,
+    attention_mask)` (right padding, every position's logits), rather than its body and the head
+    on the wanted tokens alone: a hook that follows the LM's forward (the position tracker of
+    `inference.apply`) sees every sentence, so an LM under `apply` is scored with its edit. The
+    same surprisals, s(x_t) = -log_softmax(logits_{t-1})[x_t] / ln 2 in bits, aggregated per
+    region by `meta.metric`; only the regions the predictions read fill `item_values`."""
+    entries = []  # (item index, condition, region numbers, encoded sentence, wanted region indices)
+    for item_index, item in enumerate(suite.items):
+        for condition in item["conditions"]:
+            name, numbers = condition["condition_name"], [region["region_number"] for region in condition["regions"]]
+            encoded = encode_regions(
+                tokenizer, [region["content"] for region in condition["regions"]], attach_punctuation
+            )
+            entries.append((item_index, name, numbers, encoded, _wanted_regions(suite, name, numbers)))
+    entries.sort(key=lambda entry: len(entry[3].token_ids))  # little padding in a batch
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    item_values: list[RegionValues] = [{} for _ in suite.items]
+    for first in range(0, len(entries), batch_size):
+        batch = entries[first : first + batch_size]
+        bits = forward_surprisals(model, [entry[3].token_ids for entry in batch], pad_id)
+        for (item_index, name, numbers, encoded, wanted), values in zip(batch, bits):
+            per_region = aggregate(values, encoded.token_regions, len(numbers), suite.metric)
+            for index in wanted:
+                item_values[item_index][name, numbers[index]] = per_region[index]
+    return judged(suite, item_values)
+
+
+@torch.no_grad()
+def forward_surprisals(model, token_ids: list[list[int]], pad_id: int) -> list[torch.Tensor]:
+    """s(x_t) = -log2 p(x_t | x_<t) of every token t >= 1 of each sentence (t = 0: nan), from one
+    call of the LM's forward on the right-padded batch; on the CPU."""
+    input_ids, attention_mask, _ = pad_batch(token_ids, pad_id)
+    device = model.get_input_embeddings().weight.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    log_probs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    bits = torch.cat([torch.full_like(log_probs[:, :1], math.nan), -log_probs / math.log(2)], dim=1).cpu()
+    return [bits[row, : len(ids)] for row, ids in enumerate(token_ids)]
 
 
 def judged(suite: Suite, item_values: list[RegionValues]) -> SuiteResult:
