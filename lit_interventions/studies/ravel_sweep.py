@@ -228,11 +228,7 @@ def run_ravel_sweep(
     ranks = distributed.detect()
     distributed.pin_device(ranks)  # before anything starts CUDA
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
-    if accuracy not in ACCURACIES:
-        raise ValueError(f"accuracy={accuracy!r}; choose one of {', '.join(ACCURACIES)}")
-    if average not in AVERAGES:
-        raise ValueError(f"average={average!r}; choose one of {', '.join(AVERAGES)}")
-    check_entity_templates(entity_templates, split)
+    check_scoring(accuracy, average, entity_templates, split)
     chosen = choose_methods(methods, Path(configs))
     data = load_ravel(ravel_dir, entity_type)  # validates the directory and the entity type
     attributes = choose_names(attributes, data.attributes, "attributes")
@@ -269,6 +265,16 @@ def run_ravel_sweep(
         if ranks.is_main:  # the figures last: one not written leaves the results as they are
             write_heatmaps(out, methods, attributes, data.attributes)
         return lines
+
+
+def check_scoring(accuracy: str, average: str, entity_templates: str, split: str) -> None:
+    """The scoring rule, its average and the entity split's templates are known values: a
+    ValueError line otherwise, before any work."""
+    if accuracy not in ACCURACIES:
+        raise ValueError(f"accuracy={accuracy!r}; choose one of {', '.join(ACCURACIES)}")
+    if average not in AVERAGES:
+        raise ValueError(f"average={average!r}; choose one of {', '.join(AVERAGES)}")
+    check_entity_templates(entity_templates, split)
 
 
 def run_meta(out: Path, data_options: dict, layer, k, epochs) -> dict:
