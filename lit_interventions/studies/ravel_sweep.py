@@ -214,8 +214,7 @@ def run_ravel_sweep(
         ravel_dir: the published RAVEL directory (default: our built-in data).
         split: entity or context.
         source: attribute, wikipedia or mixed (where source prompts come from).
-        entity_templates: all (every template serves every split, the paper's §2.1) or train (the
-            entity split's bases and sources from the `train` templates alone, the official code).
+        entity_templates: all (the paper's §2.1) or train (the official code's), as in RavelDataModule.
         lm: the LM; layer: the site's layer (default: each method config's layer).
         k: the DAS / MDAS rank; epochs: training epochs (default: the method configs', or 1).
         configs: the directory of the method configs.
@@ -234,8 +233,7 @@ def run_ravel_sweep(
     attributes = choose_names(attributes, data.attributes, "attributes")
     if layer is not None:
         choose_layers([layer], num_layers(load_config(lm)))
-    methods = list(method_options := _method_options(chosen, lm, layer, k, epochs))
-    out = Path(out)
+    methods, out = list(method_options := _method_options(chosen, lm, layer, k, epochs)), Path(out)
     data_options = {
         "lm": lm,
         "ravel_dir": ravel_dir,
