@@ -4,6 +4,7 @@
     lit-interventions steer --config configs/steer_eval.yaml --artifact [RUN_DIR_A, RUN_DIR_B]
     lit-interventions steer --config configs/steer_eval.yaml --method prompt --lm NAME [--concept_dir DIR]
     lit-interventions steer --config configs/steer_eval.yaml --artifact DIR --mode suppress --side_effects true
+    lit-interventions steer --config configs/steer_eval.yaml --artifact DIR --gate true --side_effects true
 
 An artifact is anything `lit-interventions generate` applies (a concept dictionary, an
 intervention, a LoReFT / LoRA steering module, a run directory, a hub id; `--dictionary` and
@@ -31,6 +32,12 @@ suppression). The prompt baseline in this mode is the unsuppressed reference: th
 `--side_effects true` measures each cell's side effect, `kl_neutral` (`kl_neutral`, below), on our
 neutral prompts (`data/axbench/neutral_prompts.json`), with the same edit as the cell's
 generations; the prompt baseline has no edit, so its kl_neutral is 0.
+
+`--gate true|THRESHOLD` steers conditionally (`inference.gate`, CAST): a concept dictionary's edit
+at a token only where the concept's own latent crosses τ, h + α·w_c·1[z_c(h) > τ_c], in the
+generations and in kl_neutral alike; `true` takes τ_c chosen on the eval split (Youden's J), a
+number is τ for every concept. An artifact with no latent (LoReFT, LoRA, the prompt baseline) is
+refused before the LM loads; meta.json records the gate.
 
 Per concept, N instructions are drawn (seeded); every (factor, instruction) is generated (left
 padding, the LM's chat template) and judged (concept, instruction relevance, fluency, overall =
@@ -74,6 +81,7 @@ from lit_interventions.core.sharding import LoadOptions, input_device
 from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, load_concepts
 from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
+from lit_interventions.inference.gate import check_gate
 from lit_interventions.interventions.capabilities import is_source_free
 from lit_interventions.metrics.judge import make_judge
 from lit_interventions.metrics.judge_base import Judge
@@ -118,6 +126,7 @@ class SteerPlan:
     top_k: int = 50
     mode: str = "steer"  # one of MODES
     neutral: list[str] | None = None  # the neutral prompts of kl_neutral (None: no side effects measured)
+    gate: bool | float | None = None  # conditional steering (`inference.gate`; None: the edit at every token)
 
 
 @dataclass(frozen=True)
@@ -343,15 +352,16 @@ def ready_judge(judge: dict | Judge | None) -> Judge:
     return judge
 
 
-def same_options(meta_path: Path, mode: str, side_effects: bool) -> None:
-    """A directory is resumed only in the mode, and with or without the side effects, its
-    meta.json records (neither recorded: `steer` mode without side effects); a ValueError line
-    otherwise. An absent or damaged meta.json refuses nothing (claiming the directory reports it)."""
+def same_options(meta_path: Path, mode: str, side_effects: bool, gate: bool | float | None = None) -> None:
+    """A directory is resumed only in the mode, with or without the side effects, and with the
+    gate its meta.json records (none recorded: `steer` mode without side effects, no gate); a
+    ValueError line otherwise. An absent or damaged meta.json refuses nothing (claiming the
+    directory reports it)."""
     try:
         old = json.loads(meta_path.read_text())
     except (OSError, ValueError):
         return
-    for key, value, default in (("mode", mode, MODES[0]), ("side_effects", side_effects, False)):
+    for key, value, default in (("mode", mode, MODES[0]), ("side_effects", side_effects, False), ("gate", gate, None)):
         recorded = old.get(key, default) if isinstance(old, dict) else value
         if recorded != value:
             raise ValueError(
@@ -398,6 +408,7 @@ def plan_steer_eval(
     concept_dir=None,
     mode="steer",
     side_effects=False,
+    gate=None,
 ) -> SteerPlan:
     """Check every argument, read the artifacts (their tensors: an interchange intervention is
     refused here, before the LM loads), draw up the cells and claim the output directory
@@ -411,6 +422,7 @@ def plan_steer_eval(
     lm, cells_of, factors, files, methods = cell_sources(
         method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode
     )
+    gate = steer_gate(gate, cells_of)
     pool = load_instructions(instruction_file)
     if len(pool) < instructions:
         raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
@@ -419,7 +431,7 @@ def plan_steer_eval(
     if side_effects:
         files["neutral_prompts"] = NEUTRAL_PROMPTS
     digests = unchanged_files(out / "meta.json", files)
-    same_options(out / "meta.json", mode, side_effects)
+    same_options(out / "meta.json", mode, side_effects, gate)
     judge = ready_judge(judge)
     meta = {
         "lm": lm,
@@ -434,6 +446,7 @@ def plan_steer_eval(
         "seed": seed,
         **({"mode": mode} if mode != "steer" else {}),
         **({"side_effects": True} if side_effects else {}),
+        **({"gate": gate} if gate is not None else {}),
         FILE_DIGESTS: digests,  # a resume on an instruction file changed in place is refused, naming it
     }
     claim_out_dir(out, meta, what="a steering evaluation", ignore=(FILE_DIGESTS,))
@@ -453,7 +466,20 @@ def plan_steer_eval(
         top_k,
         mode,
         builtin_instructions(NEUTRAL_PROMPTS) if side_effects else None,
+        gate,
     )
+
+
+def steer_gate(gate, cells_of: dict) -> bool | float | None:
+    """--gate checked against the cells' sources before the LM loads (`check_gate`): None, True or
+    a threshold in range; the prompt baseline, which has no edit, is refused with a gate."""
+    if isinstance(gate, float) and math.isnan(gate):
+        raise ValueError("--gate=nan is not a threshold; give true or a finite number")
+    if gate is None or gate is False:
+        return None
+    if any(isinstance(source, PromptBaseline) for source in cells_of):
+        raise ValueError(f"--gate={json.dumps(gate)}: the prompt baseline has no edit to gate; drop --gate")
+    return check_gate(gate, list(cells_of), "--gate")
 
 
 # --- run: generate and judge, one (concept, factor) cell at a time --------------------------------
@@ -509,12 +535,16 @@ def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: f
         responses = generate(model, tokenizer, prompts, *settings, **sampling)
     else:
         names, told = artifact_concepts(source)
-        with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+        with apply(
+            model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor, gate=plan.gate
+        ) as steered:
             responses = generate(steered, tokenizer, prompts or chosen, *settings, **sampling)
     scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
     side = {}
     if plan.neutral:
-        side[SIDE_EFFECT] = cell_side_effect(model, tokenizer, source, concept, factor, plan.neutral, baseline)
+        side[SIDE_EFFECT] = cell_side_effect(
+            model, tokenizer, source, concept, factor, plan.neutral, baseline, plan.gate
+        )
     select = plan.instructions // 2
     return [
         {
@@ -577,14 +607,16 @@ def kl_neutral(unsteered: list[torch.Tensor], steered: list[torch.Tensor]) -> fl
     return float(torch.stack(per_prompt).mean())
 
 
-def cell_side_effect(model, tokenizer, source, concept: str, factor: float, neutral, baseline) -> float:
+def cell_side_effect(model, tokenizer, source, concept: str, factor: float, neutral, baseline, gate=None) -> float:
     """kl_neutral of one cell on the `neutral` prompts (`baseline`: their unsteered log-probs): the
-    edit its generations have (`apply` at the cell's concept and factor); the prompt baseline has
-    no edit, so 0."""
+    edit its generations have (`apply` at the cell's concept, factor and `gate`); the prompt
+    baseline has no edit, so 0."""
     if isinstance(source, PromptBaseline):
         return 0.0
     told = artifact_concepts(source)[1]
-    with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+    with apply(
+        model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor, gate=gate
+    ) as steered:
         return kl_neutral(baseline, neutral_log_probs(steered, tokenizer, neutral))
 
 
@@ -765,6 +797,7 @@ def run_steer_eval(
     concept_dir: str | None = None,
     mode: str = "steer",
     side_effects: bool = False,
+    gate: bool | float | None = None,
 ) -> list[dict]:
     """Run (or resume) the steering evaluation; returns the summary rows.
 
@@ -801,6 +834,8 @@ def run_steer_eval(
             prompt asks for the concept, `prompt_baseline_input`, and each factor f is applied as −f).
         side_effects: measure each cell's kl_neutral (`kl_neutral`) on the built-in neutral
             prompts, with the cell's edit; a `kl_neutral` column in factors.csv and summary.csv.
+        gate: conditional steering of a concept dictionary (`inference.gate`): true (τ per concept
+            chosen on the eval split), a threshold τ, or None (default: the edit at every token).
     """
     plan = plan_steer_eval(**locals())  # every argument above, by name: nothing else is bound yet
     rows = run_cells(plan)
