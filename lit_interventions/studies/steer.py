@@ -370,18 +370,27 @@ def same_options(meta_path: Path, mode: str, side_effects: bool, gate: bool | fl
             )
 
 
-def cell_sources(method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode) -> tuple:
+def cell_sources(method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode, gate=None) -> tuple:
     """(the LM, {source: its concepts}, the factors as applied, the data files to digest, the
-    method of meta.json): the prompt baseline's (factor 0, the concept set's metadata), or the
-    artifacts' (read and checked; `applied_factors`)."""
+    method of meta.json, the gate checked by `steer_gate`): the prompt baseline's (factor 0, the
+    concept set's metadata), or the artifacts' (read and checked; `applied_factors`)."""
     if method == PROMPT:
         lm, cells_of = prompt_cells(concepts, concept_dir, lm)
         metadata = Path(concept_dir or BUILTIN_DIR) / "metadata.jsonl"
-        return lm, cells_of, [PROMPT_FACTOR], {"concept_metadata": metadata}, PROMPT
+        return lm, cells_of, [PROMPT_FACTOR], {"concept_metadata": metadata}, PROMPT, steer_gate(gate, cells_of)
     artifacts = load_artifacts(paths, trust_remote_code)
     lm = steered_lm(artifacts, lm)
     methods = "+".join(sorted({artifact_method(a) for a in artifacts}))
-    return lm, concept_cells(concepts, artifacts), applied_factors(factors, mode), {}, methods
+    cells_of = concept_cells(concepts, artifacts)
+    return lm, cells_of, applied_factors(factors, mode), {}, methods, steer_gate(gate, cells_of)
+
+
+def instruction_pool(instruction_file: str | None, instructions: int) -> list[str]:
+    """The instructions to draw from (`load_instructions`), at least `instructions` of them."""
+    pool = load_instructions(instruction_file)
+    if len(pool) < instructions:
+        raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
+    return pool
 
 
 def plan_steer_eval(
@@ -410,22 +419,18 @@ def plan_steer_eval(
     side_effects=False,
     gate=None,
 ) -> SteerPlan:
-    """Check every argument, read the artifacts (their tensors: an interchange intervention is
-    refused here, before the LM loads), draw up the cells and claim the output directory
-    (DIR/meta.json), all before any generation; the arguments are `run_steer_eval`'s."""
+    """Check every argument, read the artifacts (an interchange, or a gate one cannot take, is refused
+    before the LM loads), draw up the cells, claim DIR/meta.json; the arguments are `run_steer_eval`'s."""
     placement = LoadOptions(device_map, quantization)
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     check_mode(mode, side_effects)
     check_method(method, artifact, dictionary, checkpoint, concept_dir)
     paths = [] if method == PROMPT else artifact_paths(artifact, dictionary, checkpoint)
     factors = check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k)
-    lm, cells_of, factors, files, methods = cell_sources(
-        method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode
+    lm, cells_of, factors, files, methods, gate = cell_sources(
+        method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode, gate
     )
-    gate = steer_gate(gate, cells_of)
-    pool = load_instructions(instruction_file)
-    if len(pool) < instructions:
-        raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
+    pool = instruction_pool(instruction_file, instructions)
     out = Path(out)
     files["instruction_file"] = instruction_file or BUILTIN_DIR / "instructions.json"
     if side_effects:
