@@ -136,6 +136,9 @@ def test_apply_gates_each_token_on_the_dictionarys_latent(tiny_lm_dir, tiny_lm, 
         assert torch.equal(_layer_output(model, enc), ungated)
         assert torch.equal(model(**enc).logits, ungated_logits)
     plain_logits = model(**enc).logits
+    with apply(model, dictionary, concept="giving", factor=3.0, gate=[1, 1.0]):  # the number 1, not True
+        assert torch.equal(model(**enc).logits, plain_logits)  # every latent here is below 1
+    assert float(z.max()) < 1
     with apply(model, dictionary, concept="giving", factor=3.0, gate=float(z.max())):
         assert torch.equal(model(**enc).logits, plain_logits)
     # one gate per batch row: row 0 gated at τ, row 1 ungated, each as it is alone

@@ -247,11 +247,19 @@ def gate_edits(
     specs = [parse_gate(spec) for spec in specs]
     if all(spec is None for spec in specs):
         return edits
-    check_gate(next(spec for spec in specs if spec is not None), [artifact])
+    checked = []  # (kind, value): True is not the threshold 1.0
+    for spec in specs:
+        if spec is not None and (type(spec), spec) not in checked:
+            check_gate(spec, [artifact])
+            checked.append((type(spec), spec))
     latent = concept_latent(artifact.obj, artifact.config, artifact.where)
     count = latent.vectors.shape[0]
     chosen = concept_rows(request, latent.names, count, artifact.where)
-    per_concept = (cache or ThresholdCache()).get(latent, request.lm, artifact.where) if True in specs else {}
+    per_concept = (
+        (cache or ThresholdCache()).get(latent, request.lm, artifact.where)
+        if any(spec is True for spec in specs)
+        else {}
+    )
     many = len(specs) > 1
 
     def thresholds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -478,8 +478,6 @@ def plan_steer_eval(
 def steer_gate(gate, cells_of: dict) -> bool | float | None:
     """--gate checked against the cells' sources before the LM loads (`check_gate`): None, True or
     a threshold in range; the prompt baseline, which has no edit, is refused with a gate."""
-    if isinstance(gate, float) and math.isnan(gate):
-        raise ValueError("--gate=nan is not a threshold; give true or a finite number")
     if gate is None or gate is False:
         return None
     if any(isinstance(source, PromptBaseline) for source in cells_of):
