@@ -395,12 +395,12 @@ def test_bad_capability_suites_are_one_line_before_any_lm_loads(planted, tmp_pat
 
 def test_an_empty_or_invalid_suite_directory_is_refused_in_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"^no \*\.json suite files in directory .*; fetch the SyntaxGym"):
-        steer.side_effect_inputs(str(tmp_path), True)
+        side_effects.side_effect_inputs(str(tmp_path), True)
     item = {"conditions": [{"condition_name": "a", "regions": [{"region_number": 1, "content": "x"}]}]}
     (tmp_path / "bad.json").write_text(json.dumps({"meta": {"name": "bad"}, "items": [item]}))
     with pytest.raises(ValueError, match=r"^suite 'bad' \(.*bad\.json\) has no predictions; a suite needs a non-empty"):
-        steer.side_effect_inputs(str(tmp_path), True)
-    files, suites = steer.side_effect_inputs(None, True)  # the built-in suites and the neutral prompts
+        side_effects.side_effect_inputs(str(tmp_path), True)
+    files, suites = side_effects.side_effect_inputs(None, True)  # the built-in suites and the neutral prompts
     assert [s.name for s in suites] == ["agreement_pp", "npi_ever", "reflexive_number"]
     assert [len(s.items) for s in suites] == [12, 12, 12]
     assert sorted(files) == [
@@ -409,7 +409,7 @@ def test_an_empty_or_invalid_suite_directory_is_refused_in_one_line(tmp_path):
         "capability_suite:reflexive_number.json",
         "neutral_prompts",
     ]
-    assert steer.side_effect_inputs(None, False) == ({}, [])
+    assert side_effects.side_effect_inputs(None, False) == ({}, [])
 
 
 # --- steering.png's Pareto panels ------------------------------------------------------------------

@@ -20,7 +20,9 @@ steering, the prompt's last token for an interchange); or "all", "prompt", "gene
 or prompt token indices. `span_position` finds a piece of text's last token. An interchange takes
 `source` (a text, read at `source_positions`, by default its last token; or a state tensor).
 Steering takes `concept` (a name or index) and `factor`; each may be one value or one per batch
-row, and `enabled` switches rows off. The factor is a concept dictionary's own (h + factor·m_c·w_c)
+row, and `enabled` switches rows off. `gate` makes a concept dictionary's edit conditional, at a
+token only where the concept's own latent crosses a threshold, h + α·w_c·1[z_c(h) > τ_c]
+(`inference.gate`: None, a number τ, True for τ_c chosen on the eval split, or one per batch row). The factor is a concept dictionary's own (h + factor·m_c·w_c)
 and scales any other edit f*: h + factor·(f*(h) − h), f* itself at factor 1
 (`lit_interventions.core.edits`).
 
@@ -47,15 +49,18 @@ from lit_interventions.artifacts.steering_files import names_known_steering
 from lit_interventions.core.edits import ApplyRequest, Edit, install
 from lit_interventions.core.positions import Positions
 from lit_interventions.core.sites import Site
+from lit_interventions.inference.gate import ThresholdCache, gate_edits
 from lit_interventions.interventions.base import trusting_remote_code
 from lit_interventions.modules.steering_registry import load_steering_checkpoint
 
 
 class LoadedArtifact:
-    """A loaded artifact (`obj`), its config.json (or older card) and a name for messages."""
+    """A loaded artifact (`obj`), its config.json (or older card) and a name for messages;
+    `gate_cache` keeps the eval split's gate thresholds once computed for an LM (`inference.gate`)."""
 
     def __init__(self, obj: Any, config: dict, where: str):
         self.obj, self.config, self.where = obj, config, where
+        self.gate_cache = ThresholdCache()
 
     @property
     def model(self) -> str | None:
@@ -177,10 +182,12 @@ def apply(
     enabled: Sequence[bool] | None = None,
     site: Site | dict | None = None,
     trust_remote_code: bool = False,
+    gate: Any = None,
 ) -> Iterator[nn.Module]:
     """Inside the block, `lm` runs with `artifacts` applied (one, or a list); yields `lm`. See
-    the module doc for the options. Everything is checked, and source states are read, before
-    the first hook is placed; the hooks are removed when the block ends."""
+    the module doc for the options. Everything is checked, and source states are read (and the
+    eval split's gate thresholds computed, `gate=True`), before the first hook is placed; the
+    hooks are removed when the block ends."""
     request = request_for(
         lm,
         tokenizer=tokenizer,
@@ -195,6 +202,10 @@ def apply(
     if not items:
         raise ValueError("artifacts is empty: give at least one artifact")
     loaded = [load_artifact(item, site=site, trust_remote_code=trust_remote_code) for item in items]
-    edits = [edit for artifact in loaded for edit in artifact.edits(request)]
+    edits = [
+        edit
+        for artifact in loaded
+        for edit in gate_edits(artifact, artifact.edits(request), request, gate, artifact.gate_cache)
+    ]
     with install(lm, edits, request):
         yield lm

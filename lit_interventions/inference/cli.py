@@ -5,6 +5,8 @@ continuation without it.
         --concept 0 --factor 4
     lit-interventions generate --artifact runs/das/.../version_0 --prompt "The author near the keys" \\
         --source "The authors near the keys" --json
+    lit-interventions generate --artifact checkpoints/axbench/builtin-diffmean --prompt "Tell me a story" \\
+        --concept 0 --factor 4 --gate true     # the edit only where the concept's latent > τ_c
 
 Every option is checked, and the artifacts are read (tensors only), before the LM loads.
 """
@@ -23,6 +25,7 @@ from lit_interventions.core.edits import concept_index
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.positions import Positions
 from lit_interventions.inference.apply import LoadedArtifact, load_artifact
+from lit_interventions.inference.gate import check_gate
 from lit_interventions.inference.generate import generate_pair, prompt_positions
 
 
@@ -60,6 +63,7 @@ def parser() -> Parser:
         default=1.0,
         help="the steering factor (a dictionary: x the concept's max activation; any other edit f*: h + factor*(f*(h) - h))",
     )
+    add_gate_option(parser)
     add(
         "--positions",
         type=str,
@@ -77,6 +81,25 @@ def parser() -> Parser:
     add("--chat", type=bool | None, default=None, help="use the chat template (default: when the tokenizer has one)")
     add("--json", action="store_true", help="print one JSON object: prompt, unsteered, steered")
     return parser
+
+
+def add_gate_option(parser: Parser) -> None:
+    """--gate: conditional steering of a concept dictionary (`inference.gate`), for `generate` and `serve`."""
+    parser.add_argument(
+        "--gate",
+        type=str | None,
+        default=None,
+        help="gate a dictionary's edit on its concept's latent, h + a*w_c*1[z_c(h) > tau]: true (tau per concept "
+        "from the eval split, Youden's J) or a threshold tau (default: no gate)",
+    )
+
+
+def checked_gate(gate: str | None, artifacts: list[LoadedArtifact]):
+    """--gate parsed and checked against the artifacts (`check_gate`), else one error line."""
+    try:
+        return check_gate(gate, artifacts, "--gate")
+    except ValueError as err:
+        fail(str(err).splitlines()[0])
 
 
 def check_options(ns) -> None:
@@ -145,6 +168,7 @@ def generate_main(args: list[str] | None = None) -> dict:
     check_options(ns)
     transformers_logging.disable_progress_bar()  # the weights' loading bar: the output is the text
     artifacts, lm_name = command_artifacts(ns.artifact, ns.lm, ns.concept, ns.trust_remote_code)
+    gate = checked_gate(ns.gate, artifacts)
     try:
         tokenizer = load_tokenizer(lm_name)
         prompt_positions(tokenizer, ns.prompt, ns.positions, ns.span, ns.chat)  # checked before the LM loads
@@ -171,6 +195,7 @@ def generate_main(args: list[str] | None = None) -> dict:
             temperature=ns.temperature,
             top_p=ns.top_p,
             chat=ns.chat,
+            gate=gate,
         )
     except ValueError as err:
         fail(str(err).splitlines()[0])

@@ -75,10 +75,12 @@ def generate_pair(
     top_p: float = 1.0,
     chat: bool | None = None,
     trust_remote_code: bool = False,
+    gate: Any = None,
 ) -> dict[str, Any]:
     """{"prompt", "unsteered", "steered"} (the continuations, decoded without special tokens)
-    and the token counts, from one seed. Options as `apply`; `span` / `source_span` override
-    `positions` / `source_positions` with the last token of that text."""
+    and the token counts, from one seed. Options as `apply` (`gate`: conditional steering,
+    `inference.gate`); `span` / `source_span` override `positions` / `source_positions` with the
+    last token of that text."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     enc, positions, templated = prompt_positions(tokenizer, prompt, positions, span, chat)
@@ -103,6 +105,7 @@ def generate_pair(
         concept=concept,
         factor=factor,
         trust_remote_code=trust_remote_code,
+        gate=gate,
     ):
         steered = run()
     return {

@@ -8,7 +8,12 @@ no Lightning. Formulas (AxBench, Wu et al. 2025, eqs. 4–10):
 - SSV training:      Φ(h_i) = h_i + w, at every token (eq. 6; `SSVDictionary`);
 - ReFT-r1 training:  Φ(h_i) = h_i + mean(TopK(ReLU(h·w)))·w, at every token (eq. 9),
                      with λ·Σ_{non-top-k}|latent| added to the LM loss (eq. 10; `ReFTR1Dictionary`);
-- steering:          Φ(h_i) = h_i + α·w, at every token (every `ConceptDictionary`).
+- steering:          Φ(h_i) = h_i + α·w, at every token (every `ConceptDictionary`);
+- gated steering:    Φ(h_i) = h_i + α·w_c·1[z_c(h_i) > τ_c], z_c the concept's own latent Ψ
+                     (conditional steering: CAST, Lee et al. 2024, arXiv 2409.05907; AxBench's
+                     conditional ReFT demo), the edit only where the concept's detector fires
+                     (`gate_open`, `ConceptDictionary.forward(threshold=τ)`); τ_c is chosen on
+                     the eval split by Youden's J (`youden_threshold`).
 
 The trained ones are interventions like any other, with their training form as `forward` with
 no factor, ReFT-r1's L1 term as `penalty()` and its ramp as `anneal(step, total)`; they are
@@ -116,9 +121,14 @@ class ConceptDictionary(Intervention):
         *,
         concept_id: torch.Tensor,
         factor: float | torch.Tensor = 1.0,
+        threshold: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Φ(h_i) = h_i + α·w_c.  base (batch, d) or (batch, seq, d); concept_id (batch,) rows;
-        factor α: a number or (batch,), one per example."""
+        factor α: a number or (batch,), one per example.
+
+        threshold τ (a number or (batch,), one per example; None: no gate) gates the edit per
+        token on the concept's own latent z_c(h_i) = Ψ(h_i) (h·w_c, or ReLU(h·w_c): `latent`):
+        Φ(h_i) = h_i + α·w_c·1[z_c(h_i) > τ] (CAST), h_i itself, bit for bit, where the gate is shut."""
         self._refuse_source(source)
         concept_id = torch.as_tensor(concept_id, device=self.weight.device).reshape(-1)
         if concept_id.shape[0] != base.shape[0]:
@@ -127,7 +137,11 @@ class ConceptDictionary(Intervention):
         shift = alpha * self.rows(concept_id).float()  # (batch, d)
         if base.dim() == 3:
             shift = shift[:, None, :]
-        return base + shift.to(base.dtype)
+        steered = base + shift.to(base.dtype)
+        if threshold is None:
+            return steered
+        w = self.rows(concept_id)
+        return gated(base, steered, gate_open(base, w if base.dim() == 2 else w[:, None, :], self.latent, threshold))
 
     def export(self) -> dict[str, torch.Tensor]:
         return {"weight": self.weight.detach()}  # (C, d)
@@ -254,11 +268,12 @@ class ReFTR1Dictionary(ConceptDictionary):
         self.penalty_weight = 0.0 if l1_ramp else l1
         self._seen: dict[str, torch.Tensor] = {}
 
-    def forward(self, base, source=None, *, concept_id, factor=None, where=None, rows=None):
+    def forward(self, base, source=None, *, concept_id, factor=None, where=None, rows=None, threshold=None):
         """Φ(h_i) = h_i + mean(TopK(ReLU(h·w_c)))·w_c on `rows` at `where` (`factor` None), or
-        h + α·w_c (`factor` α). A row outside `rows` may carry concept_id −1."""
+        h + α·w_c (`factor` α; gated by `threshold` as every concept dictionary). A row outside
+        `rows` may carry concept_id −1."""
         if factor is not None:
-            return super().forward(base, source, concept_id=concept_id, factor=factor)
+            return super().forward(base, source, concept_id=concept_id, factor=factor, threshold=threshold)
         self._check_sequence(base, source)
         where = self._tokens(base, where)
         rows = torch.ones(base.shape[0], dtype=torch.bool, device=base.device) if rows is None else rows
@@ -336,10 +351,11 @@ class SSVDictionary(ConceptDictionary):
         super().__init__(unit_norm=False, fill=init)
         self.init = float(init)
 
-    def forward(self, base, source=None, *, concept_id, factor=None, where=None, rows=None):
-        """Φ(h_i) = h_i + w_c on `rows` at `where` (`factor` None), or h + α·w_c (`factor` α)."""
+    def forward(self, base, source=None, *, concept_id, factor=None, where=None, rows=None, threshold=None):
+        """Φ(h_i) = h_i + w_c on `rows` at `where` (`factor` None), or h + α·w_c (`factor` α;
+        gated by `threshold` as every concept dictionary)."""
         if factor is not None:
-            return super().forward(base, source, concept_id=concept_id, factor=factor)
+            return super().forward(base, source, concept_id=concept_id, factor=factor, threshold=threshold)
         self._check_sequence(base, source)
         w = self.weight[concept_id.clamp(min=0)]  # (batch, d); unused outside `rows`
         return self._trained_edit(base, base + w.to(base.dtype)[:, None, :], where, rows)
@@ -396,3 +412,61 @@ def add_vector(hidden: torch.Tensor, vector: torch.Tensor, alpha: float | torch.
     """Φ(h_i) = h_i + α·w at every token. hidden (batch, seq, d); vector (d,) or (batch, d)."""
     vector = vector if vector.dim() == 2 else vector[None]
     return hidden + (alpha * vector.float())[:, None, :].to(hidden.dtype)
+
+
+# --- conditional steering: the gate on a concept's own latent ---------------------------------------
+
+
+def concept_latents(hidden: torch.Tensor, w: torch.Tensor, latent: str) -> torch.Tensor:
+    """z_c(h) = h·w_c ("linear") or ReLU(h·w_c) ("relu") at every token, in float32; hidden (..., d),
+    w broadcastable to it. The gate's latent (`gate_open`) and the eval split's (τ) alike."""
+    if latent not in ("linear", "relu"):
+        raise ValueError(f"latent={latent!r}; valid: linear, relu")
+    z = (hidden.float() * w.to(hidden.device).float()).sum(-1)
+    return torch.relu(z) if latent == "relu" else z
+
+
+def gate_open(hidden: torch.Tensor, w: torch.Tensor, latent: str, threshold: float | torch.Tensor) -> torch.Tensor:
+    """1[z_c(h) > τ_c] at every token: whether the concept's latent fires there (CAST's condition,
+    arXiv 2409.05907, read from the dictionary's own row). z_c(h) = h·w_c (latent "linear") or
+    ReLU(h·w_c) ("relu"), in float32, as detection reads it.
+
+    hidden (..., d); w broadcastable to it (a row per example: (n, d) for (n, d) states, (batch, 1,
+    d) for (batch, seq, d)); threshold τ a number or one per leading row, (n,) / (batch,).
+    Returns a bool tensor shaped like hidden without its last dimension."""
+    z = concept_latents(hidden, w, latent)
+    tau = torch.as_tensor(threshold, dtype=torch.float32, device=z.device)
+    tau = tau.reshape(-1, *([1] * (z.dim() - 1))) if tau.dim() else tau
+    return z > tau
+
+
+def gated(hidden: torch.Tensor, edited: torch.Tensor, open_: torch.Tensor) -> torch.Tensor:
+    """h' = Φ(h)·1[open] + h·1[not open] per token: `edited` where the gate is open, `hidden`
+    itself (bit for bit) where it is shut. open_ is hidden's shape without the last dimension."""
+    return torch.where(open_[..., None], edited.to(hidden.dtype), hidden)
+
+
+def youden_threshold(positive: torch.Tensor, negative: torch.Tensor) -> float:
+    """The gate's threshold τ from latents on labelled tokens: the τ maximising Youden's J,
+
+        J(τ) = TPR(τ) − FPR(τ),   TPR(τ) = #{z ∈ positive : z > τ} / #positive,
+                                  FPR(τ) = #{z ∈ negative : z > τ} / #negative,
+
+    over the candidates τ ∈ {every latent seen} (the gate opens strictly above τ), ties to the
+    smallest τ (the widest gate of the best J). Both sets must be non-empty and finite."""
+    positive, negative = positive.detach().double().reshape(-1), negative.detach().double().reshape(-1)
+    if not positive.numel() or not negative.numel():
+        raise ValueError(
+            f"youden_threshold needs latents of both kinds; got {positive.numel()} positive and "
+            f"{negative.numel()} negative tokens"
+        )
+    if not (torch.isfinite(positive).all() and torch.isfinite(negative).all()):
+        raise ValueError("youden_threshold: the latents hold NaN/inf")
+    candidates = torch.cat([positive, negative]).unique()  # sorted ascending
+
+    def above(values: torch.Tensor) -> torch.Tensor:  # the fraction of values > each candidate
+        ranked = values.sort().values
+        return (values.numel() - torch.searchsorted(ranked, candidates, right=True)).double() / values.numel()
+
+    j = above(positive) - above(negative)
+    return float(candidates[int(torch.nonzero(j == j.max())[0])])

@@ -1,7 +1,7 @@
 """The requests the steered server accepts, beyond the judge server's chat checks: the prompt of
 a `/completions` body, and the options both endpoints share (`request_options`): sampling,
-`stop`, streaming, and the steering fields `concept`, `factor` and `steering`. A bad field is a
-`BadRequest` naming it."""
+`stop`, streaming, and the steering fields `concept`, `factor`, `gate` and `steering`. A bad
+field is a `BadRequest` naming it."""
 
 from __future__ import annotations
 
@@ -33,11 +33,14 @@ class Sampling:
 @dataclass(frozen=True)
 class Steering:
     """What one request asks of the artifacts: `concept` (a name, an index or None: the
-    server's default), `factor`, and `enabled` (False: the LM unedited)."""
+    server's default), `factor`, `enabled` (False: the LM unedited) and `gate` (None: the edit
+    at every token; True: τ per concept from the eval split; a number τ: the edit only where the
+    concept's latent > τ, `inference.gate`)."""
 
     concept: str | int | None = None
     factor: float = 1.0
     enabled: bool = True
+    gate: bool | float | None = None
 
 
 @dataclass(frozen=True)
@@ -89,10 +92,12 @@ def stops_of(request: dict) -> tuple[str, ...]:
     return stops
 
 
-def steering_of(request: dict, default_concept: str | int | None, default_factor: float) -> Steering:
-    """`concept` (a name or an index >= 0), `factor` (a finite number) and `steering` (a bool),
-    each defaulting to the server's. Whether the artifacts hold the concept is the server's
-    check."""
+def steering_of(
+    request: dict, default_concept: str | int | None, default_factor: float, default_gate: bool | float | None = None
+) -> Steering:
+    """`concept` (a name or an index >= 0), `factor` (a finite number), `gate` (true, false, null
+    or a finite number) and `steering` (a bool), each defaulting to the server's. Whether the
+    artifacts hold the concept, and can be gated, is the server's check."""
     concept = request.get("concept", default_concept)
     if concept is None:
         pass
@@ -107,7 +112,11 @@ def steering_of(request: dict, default_concept: str | int | None, default_factor
     enabled = request.get("steering", True)
     if not isinstance(enabled, bool):
         raise BadRequest("steering", f"must be true or false, got {enabled!r}"[:200])
-    return Steering(concept, float(factor), enabled)
+    gate = request.get("gate", default_gate)
+    if not (gate is None or isinstance(gate, bool) or is_number(gate)):
+        raise BadRequest("gate", f"must be true, false, null or a finite threshold, got {gate!r}"[:200])
+    gate = None if gate is False else gate if gate is None or gate is True else float(gate)
+    return Steering(concept, float(factor), enabled, gate)
 
 
 def _refuse_unsupported(request: dict) -> None:
@@ -123,7 +132,11 @@ def _refuse_unsupported(request: dict) -> None:
 
 
 def request_options(
-    request: dict, max_new_tokens: int, default_concept: str | int | None = None, default_factor: float = 1.0
+    request: dict,
+    max_new_tokens: int,
+    default_concept: str | int | None = None,
+    default_factor: float = 1.0,
+    default_gate: bool | float | None = None,
 ) -> Options:
     """The options of a chat or text completion body (a dict), each checked."""
     limit, model = check_options(request, max_new_tokens, allow_stream=True)
@@ -142,5 +155,5 @@ def request_options(
         stop=stops_of(request),
         stream=stream,
         include_usage=include_usage,
-        steering=steering_of(request, default_concept, default_factor),
+        steering=steering_of(request, default_concept, default_factor, default_gate),
     )

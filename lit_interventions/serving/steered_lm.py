@@ -4,8 +4,10 @@
 or "Role: content" lines ending in "Assistant:" when it has none; a text completion's prompt
 after the BOS, as `encode_text` reads it), checks its steering against the artifacts (the same
 `edits` call `apply` makes, so a concept no artifact holds is refused before it is queued), and
-queues it. The worker runs each batch as one `generate` inside `apply`, with the concept, factor
-and on/off switch of each row.
+queues it. The worker runs each batch as one `generate` inside `apply`, with the concept, factor,
+gate and on/off switch of each row. A gate (`inference.gate`) is checked in the request's thread;
+the eval split's thresholds (`gate: true`) are computed once, by the worker that owns the LM (at
+start with `gate=True`), and kept.
 
 Clients see each artifact by its name (`public_name`: a local directory's or file's own name, a
 hub id as given), never by its path: in /v1/models and in every error about their steering. A
@@ -27,6 +29,7 @@ from transformers import StoppingCriteriaList
 from lit_interventions.core.lm import check_device, load_lm, load_tokenizer
 from lit_interventions.core.positions import encode_text
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact, request_for
+from lit_interventions.inference.gate import check_gate, gate_edits
 from lit_interventions.serving.batcher import Batcher, Job, RowsDone, RowStreamer
 from lit_interventions.serving.chat_request import chat_text, is_int
 from lit_interventions.serving.completion_request import Options, Steering
@@ -46,7 +49,8 @@ class SteeredLM:
     artifacts: directories, hub ids or loaded artifacts (`load_artifact`), applied together.
     lm: a model name (what `load_lm` takes; default: the first artifact's model), loaded with
         `dtype` onto `device`, or a loaded model (then `tokenizer` is required).
-    concept, factor: the steering of requests that do not name their own.
+    concept, factor, gate: the steering of requests that do not name their own (gate: None, True
+        or a threshold, `inference.gate`; True computes the eval split's thresholds here).
     max_batch, batch_wait_ms: the batcher's (`batcher.Batcher`).
     name: the model's id for clients (default: the LM's `public_name`); `lm_name` names what is loaded (a path or an id).
     """
@@ -62,6 +66,7 @@ class SteeredLM:
         device: str = "cpu",
         concept: str | int | None = None,
         factor: float = 1.0,
+        gate: bool | float | str | None = None,
         max_batch: int = 8,
         batch_wait_ms: float = 10.0,
         name: str | None = None,
@@ -89,7 +94,10 @@ class SteeredLM:
             self.lm_name = str(lm)
         self.name = name or public_name(self.lm_name)
         self.max_new_tokens, self.concept, self.factor = max_new_tokens, concept, factor
+        self.gate = check_gate(gate, self.served)
         self.needs_concept = self._fits(concept, factor)
+        if self.gate is True:  # the eval split's thresholds, before the worker owns the LM
+            self._edits(concept if not self.needs_concept else 0, factor, self.served, gate=True)
         self.eos = _eos_ids(self.model)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos[0] if self.eos else 0)
@@ -100,12 +108,12 @@ class SteeredLM:
         """The concept names the artifacts hold."""
         return [name for artifact in self.artifacts for name in artifact.concepts or []]
 
-    def _edits(self, concept: str | int | None, factor: float, artifacts: Sequence[LoadedArtifact]) -> None:
-        """The edits `apply` would make for (concept, factor), built and dropped: a ValueError
-        when an artifact refuses them (another LM, an unknown concept, ...)."""
+    def _edits(self, concept: str | int | None, factor: float, artifacts: Sequence[LoadedArtifact], gate=None) -> None:
+        """The edits `apply` would make for (concept, factor, gate), built and dropped: a
+        ValueError when an artifact refuses them (another LM, an unknown concept, ...)."""
         request = request_for(self.model, tokenizer=self.tokenizer, concept=concept, factor=factor)
         for artifact in artifacts:
-            artifact.edits(request)
+            gate_edits(artifact, artifact.edits(request), request, gate, artifact.gate_cache)
 
     def _fits(self, concept: str | int | None, factor: float) -> bool:
         """Whether requests naming no concept need one; a ValueError naming what does not fit
@@ -131,6 +139,10 @@ class SteeredLM:
                 self._edits(steering.concept, steering.factor, self.served)
             except ValueError as err:
                 raise BadRequest("concept", str(err).splitlines()[0]) from None
+            try:
+                check_gate(steering.gate, self.served)
+            except ValueError as err:
+                raise BadRequest("gate", str(err).splitlines()[0]) from None
         return steering
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
@@ -157,8 +169,8 @@ class SteeredLM:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def steering(self, jobs: Sequence[Job]):
-        """`apply` with each row's concept, factor and on/off switch (nothing when all are off).
-        Rows switched off take an enabled row's concept, which they do not use."""
+        """`apply` with each row's concept, factor, gate and on/off switch (nothing when all are
+        off). Rows switched off take an enabled row's concept, which they do not use."""
         rows = [job.steering for job in jobs]
         on = [s for s in rows if s.enabled]
         if not on:
@@ -175,6 +187,7 @@ class SteeredLM:
             concept=concept,
             factor=[s.factor if s.enabled else 0.0 for s in rows],
             enabled=None if len(on) == len(rows) else [s.enabled for s in rows],
+            gate=[s.gate if s.enabled else None for s in rows],
         )
 
     @torch.no_grad()

@@ -161,7 +161,7 @@ async def _prepare(steered, kind: str, body):
         tokenize = partial(steered.chat_ids, messages)
     else:
         tokenize = partial(steered.text_ids, completion_prompt(body))
-    options = request_options(body, steered.max_new_tokens, steered.concept, steered.factor)
+    options = request_options(body, steered.max_new_tokens, steered.concept, steered.factor, steered.gate)
     options = replace(options, steering=await run_in_threadpool(steered.check, options.steering))
     return await run_in_threadpool(tokenize), options
 

@@ -5,8 +5,9 @@
     # then: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").chat.completions.create(
     #     model="smollm2-135m-instruct", messages=[...], extra_body={"concept": 1, "factor": 6})
 
-A request may name its `concept` (a name or an index), its `factor` and `steering` (false: the LM
-unedited); the defaults are --concept and --factor. Greedy decoding unless `temperature` > 0;
+A request may name its `concept` (a name or an index), its `factor`, its `gate` (true, a
+threshold, or false: a dictionary's edit only where the concept's latent > τ, `inference.gate`)
+and `steering` (false: the LM unedited); the defaults are --concept, --factor and --gate. Greedy decoding unless `temperature` > 0;
 `max_tokens` (capped by --max_new_tokens), `stop`, `stream` (server-sent events) and
 `stream_options.include_usage` as OpenAI has them. Concurrent requests with the same sampling
 settings are batched, up to --max_batch rows in one `transformers` `generate` (each row with its
@@ -31,7 +32,7 @@ import socket
 
 from lit_interventions.cli.parsing import PROG, Parser, fail, resolve_configs
 from lit_interventions.core.lm import check_device, check_dtype
-from lit_interventions.inference.cli import add_artifact_options, command_artifacts
+from lit_interventions.inference.cli import add_artifact_options, add_gate_option, checked_gate, command_artifacts
 from lit_interventions.serving.http_server import HTTPServer
 from lit_interventions.serving.json_api import json_app
 from lit_interventions.serving.server_options import (
@@ -99,6 +100,7 @@ def parser() -> Parser:
     add("--batch_wait_ms", type=float, default=10.0, help="how long a request waits for others to batch with")
     add("--concept", type=str | None, default=None, help="the concept of requests naming none: a name or an index")
     add("--factor", type=float, default=1.0, help="the factor of requests giving none")
+    add_gate_option(parser)
     add("--device", type=str, default="cpu", help="where the LM runs: cpu, cuda, cuda:1, mps")
     add_server_options(parser, max_concurrent=16)
     return parser
@@ -124,6 +126,7 @@ def main(args: list[str] | None = None) -> None:
     check_options(ns)
     sock = open_port(ns)  # a port in use is refused before anything loads
     artifacts, lm = command_artifacts(ns.artifact, ns.lm, ns.concept, ns.trust_remote_code)
+    gate = checked_gate(ns.gate, artifacts)
     try:
         steered = SteeredLM(
             artifacts,
@@ -133,6 +136,7 @@ def main(args: list[str] | None = None) -> None:
             device=ns.device,
             concept=ns.concept,
             factor=ns.factor,
+            gate=gate,
             max_batch=ns.max_batch,
             batch_wait_ms=ns.batch_wait_ms,
             trust_remote_code=ns.trust_remote_code,

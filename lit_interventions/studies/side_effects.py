@@ -12,6 +12,7 @@ score against fluency or capability_delta, one point per (method, factor).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,31 @@ from lit_interventions.studies.syntaxgym.suites import Suite, load_suite, suite_
 # our own 3 suites in the SyntaxGym format (agreement across a PP, reflexive number, NPI `ever`)
 CAPABILITY_SUITES = BUILTIN_DIR.parent / "syntaxgym"
 SUITE_BATCH = 16  # SyntaxGym sentences per forward pass
+
+
+NEUTRAL_PROMPTS = BUILTIN_DIR / "neutral_prompts.json"  # our own 20 neutral sentences of kl_neutral
+
+
+def side_effect_inputs(capability_suites, side_effects: bool) -> tuple[dict, list[Suite]]:
+    """(the data files to digest, the SyntaxGym suites of capability_delta): with side effects the
+    neutral prompts and the suites of `capability_suites` (`side_effects.read_suites`; None: the
+    built-in ones), else nothing, and the option refused in one line."""
+    if not side_effects:
+        if capability_suites is not None:
+            raise ValueError(f"--capability_suites={capability_suites!r} is measured only with --side_effects true")
+        return {}, []
+    suites = read_suites(capability_suites)
+    files = {"neutral_prompts": NEUTRAL_PROMPTS} | {f"capability_suite:{path.name}": path for path in suites}
+    return files, list(suites.values())
+
+
+@dataclass(frozen=True)
+class Unsteered:
+    """The references of the side effects, from the unsteered LM once a run: the neutral prompts'
+    log-probs (`neutral_log_probs`) and the mean suite accuracy (`suite_accuracy`)."""
+
+    log_probs: list[torch.Tensor]
+    accuracy: float
 
 
 # --- kl_neutral ----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
     lit-interventions steer --config configs/steer_eval.yaml --artifact [RUN_DIR_A, RUN_DIR_B]
     lit-interventions steer --config configs/steer_eval.yaml --method prompt --lm NAME [--concept_dir DIR]
     lit-interventions steer --config configs/steer_eval.yaml --artifact DIR --mode suppress --side_effects true
+    lit-interventions steer --config configs/steer_eval.yaml --artifact DIR --gate true --side_effects true
 
 An artifact is anything `lit-interventions generate` applies (a concept dictionary, an
 intervention, a LoReFT / LoRA steering module, a run directory, a hub id; `--dictionary` and
@@ -33,6 +34,12 @@ generations (`cell_edit`): `kl_neutral` (`side_effects.kl_neutral`) on our neutr
 (`data/axbench/neutral_prompts.json`), and `capability_delta`, the mean SyntaxGym suite accuracy
 steered minus unsteered (`cell_capability_delta`) on our three built-in suites
 (`data/syntaxgym/`) or `--capability_suites`; the prompt baseline has no edit, so both are 0.
+
+`--gate true|THRESHOLD` steers conditionally (`inference.gate`, CAST): a concept dictionary's edit
+at a token only where the concept's own latent crosses τ, h + α·w_c·1[z_c(h) > τ_c], in the
+generations and in kl_neutral alike; `true` takes τ_c chosen on the eval split (Youden's J), a
+number is τ for every concept. An artifact with no latent (LoReFT, LoRA, the prompt baseline) is
+refused before the LM loads; meta.json records the gate.
 
 Per concept, N instructions are drawn (seeded); every (factor, instruction) is generated (left
 padding, the LM's chat template) and judged (concept, instruction relevance, fluency, overall =
@@ -78,6 +85,7 @@ from lit_interventions.core.sharding import LoadOptions
 from lit_interventions.datamodules.axbench_files import BUILTIN_DIR, load_concepts
 from lit_interventions.datamodules.axbench_files import load_instructions as builtin_instructions
 from lit_interventions.inference.apply import LoadedArtifact, apply, load_artifact
+from lit_interventions.inference.gate import check_gate
 from lit_interventions.interventions.capabilities import is_source_free
 from lit_interventions.metrics.judge import make_judge
 from lit_interventions.metrics.judge_base import Judge
@@ -85,11 +93,13 @@ from lit_interventions.metrics.judge_compare import agreement_lines
 from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
 from lit_interventions.metrics.judge_prompts import ASPECTS
 from lit_interventions.studies.side_effects import (
+    NEUTRAL_PROMPTS,
+    Unsteered,
     kl_neutral,
     neutral_log_probs,
     pareto_panel,
     pareto_points,
-    read_suites,
+    side_effect_inputs,
     suite_accuracy,
 )
 from lit_interventions.studies.syntaxgym.suites import Suite
@@ -101,9 +111,8 @@ FACTOR_COLUMNS = ["method", "concept", "factor", "half", *SCORES, "n"]
 PROMPT = "prompt"  # the steering method that needs no artifact: AxBench's prompt baseline
 PROMPT_FACTOR = 0.0  # the factor column of its rows: no intervention, the prompt alone steers
 MODES = ("steer", "suppress")  # steer toward the concept, or against it where the prompt asks for it
-RECORDED = {"mode": MODES[0], "side_effects": False}  # in meta.json only where a run's differs from these
+RECORDED = {"mode": MODES[0], "side_effects": False, "gate": None}  # in meta.json only where a run's differs from these
 SIDE_EFFECT = "kl_neutral"  # the side-effect column of the rows and CSVs (--side_effects true)
-NEUTRAL_PROMPTS = BUILTIN_DIR / "neutral_prompts.json"  # our own 20 neutral sentences
 CAPABILITY = "capability_delta"  # the second side-effect column: SyntaxGym accuracy steered − unsteered
 SIDE_EFFECTS = (SIDE_EFFECT, CAPABILITY)  # the side-effect columns, in their CSV order
 # AxBench's steering prompt (axbench/utils/dataset.py, T_PROMPT_STEERING) with the concept in it
@@ -136,6 +145,7 @@ class SteerPlan:
     mode: str = "steer"  # one of MODES
     neutral: list[str] | None = None  # the neutral prompts of kl_neutral (None: no side effects measured)
     suites: list[Suite] | None = None  # the SyntaxGym suites of capability_delta (None: not measured)
+    gate: bool | float | None = None  # conditional steering (`inference.gate`; None: the edit at every token)
 
 
 @dataclass(frozen=True)
@@ -281,19 +291,6 @@ def check_mode(mode, side_effects) -> None:
         raise ValueError(f"--side_effects={side_effects!r} must be true or false")
 
 
-def side_effect_inputs(capability_suites, side_effects: bool) -> tuple[dict, list[Suite]]:
-    """(the data files to digest, the SyntaxGym suites of capability_delta): with side effects the
-    neutral prompts and the suites of `capability_suites` (`side_effects.read_suites`; None: the
-    built-in ones), else nothing, and the option refused in one line."""
-    if not side_effects:
-        if capability_suites is not None:
-            raise ValueError(f"--capability_suites={capability_suites!r} is measured only with --side_effects true")
-        return {}, []
-    suites = read_suites(capability_suites)
-    files = {"neutral_prompts": NEUTRAL_PROMPTS} | {f"capability_suite:{path.name}": path for path in suites}
-    return files, list(suites.values())
-
-
 def applied_factors(factors: list[float], mode: str) -> list[float]:
     """The factors as applied and written in the rows: as given in `steer` mode, negated in
     `suppress` mode (AxBench's `AlpacaEval_Suppress` applies −f for every steering factor f)."""
@@ -376,18 +373,27 @@ def ready_judge(judge: dict | Judge | None, concepts: list[str] = ()) -> Judge:
     return judge
 
 
-def cell_sources(method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode) -> tuple:
+def cell_sources(method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode, gate=None) -> tuple:
     """(the LM, {source: its concepts}, the factors as applied, the data files to digest, the
-    method of meta.json): the prompt baseline's (factor 0, the concept set's metadata), or the
-    artifacts' (read and checked; `applied_factors`)."""
+    method of meta.json, the gate checked by `steer_gate`): the prompt baseline's (factor 0, the
+    concept set's metadata), or the artifacts' (read and checked; `applied_factors`)."""
     if method == PROMPT:
         lm, cells_of = prompt_cells(concepts, concept_dir, lm)
         metadata = Path(concept_dir or BUILTIN_DIR) / "metadata.jsonl"
-        return lm, cells_of, [PROMPT_FACTOR], {"concept_metadata": metadata}, PROMPT
+        return lm, cells_of, [PROMPT_FACTOR], {"concept_metadata": metadata}, PROMPT, steer_gate(gate, cells_of)
     artifacts = load_artifacts(paths, trust_remote_code)
     lm = steered_lm(artifacts, lm)
     methods = "+".join(sorted({artifact_method(a) for a in artifacts}))
-    return lm, concept_cells(concepts, artifacts), applied_factors(factors, mode), {}, methods
+    cells_of = concept_cells(concepts, artifacts)
+    return lm, cells_of, applied_factors(factors, mode), {}, methods, steer_gate(gate, cells_of)
+
+
+def instruction_pool(instruction_file: str | None, instructions: int) -> list[str]:
+    """The instructions to draw from (`load_instructions`), at least `instructions` of them."""
+    pool = load_instructions(instruction_file)
+    if len(pool) < instructions:
+        raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
+    return pool
 
 
 def plan_steer_eval(
@@ -415,9 +421,10 @@ def plan_steer_eval(
     mode="steer",
     side_effects=False,
     capability_suites=None,
+    gate=None,
 ) -> SteerPlan:
-    """Check every argument, read the artifacts and suites (an interchange intervention is refused
-    here), draw up the cells and claim DIR/meta.json, all before the LM loads; `run_steer_eval`'s arguments."""
+    """Check every argument, read the artifacts and suites (an interchange, or a gate one cannot take, is
+    refused), draw up the cells and claim DIR/meta.json, all before the LM loads; `run_steer_eval`'s arguments."""
     placement = LoadOptions(device_map, quantization)
     line_seconds()  # a bad LIT_INTERVENTIONS_PROGRESS_SECONDS: refused before any work
     check_mode(mode, side_effects)
@@ -425,16 +432,13 @@ def plan_steer_eval(
     check_method(method, artifact, dictionary, checkpoint, concept_dir)
     paths = [] if method == PROMPT else artifact_paths(artifact, dictionary, checkpoint)
     factors = check_settings(factors, instructions, max_new_tokens, temperature, batch_size, top_k)
-    lm, cells_of, factors, files, methods = cell_sources(
-        method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode
+    lm, cells_of, factors, files, methods, gate = cell_sources(
+        method, paths, trust_remote_code, lm, concepts, concept_dir, factors, mode, gate
     )
-    pool = load_instructions(instruction_file)
-    if len(pool) < instructions:
-        raise ValueError(f"instructions={instructions} but only {len(pool)} instructions are available")
-    out = Path(out)
+    pool, out = instruction_pool(instruction_file, instructions), Path(out)
     files |= {"instruction_file": instruction_file or BUILTIN_DIR / "instructions.json", **side_files}
     digests = unchanged_files(out / "meta.json", files)
-    check_recorded(out, {"mode": mode, "side_effects": side_effects}, RECORDED, "a steering evaluation")
+    check_recorded(out, {"mode": mode, "side_effects": side_effects, "gate": gate}, RECORDED, "a steering evaluation")
     judge = ready_judge(judge, [c for names in cells_of.values() for c in names])
     meta = {
         "lm": lm,
@@ -449,6 +453,7 @@ def plan_steer_eval(
         "seed": seed,
         **({"mode": mode} if mode != "steer" else {}),
         **({"side_effects": True, "capability_suites": [s.name for s in suites]} if side_effects else {}),
+        **({"gate": gate} if gate is not None else {}),
         FILE_DIGESTS: digests,  # a resume on an instruction file changed in place is refused, naming it
     }
     claim_out_dir(out, meta, what="a steering evaluation", ignore=(FILE_DIGESTS,))
@@ -469,7 +474,18 @@ def plan_steer_eval(
         mode,
         builtin_instructions(NEUTRAL_PROMPTS) if side_effects else None,
         suites or None,
+        gate,
     )
+
+
+def steer_gate(gate, cells_of: dict) -> bool | float | None:
+    """--gate checked against the cells' sources before the LM loads (`check_gate`): None, True or
+    a threshold in range; the prompt baseline, which has no edit, is refused with a gate."""
+    if gate is None or gate is False:
+        return None
+    if any(isinstance(source, PromptBaseline) for source in cells_of):
+        raise ValueError(f"--gate={json.dumps(gate)}: the prompt baseline has no edit to gate; drop --gate")
+    return check_gate(gate, list(cells_of), "--gate")
 
 
 # --- run: generate and judge, one (concept, factor) cell at a time --------------------------------
@@ -525,16 +541,18 @@ def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: f
         responses = generate(model, tokenizer, prompts, *settings, **sampling)
     else:
         names, told = artifact_concepts(source)
-        with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+        with apply(
+            model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor, gate=plan.gate
+        ) as steered:
             responses = generate(steered, tokenizer, prompts or chosen, *settings, **sampling)
     scores = _judged(plan.judge, [concept] * len(chosen), chosen, responses)
     side = {}
     if plan.neutral:
         side[SIDE_EFFECT] = cell_side_effect(
-            model, tokenizer, source, concept, factor, plan.neutral, baseline.log_probs
+            model, tokenizer, source, concept, factor, plan.neutral, baseline.log_probs, plan.gate
         )
         side[CAPABILITY] = cell_capability_delta(
-            model, tokenizer, source, concept, factor, plan.suites, baseline.accuracy
+            model, tokenizer, source, concept, factor, plan.suites, baseline.accuracy, plan.gate
         )
     select = plan.instructions // 2
     return [
@@ -571,35 +589,29 @@ def _judged(judge: Judge, concepts: list[str], instructions: list[str], response
 
 
 # --- side effects: kl_neutral on neutral prompts, capability_delta on SyntaxGym suites ------------
-@dataclass(frozen=True)
-class Unsteered:
-    """The references of the side effects, from the unsteered LM once a run: the neutral prompts'
-    log-probs (`neutral_log_probs`) and the mean suite accuracy (`suite_accuracy`)."""
-
-    log_probs: list[torch.Tensor]
-    accuracy: float
-
-
 @contextmanager
-def cell_edit(model, tokenizer, source, concept: str, factor: float):
+def cell_edit(model, tokenizer, source, concept: str, factor: float, gate=None):
     """The LM with one cell's edit inside the block, as its generations have it: `apply` of the
-    artifact at the cell's concept (where the artifact is told one) and factor."""
+    artifact at the cell's concept (where the artifact is told one), factor and gate."""
     told = artifact_concepts(source)[1]
-    with apply(model, source, tokenizer=tokenizer, concept=concept if told else None, factor=factor) as steered:
+    concept = concept if told else None
+    with apply(model, source, tokenizer=tokenizer, concept=concept, factor=factor, gate=gate) as steered:
         yield steered
 
 
-def cell_side_effect(model, tokenizer, source, concept: str, factor: float, neutral, baseline) -> float:
+def cell_side_effect(model, tokenizer, source, concept: str, factor: float, neutral, baseline, gate=None) -> float:
     """kl_neutral of one cell on the `neutral` prompts (`baseline`: their unsteered log-probs): the
-    edit its generations have (`apply` at the cell's concept and factor); the prompt baseline has
-    no edit, so 0."""
+    edit its generations have (`apply` at the cell's concept, factor and `gate`); the prompt
+    baseline has no edit, so 0."""
     if isinstance(source, PromptBaseline):
         return 0.0
-    with cell_edit(model, tokenizer, source, concept, factor) as steered:
+    with cell_edit(model, tokenizer, source, concept, factor, gate) as steered:
         return kl_neutral(baseline, neutral_log_probs(steered, tokenizer, neutral))
 
 
-def cell_capability_delta(model, tokenizer, source, concept: str, factor: float, suites, unsteered: float) -> float:
+def cell_capability_delta(
+    model, tokenizer, source, concept: str, factor: float, suites, unsteered: float, gate=None
+) -> float:
     """capability_delta of one cell: the mean suite accuracy (`suite_accuracy`) of the LM with the
     cell's edit (`cell_edit`, as its generations and kl_neutral) minus `unsteered`, the LM's own:
 
@@ -608,7 +620,7 @@ def cell_capability_delta(model, tokenizer, source, concept: str, factor: float,
     0 exactly where the edit changes nothing (factor 0); the prompt baseline has no edit, so 0."""
     if isinstance(source, PromptBaseline):
         return 0.0
-    with cell_edit(model, tokenizer, source, concept, factor) as steered:
+    with cell_edit(model, tokenizer, source, concept, factor, gate) as steered:
         return suite_accuracy(steered, tokenizer, suites) - unsteered
 
 
@@ -808,6 +820,7 @@ def run_steer_eval(
     mode: str = "steer",
     side_effects: bool = False,
     capability_suites: str | None = None,
+    gate: bool | float | None = None,
 ) -> list[dict]:
     """Run (or resume) the steering evaluation; returns the summary rows.
 
@@ -849,6 +862,8 @@ def run_steer_eval(
             two Pareto panels in steering.png.
         capability_suites: the suites of capability_delta, a directory of SyntaxGym *.json or one
             suite file (default: our built-in three, `data/syntaxgym/`); only with side_effects.
+        gate: conditional steering of a concept dictionary (`inference.gate`): true (τ per concept
+            chosen on the eval split), a threshold τ, or None (default: the edit at every token).
     """
     plan = plan_steer_eval(**locals())  # every argument above, by name: nothing else is bound yet
     rows = run_cells(plan)
