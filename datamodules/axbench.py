@@ -16,6 +16,13 @@ default system turn, the user header), where AxBench intervenes, runs the TopK a
 `genre_negatives: true` gives ReFT-r1 AxBench's `train_on_negative` data: each pool negative
 appears once for every selected concept of its genre, with that concept's id and label 0 (a
 negative of no selected genre is left out); the closed-form methods need the shared pool (false).
+
+`preference: true` gives RePS its preference data (AxBench's `make_preference_data_module`): the
+train split is the selected concepts' positives alone, each as (concept response, original
+response) of its instruction, batched by `collate_preference`. The original response is the
+table's `losing_output` column where it has one (AxBench's `dpo_train_data` layout, whose
+`winning_output` is then the concept response), else the LM's own greedy reply to the
+instruction, which the training module generates at fit start (`set_original_responses`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from lit_interventions.datamodules.axbench_files import (
 from lit_interventions.datamodules.axbench_format import (
     Example,
     collate,
+    collate_preference,
     has_chat_template,
+    prompt_text,
     tokenize_rows,
 )
 from lit_interventions.datamodules.base import BenchmarkDataModule
@@ -107,6 +116,7 @@ class AxBenchDataModule(BenchmarkDataModule):
         end_of_turn: bool = True,
         genre_negatives: bool = False,
         hard_negatives: str = "drop",
+        preference: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -137,6 +147,8 @@ class AxBenchDataModule(BenchmarkDataModule):
         self.concepts = [self.data.concepts[i] for i in selected]
         self.concept_genres = [self.data.genres[i] for i in selected]
         self.genre_negatives = bool(genre_negatives)
+        self.preference = bool(preference)
+        self.original_responses: dict[str, str] = {}
         self.instructions = load_instructions()
         self.splits: dict[str, list[Example]] = {}
 
@@ -144,6 +156,8 @@ class AxBenchDataModule(BenchmarkDataModule):
         """The selected rows of "train" (positives of the selected concepts + the pool) or "eval"."""
         table = self.data.train if split == "train" else self.data.eval
         keep = table["concept_id"].isin(self.concept_ids)
+        if split == "train" and self.preference:  # RePS trains on the positives alone
+            return table[keep & (table["category"] == "positive")].reset_index(drop=True)
         if split == "train" and not self.genre_negatives:
             keep |= table["concept_id"] == NEGATIVE_POOL
         rows = table[keep]
@@ -163,13 +177,73 @@ class AxBenchDataModule(BenchmarkDataModule):
         self.tokenizer, self.chat = chat_tokenizer(self.lm, hp.chat_template)
         index = {c: i for i, c in enumerate(self.concept_ids)}
         labels = {"train": None, "eval": EVAL_LABELS[hp.hard_negatives]}
-        for split in ("train", "eval"):
+        for split in ("train", "eval") if not self.preference else ("eval",):
             self.splits[split] = tokenize_rows(
                 self.rows(split), self.tokenizer, self.chat, hp.max_length, hp.end_of_turn, index, labels[split]
             )
         warn_truncated(self.splits, hp.max_length)
 
+    # --- RePS's preference examples -----------------------------------------------------------
+
+    def missing_originals(self) -> list[str]:
+        """The training instructions (distinct, in order) with no original response yet: none
+        when the table has a `losing_output` column."""
+        if not self.preference or "losing_output" in self.data.train.columns:
+            return []
+        instructions = dict.fromkeys(self.rows("train")["input"])
+        return [i for i in instructions if i not in self.original_responses]
+
+    def prompt_texts(self, instructions: list[str]) -> list[str]:
+        """Each instruction's prompt as the rows are formatted (the chat turn up to the reply, or
+        `instruction\\n\\n`), the text an original response continues."""
+        return [prompt_text(self.tokenizer, i, self.chat) for i in instructions]
+
+    def set_original_responses(self, responses: dict[str, str]) -> None:
+        """The LM's original response to each training instruction; an empty one leaves its
+        examples out (with a warning)."""
+        self.original_responses.update(responses)
+        self.splits.pop("train", None)
+
+    def preference_examples(self) -> list:
+        """(concept, original) example pairs of the train split, tokenized once."""
+        if "train" in self.splits:
+            return self.splits["train"]
+        missing = self.missing_originals()
+        if missing:
+            raise ValueError(
+                f"preference: {len(missing)} training instruction(s) have no original response (e.g. "
+                f"{missing[0][:60]!r}): give the table a losing_output column or train with the RePS "
+                "objective, which generates them"
+            )
+        rows = self.rows("train")
+        if "winning_output" in rows.columns:
+            rows = rows.assign(output=rows["winning_output"])
+        originals = (
+            rows["losing_output"] if "losing_output" in rows.columns else rows["input"].map(self.original_responses)
+        )
+        kept = originals.fillna("").astype(str).str.strip() != ""
+        if not kept.all():
+            warnings.warn(
+                f"preference: {int((~kept).sum())} example(s) with an empty original response left out", stacklevel=2
+            )
+        rows, originals = rows[kept], originals[kept]
+        hp, index = self.hparams, {c: i for i, c in enumerate(self.concept_ids)}
+        tokenize = partial(
+            tokenize_rows, tokenizer=self.tokenizer, chat=self.chat, max_length=hp.max_length,
+            end_of_turn=hp.end_of_turn, concept_index=index,
+        )  # fmt: skip
+        concept = tokenize(rows)
+        original = tokenize(rows.assign(output=originals.values, category="negative"))
+        self.splits["train"] = list(zip(concept, original))
+        warn_truncated({"train": concept + original}, hp.max_length)
+        return self.splits["train"]
+
     def loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
+        if split == "train" and self.preference:
+            pairs = self.preference_examples()
+            pad, side = self.tokenizer.pad_token_id, self.hparams.padding_side
+            collate_fn = partial(collate_preference, pad_id=pad, padding_side=side)
+            return split_loader(pairs, batch_size, collate_fn, self.trainer, shuffle, seed=self.hparams.seed)
         if not self.splits.get(split):
             path = self.data.train_path if split == "train" else self.data.eval_path
             raise ValueError(f"{path}: the {split} split has 0 examples for concepts {self.concept_ids}")

@@ -40,6 +40,15 @@ def split_chat(tokenizer, instruction: str, response: str) -> tuple[str, str, st
     return prompt + rest[:start], text, rest[start + len(text) :]
 
 
+def prompt_text(tokenizer, instruction: str, chat: bool) -> str:
+    """The text a row's response continues: the chat template's generation prompt, or
+    `instruction\\n\\n` after the BOS text (as `encode` formats a row)."""
+    if chat:
+        user = [{"role": "user", "content": instruction}]
+        return tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    return bos_prefix(tokenizer) + instruction + "\n\n"
+
+
 @dataclass
 class Example:
     """One formatted row: its token ids, where its response lies, and its labels."""
@@ -180,3 +189,12 @@ def collate(examples: list[Example], pad_id: int, padding_side: str = "right") -
         "category": torch.tensor([e.category for e in examples], dtype=torch.long),  # (batch,)
         "keys": ([tuple(e.ids) for e in examples], starts),
     }
+
+
+def collate_preference(pairs: list[tuple[Example, Example]], pad_id: int, padding_side: str = "right") -> dict:
+    """A batch of n preference examples (concept response, original response) of one instruction
+    each: rows 0..n−1 the concept responses, n..2n−1 the original ones, padded together
+    (`collate`), with `pairs` = n."""
+    batch = collate([c for c, _ in pairs] + [o for _, o in pairs], pad_id, padding_side)
+    batch["pairs"] = len(pairs)
+    return batch

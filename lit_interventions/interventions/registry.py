@@ -13,6 +13,7 @@ the study's data:
       random, lat                               site, one-vs-rest on RAVEL, one per AxBench concept
     mdas, mdbm, full_swap, pca_features, sae  RAVEL
     reft_r1, ssv                              AxBench's trained concept dictionaries
+    reps                                      AxBench RePS: the ssv rows, the preference objective
     fgsm, pgd, random_sign                    CALM's attacks and its random control
     loreft, lora                              steering modules (`load_steering_checkpoint`)
 
@@ -269,4 +270,17 @@ register_method(  # a trained SAE's L1-selected latents, f* = dec(z_mix); sae: t
     _FEATURES,
     {"featurizer": "sae", "sae": None, "max_features": None, "reconstruction_error": "drop"},
     objective={"class_path": _CAUSE_ISO, "init_args": {"multitask": False}},
+)
+
+# AxBench RePS (Wu et al. 2025, arXiv 2505.20809): a free-norm rank-1 vector per concept (the SSV
+# dictionary's rows) trained by the preference objective of SteeringModule, AxBench's
+# scaled_simpo with the orig_add and orig_sub pairs (modules/steering_objective.py); lr and epochs
+# in configs/reps.yaml.
+register_method(
+    "reps",
+    f"{_ADDITIVE}.SSVDictionary",
+    {"init": 0.01},
+    lr=0.04,
+    warmup_ratio=0.0,
+    objective={"class_path": "lit_interventions.modules.steering_objective.PreferenceObjective", "init_args": {}},
 )

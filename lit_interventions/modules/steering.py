@@ -16,6 +16,11 @@ the weight set by `anneal(step, total)` before each step (`Annealed`). Unit-norm
 norm: the gradient component parallel to w_c is removed before each step and the rows are
 renormalised after it.
 
+With a preference `objective` (RePS; `method: reps` brings it), the rows train on preference
+batches instead: each example's concept and original responses, steered at drawn factors or
+nulled out, against the unsteered LM (`steering_objective.PreferenceObjective`); the LM's original
+responses are generated first where the data has none.
+
 Fitted in closed form (a direction estimator: `fit(X, y)` setting `direction_`, the classes of
 `interventions.directions` or a user's own; no optimizer): `trainer.fit` runs one pass over the
 training data, keeping the response tokens at the layer; the estimator is then fitted once per
@@ -63,6 +68,7 @@ from lit_interventions.interventions.additive import ConceptDictionary, steering
 from lit_interventions.interventions.base import class_path, import_class
 from lit_interventions.interventions.capabilities import Annealed, Penalised, intervene, is_trained
 from lit_interventions.interventions.registry import MethodSpec, method_spec, registered_methods
+from lit_interventions.metrics.judge_local import generate_replies
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_closed_form import (
     UNSUPERVISED_ON,
@@ -70,7 +76,12 @@ from lit_interventions.modules.steering_closed_form import (
     gathered_tokens,
     response_tokens,
 )
-from lit_interventions.modules.steering_objective import intervention_mask
+from lit_interventions.modules.steering_objective import (
+    PreferenceObjective,
+    intervention_mask,
+    null_or_add,
+    response_logps,
+)
 
 DETECT_ON = ("content", "response")
 _CONCEPT_METHODS = "lit_interventions.interventions.concept_methods"
@@ -153,7 +164,8 @@ def method_of_config(method: str | dict) -> tuple[MethodSpec, str | None, dict]:
     class path of `RUN_CONFIG_METHODS` stands for its registered estimator."""
     if isinstance(method, str):
         if method in registered_methods():
-            return method_spec(method), method, {}
+            spec = method_spec(method)
+            return spec, method, {"objective": spec.objective} if spec.objective else {}
         if "." not in method:
             raise ValueError(
                 f"unknown method {method!r}; valid methods: {', '.join(steering_methods())}, a class path or "
@@ -213,6 +225,19 @@ def build_method(method: Any, hidden: int, seed: int) -> tuple[Any, str, dict]:
     return built, name, options
 
 
+def preference_objective(objective: PreferenceObjective | dict | None) -> PreferenceObjective | None:
+    """The preference objective of an instance or a {class_path, init_args} config (None: none);
+    the class must be `PreferenceObjective` or a subclass."""
+    if objective is None or isinstance(objective, PreferenceObjective):
+        return objective
+    if not isinstance(objective, dict) or "class_path" not in objective or set(objective) - {"class_path", "init_args"}:
+        raise ValueError(f"objective={objective!r}: a PreferenceObjective or its {{class_path, init_args}} config")
+    cls = import_class(objective["class_path"])
+    if not (isinstance(cls, type) and issubclass(cls, PreferenceObjective)):
+        raise ValueError(f"objective: {objective['class_path']!r} is not a PreferenceObjective")
+    return cls(**(objective.get("init_args") or {}))
+
+
 def _not_a_steering_method(cls: type) -> str:
     return (
         f"{getattr(cls, '__name__', cls)!r} is neither a direction estimator (fit(X, y) setting direction_, not an "
@@ -251,6 +276,10 @@ class SteeringModule(FrozenLMModule):
         dtype: the LM's dtype (float32, bfloat16, float16).
         direction_seed: initial directions (ReFT-r1) and the `random_state` of a direction
             estimator (random pairs, solvers) (not `seed`, the data module's shuffling seed).
+        objective: None, the LM objective above; or RePS's preference objective (a
+            `PreferenceObjective` or its {class_path, init_args}; the registered `reps` brings its
+            own) for a trained dictionary, on a data module with `preference: true`
+            (`steering_objective.py`).
         device_map, quantization, max_memory, offload_folder: where the frozen LM is placed, for
             one larger than a GPU (`lit_interventions.core.sharding`): e.g. device_map "auto" spreads
             it over the GPUs, quantization "4bit" loads it in NF4; the trained weights stay float32.
@@ -272,6 +301,7 @@ class SteeringModule(FrozenLMModule):
         warmup_ratio: float = 0.0,
         dtype: str = "float32",
         direction_seed: int = 0,
+        objective: PreferenceObjective | dict | None = None,
         device_map: str | int | dict | None = None,
         quantization: str | None = None,
         max_memory: dict | None = None,
@@ -299,8 +329,17 @@ class SteeringModule(FrozenLMModule):
         self.unsupervised_on = options.get("unsupervised_on", unsupervised_on)
         if self.latent not in LATENTS:
             raise ValueError(f"{self.method!r} declares latent={self.latent!r}; valid: {', '.join(LATENTS)}")
+        self.objective = preference_objective(options.get("objective") if objective is None else objective)
+        if self.objective is not None and not self._trains:
+            raise ValueError(
+                f"objective: the preference objective (RePS) trains a concept dictionary; {self.method_name} is "
+                "fitted in closed form (use method: ssv or reps)"
+            )
+        if self.objective is not None and self.method_name != "reps":  # the card names the objective too
+            self.method_name = "reps" if self.method_name == "ssv" else f"reps_{self.method_name}"
         given = isinstance(method, (str, dict))
-        self.save_hyperparameters(ignore=None if given else ["method"])
+        self.save_hyperparameters(ignore=["objective"] if given else ["method", "objective"])
+        self.hparams.objective = None if self.objective is None else self.objective.config()
         self.hparams.layer = layer
         if not given:  # a config that builds it again (checkpoints hold no objects)
             self.hparams.method = {"class_path": class_path(self.method), "init_args": init_args(self.method)}
@@ -400,9 +439,50 @@ class SteeringModule(FrozenLMModule):
             return lm_loss, lm_loss.detach() * 0.0
         return lm_loss, self.dictionary.penalty()
 
+    def _preference_loss(self, batch) -> tuple[torch.Tensor, dict]:
+        """RePS's loss of a preference batch (`PreferenceObjective.loss`): each policy sequence
+        steered by its row's vector at its factor, h + α·w_c (α = 0: the null-out edit), at the
+        tokens of `intervention_mask`; the reference is the LM without the edit."""
+        ids, mask, targets = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        where, concept_id = self.intervention_mask(batch), batch["concept_id"]
+
+        def reference() -> torch.Tensor:
+            return response_logps(self.lm, ids, mask, targets)
+
+        def policy(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+            rows = rows.to(ids.device)
+            w = self.dictionary.rows(concept_id[rows])  # (n, d)
+
+            def edit(hidden):
+                return null_or_add(hidden, w, factors, where[rows])
+
+            with residual_hook(self.lm, self.hparams.layer, edit, self.device):
+                return response_logps(self.lm, ids[rows], mask[rows], targets[rows])
+
+        return self.objective.loss(batch, policy, reference, self._frozen["draws"])
+
+    def _prepare_preference(self, datamodule) -> None:
+        """RePS's data: a data module with `preference: true`, whose training instructions get the
+        LM's greedy original responses where the data holds none; the factors' random draws."""
+        if not getattr(datamodule, "preference", False):
+            raise ValueError(
+                "objective: the preference objective (RePS) trains on preference examples; set the data "
+                "module's preference: true (AxBenchDataModule)"
+            )
+        missing = datamodule.missing_originals()
+        if missing:
+            steps = self.objective.max_new_tokens
+            self.print(f"generating the LM's original responses to {len(missing)} instructions ({steps} tokens)")
+            texts = datamodule.prompt_texts(missing)
+            replies = generate_replies(self.lm, datamodule.tokenizer, texts, steps, batch_size=16)
+            datamodule.set_original_responses(dict(zip(missing, replies)))
+        self._frozen["draws"] = torch.Generator().manual_seed(self.hparams.direction_seed)
+
     def on_fit_start(self):
         """The method refuses a data module that does not suit it (ReFT-r1 with `train_on_negative`
         needs negatives carrying their concept's id); a direction is fitted against the shared pool."""
+        if self.objective is not None:
+            return
         genre_negatives = getattr(getattr(self.trainer, "datamodule", None), "genre_negatives", None)
         if self._trains:
             self.method.check_data(genre_negatives)
@@ -415,6 +495,12 @@ class SteeringModule(FrozenLMModule):
     def training_step(self, batch, batch_idx):
         if not self.automatic_optimization:
             return self._collect(batch)
+        if self.objective is not None:
+            loss, metrics = self._preference_loss(batch)
+            size = int(batch["pairs"])
+            self.log("train/loss", loss, prog_bar=True, batch_size=size)
+            self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=size)
+            return loss
         if isinstance(self.dictionary, Annealed):  # ReFT-r1's λ_t = λ·step/total
             self.dictionary.anneal(self.global_step, self.trainer.estimated_stepping_batches)
         lm_loss, l1 = self._steered_loss(batch)
@@ -435,8 +521,13 @@ class SteeringModule(FrozenLMModule):
             self.dictionary.renormalise()
 
     def configure_optimizers(self):
+        """AdamW + linear schedule for a trained method. The preference objective first prepares
+        its data (`_prepare_preference`), the LM on its device: the schedule's length reads the
+        train loader, which needs the original responses."""
         if not self.automatic_optimization:
             return None
+        if self.objective is not None and "draws" not in self._frozen:
+            self._prepare_preference(getattr(self.trainer, "datamodule", None))
         return self.optimizer_args.lightning(self.dictionary.parameters(), self.trainer.estimated_stepping_batches)
 
     # --- closed-form methods --------------------------------------------------------------------
