@@ -4,9 +4,8 @@ gate is a 400 naming the field. The tiny llama and its three-concept dictionary 
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
 from lit_interventions.artifacts.dictionary import Dictionary
@@ -15,10 +14,8 @@ from lit_interventions.core.positions import encode_text
 from lit_interventions.inference.generate import generate_pair
 from lit_interventions.interventions.additive import concept_latents
 from lit_interventions.serving.completion_request import steering_of
-from lit_interventions.serving.http_server import serve_in_background
 from lit_interventions.serving.steered_lm import SteeredLM
-from lit_interventions.serving.steered_server import make_server
-from tests.test_serve import _post, dictionary_dir, lm_and_tokenizer  # noqa: F401 (fixtures)
+from tests.test_serve import _post, dictionary_dir, lm_and_tokenizer, running  # noqa: F401 (fixtures)
 
 PROMPT = "The dog is here. The dog gives the keys"
 
@@ -28,14 +25,8 @@ def gated_server(dictionary_dir, lm_and_tokenizer):  # noqa: F811
     """(steered LM, client, server): default concept "giving" at factor 0.03 (α = 0.09), no gate by default."""
     lm, tokenizer = lm_and_tokenizer
     steered = SteeredLM(dictionary_dir, lm, tokenizer=tokenizer, max_new_tokens=10, concept="giving", factor=0.03)
-    server = make_server(steered, max_body_bytes=4096)
-    serve_in_background(server)
-    host, port = server.server_address[:2]
-    client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0, timeout=60)
-    yield steered, client, server
-    server.shutdown()
-    server.server_close()
-    steered.close()
+    with running(steered) as (client, server):
+        yield steered, client, server
 
 
 def _middle_tau(lm_and_tokenizer, dictionary_dir) -> float:  # noqa: F811
@@ -82,17 +73,8 @@ def test_a_requests_gate_gives_generate_pairs_gated_reply(gated_server, lm_and_t
     before = steered.batcher.batches
     steered.batcher.wait = 10.0
     try:
-        together = [None, None, None]
-        gates = [tau, None, 1e6]
-
-        def ask(k):
-            together[k] = _ask(client, gates[k])
-
-        threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        with ThreadPoolExecutor(3) as pool:  # the three requests at once
+            together = list(pool.map(lambda gate: _ask(client, gate), [tau, None, 1e6], timeout=60))
     finally:
         steered.batcher.wait = 0.01
     assert together == [gated["steered"], ungated["steered"], ungated["unsteered"]]

@@ -135,19 +135,19 @@ def test_an_unreliable_or_unknown_concept_is_refused_in_one_line(tiny_lm_dir, tm
         make_judge("offline", min_auroc=0.3)
 
 
+def two_concept_dictionary(lm: str, path) -> str:
+    """A saved DiffMean dictionary of random unit rows for "dogs" and "echo" at layer 1 of `lm`."""
+    vectors = torch.nn.functional.normalize(torch.randn(2, 32), dim=-1)
+    rows = {"max_activations": torch.tensor([4.0, 8.0]), "concepts": ["dogs", "echo"]}
+    return Dictionary(vectors=vectors, model=lm, layer=1, method="diffmean", **rows).save(path)
+
+
 def test_steer_refuses_an_unreliable_concept_before_the_steered_lm_loads(
     tiny_lm_dir, tmp_path, planted, capsys, monkeypatch
 ):
     """Through the CLI: exit 2, one `error:` line; the steered LM never loads (run_cells not reached)."""
     lm = tiny_lm_dir("llama")
-    path = Dictionary(
-        vectors=torch.nn.functional.normalize(torch.randn(2, 32), dim=-1),
-        max_activations=torch.tensor([4.0, 8.0]),
-        concepts=["dogs", "echo"],
-        model=lm,
-        layer=1,
-        method="diffmean",
-    ).save(tmp_path / "dict")
+    path = two_concept_dictionary(lm, tmp_path / "dict")
     monkeypatch.setattr(steer, "run_cells", lambda plan: pytest.fail("the steered LM was loaded"))
     judge = json.dumps({"backend": "offline", "lm": lm, "concept_dir": planted, "cache": None})
     with pytest.raises(SystemExit) as err:
@@ -250,14 +250,7 @@ def test_steer_with_a_second_judge_prints_both_side_by_side(tiny_lm_dir, tmp_pat
     """`compare`: every row carries the second judge's scores, and `steer` prints both judges'
     means over the generations with their Spearman ρ."""
     lm = tiny_lm_dir("llama")
-    path = Dictionary(
-        vectors=torch.nn.functional.normalize(torch.randn(2, 32), dim=-1),
-        max_activations=torch.tensor([4.0, 8.0]),
-        concepts=["dogs", "echo"],
-        model=lm,
-        layer=1,
-        method="diffmean",
-    ).save(tmp_path / "dict")
+    path = two_concept_dictionary(lm, tmp_path / "dict")
     (tmp_path / "instructions.json").write_text(json.dumps(["The dog is here.", "Is the dog here?"]))
     local = {"backend": "local", "lm": lm, "batch_size": 2}
     judge = json.dumps({"backend": "offline", "lm": lm, "concept_dir": planted, "cache": None, "compare": local})

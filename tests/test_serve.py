@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -69,14 +70,23 @@ def served(dictionary_dir, lm_and_tokenizer):
     """(steered LM, client, server): default concept "dogs" at factor 4, replies of at most 12 tokens."""
     lm, tokenizer = lm_and_tokenizer
     steered = SteeredLM(dictionary_dir, lm, tokenizer=tokenizer, max_new_tokens=12, concept="dogs", factor=4.0)
+    with running(steered) as (client, server):
+        yield steered, client, server
+
+
+@contextmanager
+def running(steered):
+    """(openai client, server) of `steered` served on a free loopback port; shut down, and the
+    steered LM closed, when the block ends."""
     server = make_server(steered, max_body_bytes=4096)
     serve_in_background(server)
     host, port = server.server_address[:2]
-    client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0, timeout=60)
-    yield steered, client, server
-    server.shutdown()
-    server.server_close()
-    steered.close()
+    try:
+        yield openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0, timeout=60), server
+    finally:
+        server.shutdown()
+        server.server_close()
+        steered.close()
 
 
 def _pair(lm_and_tokenizer, dictionary_dir, prompt, chat, concept="dogs", factor=4.0, max_new_tokens=12):
