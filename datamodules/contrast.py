@@ -96,6 +96,7 @@ class ContrastDataModule(BenchmarkDataModule):
 
     SPLITS = AxBenchDataModule.SPLITS  # val and test: the held-out rows
     loader = AxBenchDataModule.loader  # AxBench's batches: collate, masks, labels
+    preference = False  # the loader's RePS pairs: a contrast file has none (RePS trains on concept data)
 
     def __init__(
         self,
