@@ -198,8 +198,10 @@ def test_a_failed_conversion_restores_gguf_and_leaves_no_staging(tiny_gguf, tmp_
     assert not list((tmp_path / "cache").glob(".converting-*")) and not list((tmp_path / "cache").glob("tiny-*"))
 
 
+# smollm2 alone (23 s): gemma-3-270m takes the same path at 4x the cost (its 236 tensors, config and
+# tokenizer were checked equal once, docs/models.md); the suite stays within its time.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(lm.EMBEDDED))
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct"])
 def test_an_embedded_model_converts_to_transformers_own_weights_bit_for_bit(name, tmp_path, monkeypatch):
     gguf_file = lm._embedded_gguf(name)  # the gemma file is assembled in the real cache, if not there
     monkeypatch.setenv("LIT_INTERVENTIONS_CACHE", str(tmp_path / "cache"))  # a fresh conversion
