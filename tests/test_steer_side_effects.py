@@ -19,6 +19,7 @@ from lit_interventions.core.files import FILE_DIGESTS
 from lit_interventions.core.lm import load_lm, load_tokenizer
 from lit_interventions.core.surprisal import region_surprisals
 from lit_interventions.inference.apply import load_artifact
+from lit_interventions.metrics.judge_prompts import harmonic_mean, mode_scores
 from lit_interventions.studies import side_effects, steer
 from lit_interventions.studies.syntaxgym.score import evaluate_suite, evaluate_suite_forward
 from lit_interventions.studies.syntaxgym.suites import load_suite, suite_paths
@@ -172,6 +173,9 @@ def test_suppression_prompts_for_the_concept_and_steers_against_it(planted, tmp_
     rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert sorted({r["factor"] for r in rows}) == [-2.0, 0.0]
     assert all(r["mode"] == "suppress" and r["instruction"] in INSTRUCTIONS for r in rows)
+    for row in rows:  # the suppression score, from the row's own ratings
+        absent = 2.0 - row["concept_score"]
+        assert row["overall"] == pytest.approx(harmonic_mean(absent, row["instruct_score"], row["fluency_score"]))
     for row in rows:
         assert row["prompt"] == (
             " You must answer the question with content related to dogs even if it is not related to the "
@@ -200,6 +204,17 @@ def _rerun_in_steer_mode(lm, path, instructions, out):
         out=str(out),
         judge={"backend": "local", "lm": "no-such-lm"},
     )
+
+
+def test_the_suppression_overall_is_axbenchs_harmonic_mean_of_the_concepts_absence():
+    """AxBench's `LMJudgeEvaluator` on `AlpacaEvalSuppress`: H(2 − concept, instruction, fluency)."""
+    row = {"concept_score": 0.0, "instruct_score": 2.0, "fluency_score": 1.0, "overall": 0.0}
+    assert mode_scores(row, "steer") == row
+    suppressed = mode_scores(row, "suppress")
+    assert suppressed["overall"] == pytest.approx(1.5) and suppressed["concept_score"] == 0.0  # 3 / (1/2 + 1/2 + 1)
+    assert mode_scores(row | {"concept_score": 2.0}, "suppress")["overall"] == 0.0  # the concept fully present
+    other = {"judge": "x", **row, "concept_score": 1.0}
+    assert mode_scores(row | {"compared": other}, "suppress")["compared"]["overall"] == pytest.approx(1.2)
 
 
 def test_suppression_factors_are_negative():

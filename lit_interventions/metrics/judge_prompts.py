@@ -117,3 +117,17 @@ def harmonic_mean(concept: float, instruct: float, fluency: float) -> float:
     if any(s <= 0 for s in scores):
         return 0.0
     return len(scores) / sum(1.0 / s for s in scores)
+
+
+def mode_scores(scores: dict, mode: str) -> dict:
+    """A generation's scores as its row keeps them: the judge's ratings, and in `suppress` mode the
+    overall of AxBench's `LMJudgeEvaluator` on `AlpacaEvalSuppress`, the harmonic mean of the
+    concept's absence and the other two, H(2 − concept, instruction, fluency) (a second judge's
+    alike); the concept rating itself stays as rated."""
+    if mode != "suppress":
+        return scores
+    absent = 2.0 - scores["concept_score"]
+    suppressed = dict(scores, overall=harmonic_mean(absent, scores["instruct_score"], scores["fluency_score"]))
+    if scores.get("compared"):
+        suppressed["compared"] = mode_scores(scores["compared"], mode)
+    return suppressed

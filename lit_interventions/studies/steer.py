@@ -25,9 +25,9 @@ Its rows are judged and reported as any method's, with method "prompt".
 axbench/utils/dataset.py): every instruction is put to the LM as the prompt baseline's user turn,
 which asks for the concept (`prompt_baseline_input`), and the artifact steers against it: each
 factor f is applied as −f (AxBench negates every steering factor). The rows carry `mode` and the
-applied (negative) factor, are judged on the bare instruction as in `steer` mode, and the factor
-is chosen the same way (the judge's scores unchanged: a lower concept score is a stronger
-suppression). The prompt baseline in this mode is the unsuppressed reference: the same prompt, no edit.
+applied (negative) factor, are judged on the bare instruction as in `steer` mode, and their
+overall is AxBench's suppression score, H(2 − concept, instruction, fluency) (`mode_scores`), by
+which the factor is chosen as in `steer` mode. The prompt baseline in this mode is the unsuppressed reference: the same prompt, no edit.
 
 `--side_effects true` measures each cell's side effects with the same edit as the cell's
 generations (`cell_edit`): `kl_neutral` (`side_effects.kl_neutral`) on our neutral prompts
@@ -91,7 +91,7 @@ from lit_interventions.metrics.judge import make_judge
 from lit_interventions.metrics.judge_base import Judge
 from lit_interventions.metrics.judge_compare import agreement_lines
 from lit_interventions.metrics.judge_local import chat_prompt, generate_replies
-from lit_interventions.metrics.judge_prompts import ASPECTS
+from lit_interventions.metrics.judge_prompts import ASPECTS, mode_scores
 from lit_interventions.studies.side_effects import (
     NEUTRAL_PROMPTS,
     Unsteered,
@@ -567,7 +567,7 @@ def _run_cell(plan: SteerPlan, model, tokenizer, source, concept: str, factor: f
             "instruction": text,
             **({"prompt": prompts[k]} if prompts else {}),
             "response": response,
-            **score.as_dict(),
+            **mode_scores(score.as_dict(), plan.mode),
             **side,
         }
         for k, (text, response, score) in enumerate(zip(chosen, responses, scores))
