@@ -53,6 +53,7 @@ from lit_interventions.interventions.additive import (
     gated,
     youden_threshold,
 )
+from lit_interventions.metrics.detection import detection_mask
 
 BUILTIN = "builtin"  # the card's training_data of a dictionary trained on the built-in concepts
 
@@ -164,15 +165,6 @@ def eval_concept_ids(latent: ConceptLatent, where: str) -> list[int]:
     return [known.index(n) for n in names]
 
 
-def detection_tokens(batch: dict) -> torch.Tensor:
-    """The tokens detection max-pools over for the AUROC (`SteeringModule.detection_mask`, its
-    default `detect_on: content`): every real token after the chat prefix, without the end-of-turn
-    token after the response, (batch, seq) bool."""
-    text = batch["output_mask"].bool()
-    end_of_turn = batch["response_mask"].bool() & ~text
-    return batch["content_mask"].bool() & batch["attention_mask"].bool() & ~end_of_turn
-
-
 @torch.no_grad()
 def eval_thresholds(
     latent: ConceptLatent, lm: nn.Module, where: str = "the dictionary", batch_size: int = 16, max_length: int = 256
@@ -198,7 +190,7 @@ def eval_thresholds(
             latent.layer
         ]
         z = concept_latents(hidden.cpu(), vectors[batch["concept_id"]][:, None, :], latent.latent)  # (batch, seq)
-        keep = detection_tokens(batch)
+        keep = detection_mask(batch)  # its default window: `detect_on: content`
         for row, (concept, label) in enumerate(zip(batch["concept_id"].tolist(), batch["label"].tolist())):
             if label in (0, 1):
                 tokens[concept][label].append(z[row][keep[row]])

@@ -18,6 +18,19 @@ from torchmetrics import Metric
 from torchmetrics.functional.classification import binary_auroc
 from torchmetrics.utilities import dim_zero_cat
 
+
+def detection_mask(batch: dict, detect_on: str = "content") -> torch.Tensor:
+    """The tokens detection max-pools over, (batch, seq): `content`, every real token after the
+    chat prefix (AxBench's code), or `response`, the response text alone. The end-of-turn token
+    the data appends after a response (`response_mask` beyond `output_mask`) is left out of both,
+    as AxBench's eval inputs stop at the response text."""
+    text = batch.get("output_mask", batch["response_mask"]).bool()
+    if detect_on == "response" or "content_mask" not in batch:
+        return text
+    end_of_turn = batch["response_mask"].bool() & ~text
+    return batch["content_mask"].bool() & batch["attention_mask"].bool() & ~end_of_turn
+
+
 UNSCORED = -1  # the label of a row left out of the AUROC (kept in the max activation)
 
 

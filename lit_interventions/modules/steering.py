@@ -68,6 +68,7 @@ from lit_interventions.interventions.additive import ConceptDictionary, steering
 from lit_interventions.interventions.base import class_path, import_class
 from lit_interventions.interventions.capabilities import Annealed, Penalised, intervene, is_trained
 from lit_interventions.interventions.registry import MethodSpec, method_spec, registered_methods
+from lit_interventions.metrics.detection import detection_mask
 from lit_interventions.metrics.judge_local import generate_replies
 from lit_interventions.modules.site import FrozenLMModule
 from lit_interventions.modules.steering_closed_form import (
@@ -574,14 +575,9 @@ class SteeringModule(FrozenLMModule):
     # --- validation and test ------------------------------------------------------------------
 
     def detection_mask(self, batch) -> torch.Tensor:
-        """The tokens detection max-pools over, (batch, seq): see `detect_on`. The end-of-turn
-        token the data appends after a response (`response_mask` beyond `output_mask`) is left
-        out of both, as AxBench's eval inputs stop at the response text."""
-        text = batch.get("output_mask", batch["response_mask"]).bool()
-        if self.hparams.detect_on == "response" or "content_mask" not in batch:
-            return text
-        end_of_turn = batch["response_mask"].bool() & ~text
-        return batch["content_mask"].bool() & batch["attention_mask"].bool() & ~end_of_turn
+        """The tokens detection max-pools over, (batch, seq), at this module's `detect_on`
+        (`metrics.detection.detection_mask`)."""
+        return detection_mask(batch, self.hparams.detect_on)
 
     def _evaluate(self, batch) -> dict:
         """The standard output the `AUROCCallback` reads: Ψ(h_i) of each row's concept, (batch, seq),
